@@ -1,0 +1,81 @@
+"""Arguments shared by the apps (model, decoding mode, sampling) and their translation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="edgespec bundle, Hugging Face folder or GGUF file (default: SmolLM2-135M-Instruct, "
+        "downloaded and converted once into the cache folder, $EDGESPEC_HOME or ~/.cache/edgespec)",
+    )
+    g.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter for speculative decoding: a drafter folder or bundle, 'self' (skip-layer "
+        "self-speculation), 'prompt_lookup', or 'none'; default: the bundle's own drafter if any",
+    )
+
+
+def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument(
+        "--mode",
+        default="auto",
+        help="decoding mode: auto (pick the fastest that pays), plain, speculative, lookahead, "
+        "prompt_lookup; all give the verifier's own output",
+    )
+    g.add_argument(
+        "--draft-tokens",
+        default="auto",
+        help="tokens drafted per verifier pass in speculative modes: 'auto' (controller picks K "
+        "from measured costs and acceptance) or an integer 1..16",
+    )
+    g.add_argument("--max-tokens", type=int, default=256, help="maximum tokens in a reply")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy; >0 samples")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
+    s.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+
+
+def options_from_args(args):
+    from edgespec.engine import make_options
+
+    dt = args.draft_tokens
+    if dt != "auto":
+        try:
+            dt = int(dt)
+        except ValueError:
+            raise ValueError(f"--draft-tokens must be 'auto' or an integer, got {dt!r}") from None
+    return make_options(
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        mode=args.mode,
+        draft_tokens=dt,
+    )
+
+
+def load_engine(args, progress: bool = True):
+    import edgespec
+
+    engine = edgespec.load(args.model, drafter=getattr(args, "drafter", None), progress=progress)
+    return engine
+
+
+def print_notes(engine, stats) -> None:
+    for note in stats.notes:
+        if engine.note_once(note):
+            print(f"[edgespec] {note}", file=sys.stderr)

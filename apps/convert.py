@@ -1,0 +1,47 @@
+"""`edgespec convert`: a Hugging Face folder or GGUF file to an MLX bundle."""
+
+from __future__ import annotations
+
+HELP = "convert a Hugging Face folder or GGUF file into an edgespec bundle"
+DESCRIPTION = (
+    "Convert SRC (a Hugging Face model folder or a GGUF file) into an edgespec bundle at OUT: "
+    "manifest.json, MLX weights and tokenizer, written to a temp folder and renamed into place."
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("src", help="Hugging Face model folder (config.json + *.safetensors) or .gguf file")
+    p.add_argument("out", help="output bundle folder")
+    p.add_argument(
+        "--quantize",
+        choices=["none", "native", "4", "8"],
+        default=None,
+        help="weights: none = dense; native = keep a GGUF's Q4_0/Q4_1/Q8_0 blocks exactly; "
+        "4/8 = MLX affine quantization. Default: dense on the CPU (faster there), native/4 on Metal",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="dtype of dense weights (default: float32 on the CPU, float16 on Metal)",
+    )
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="group size for --quantize 4/8")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    from edgespec.converters.convert import convert
+
+    manifest = convert(
+        args.src,
+        args.out,
+        quantize=args.quantize,
+        dtype=args.dtype,
+        group_size=args.group_size,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    size = sum(f["size"] for f in manifest["files"].values())
+    print(f"wrote {args.out} ({size / 1e6:.1f} MB, vocab {manifest['vocab_hash']})")
+    return 0

@@ -1,0 +1,59 @@
+"""edgespec: on-device LLM inference with lossless speculative and lookahead decoding.
+
+    import edgespec
+    engine = edgespec.load()                  # default model (SmolLM2-135M-Instruct)
+    print(engine.generate("Hello", max_tokens=32).text)
+    for chunk in engine.stream(messages=[{"role": "user", "content": "Hi"}]):
+        print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgespec.engine import Engine, GenerationResult, make_options
+from edgespec.errors import ContextLengthError, EdgespecError, ModelLoadError, VocabularyMismatchError
+from edgespec.options import GenerateOptions
+from edgespec.sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load",
+    "Engine",
+    "GenerationResult",
+    "GenerateOptions",
+    "SamplingParams",
+    "make_options",
+    "EdgespecError",
+    "ModelLoadError",
+    "VocabularyMismatchError",
+    "ContextLengthError",
+]
+
+
+def load(
+    model: str | Path | None = None,
+    drafter: str | Path | None = None,
+    progress: bool = True,
+    verify_hashes: bool = True,
+) -> Engine:
+    """Load a bundle, HF folder or GGUF file (default: SmolLM2-135M-Instruct) into an Engine.
+
+    `drafter`: a drafter folder/bundle, "none" to disable, or None to use the
+    bundle's own drafter when it has one (see edgespec.drafters).
+    """
+    from edgespec.loader import load as load_any
+
+    if model is None:
+        from edgespec.default_model import default_bundle_path
+
+        model = default_bundle_path(progress=progress)
+    loaded = load_any(model, verify_hashes=verify_hashes)
+    engine = Engine(loaded)
+    try:
+        from edgespec.drafters import attach_drafter
+    except ImportError:  # drafters not available in this build
+        return engine
+    attach_drafter(engine, drafter)
+    return engine

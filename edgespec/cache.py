@@ -1,0 +1,80 @@
+"""KV cache with cheap rollback.
+
+Keys and values live in a preallocated buffer that grows in steps of `step`
+positions; `offset` is the number of valid positions. Rolling back (`trim`) is
+just lowering `offset`: the stale entries are overwritten by the next write, so
+rejecting draft tokens costs nothing.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    step = 256
+
+    def __init__(self):
+        self.keys: mx.array | None = None  # (B, Hk, capacity, D)
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Append k, v (B, Hk, T, D) at `offset`; return all valid (B, Hk, offset+T, D)."""
+        prev, T = self.offset, k.shape[2]
+        if self.keys is None or prev + T > self.keys.shape[2]:
+            B, Hk, _, D = k.shape
+            n_steps = (self.step + T - 1) // self.step
+            grow_k = mx.zeros((B, Hk, n_steps * self.step, D), k.dtype)
+            grow_v = mx.zeros((B, Hk, n_steps * self.step, v.shape[3]), v.dtype)
+            if self.keys is not None:
+                self.keys = mx.concatenate([self.keys[..., :prev, :], grow_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :prev, :], grow_v], axis=2)
+            else:
+                self.keys, self.values = grow_k, grow_v
+        self.offset += T
+        self.keys[..., prev : self.offset, :] = k
+        self.values[..., prev : self.offset, :] = v
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` positions; returns how many were dropped."""
+        n = min(max(n, 0), self.offset)
+        self.offset -= n
+        return n
+
+    def keep(self, start: int, indices: list[int]) -> None:
+        """Keep only positions `start + indices` (sorted) of the last write, packed at `start`.
+
+        Used after a tree/lookahead step: the accepted branch's entries move
+        into place and everything after them is dropped.
+        """
+        if self.keys is None:
+            return
+        if list(indices) != list(range(len(indices))):
+            idx = mx.array([start + i for i in indices], dtype=mx.int32)
+            n = len(indices)
+            self.keys[..., start : start + n, :] = mx.take(self.keys, idx, axis=2)
+            self.values[..., start : start + n, :] = mx.take(self.values, idx, axis=2)
+        self.offset = start + len(indices)
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | None:
+        if self.keys is None:
+            return None
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+def trim_caches(caches: list[KVCache], n: int) -> None:
+    for c in caches:
+        c.trim(n)
+
+
+def cache_offset(caches: list[KVCache]) -> int:
+    return caches[0].offset if caches else 0

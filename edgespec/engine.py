@@ -1,0 +1,183 @@
+"""The Engine: one verifier (and optionally a drafter) behind a thread-safe generate/stream API."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from edgespec.errors import ContextLengthError
+from edgespec.generate import Chunk, GenerationStats, stream_tokens
+from edgespec.loader import LoadedModel
+from edgespec.modes import available_modes, make_mode
+from edgespec.options import GenerateOptions
+from edgespec.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Engine:
+    """Owns the models; serialises generations with a lock so threads never share a cache.
+
+    Every generation builds its own KV caches, so concurrent callers only wait
+    for each other; they never see each other's state.
+    """
+
+    loaded: LoadedModel
+    drafter: Any = None  # a Drafter (see edgespec.drafters) or None
+    default_mode: str = "auto"
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    last_stats: GenerationStats | None = None
+    _notes_said: set = field(default_factory=set, repr=False)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.context_length
+
+    @property
+    def modes(self) -> list[str]:
+        return available_modes()
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if messages is not None:
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+            ids = self.tokenizer.encode_chat(messages)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError("prompt is empty")
+            V = self.model.args.vocab_size
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {V}): {bad[:5]}")
+        if len(ids) >= self.context_length:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens; the context window is {self.context_length} "
+                "(prompt plus reply must fit): shorten it or /reset the conversation"
+            )
+        return ids
+
+    def resolve_mode(self, options: GenerateOptions) -> str:
+        """'auto' -> the mode expected to be fastest with what is loaded."""
+        if options.mode != "auto":
+            return options.mode
+        chooser = getattr(self.drafter, "preferred_mode", None)
+        if self.drafter is not None and "speculative" in available_modes():
+            return chooser() if callable(chooser) else "speculative"
+        return "plain"
+
+    def note_once(self, message: str) -> bool:
+        """True the first time a note is seen (apps show each fallback message once)."""
+        if message in self._notes_said:
+            return False
+        self._notes_said.add(message)
+        return True
+
+    # ------------------------------------------------------------------ generation
+    def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict] | None = None,
+        options: GenerateOptions | None = None,
+        cancel: Callable[[], bool] | None = None,
+        **kwargs,
+    ) -> Iterator[Chunk]:
+        """Yield text chunks as they are generated; the last chunk carries finish_reason.
+
+        Keyword shortcuts: max_tokens, stop, temperature, top_k, top_p, min_p,
+        seed, mode, draft_tokens (or pass `options`).
+        """
+        options = options or make_options(**kwargs)
+        ids = self.encode_prompt(prompt, messages)
+        mode_name = self.resolve_mode(options)
+        return self._stream(ids, options, mode_name, cancel)
+
+    def _stream(self, ids, options, mode_name, cancel) -> Iterator[Chunk]:
+        with self._lock:
+            stats = GenerationStats(mode=mode_name, prompt_tokens=len(ids))
+            mode = make_mode(mode_name, self, options)
+            stats.mode = getattr(mode, "name", mode_name)
+            sampler = Sampler(options.sampling)
+            reset_peak = getattr(mx, "reset_peak_memory", None)
+            if reset_peak:
+                reset_peak()
+            steps = mode.steps(ids, sampler, stats)
+            try:
+                yield from stream_tokens(
+                    steps,
+                    self.tokenizer,
+                    stats,
+                    options.max_tokens,
+                    options.stop,
+                    context_left=self.context_length - len(ids),
+                    cancel=cancel,
+                )
+            finally:
+                get_peak = getattr(mx, "get_peak_memory", None)
+                stats.peak_memory_bytes = int(get_peak()) if get_peak else 0
+                self.last_stats = stats
+
+    def generate(self, prompt=None, *, messages=None, options=None, cancel=None, **kwargs) -> GenerationResult:
+        options = options or make_options(**kwargs)
+        ids = self.encode_prompt(prompt, messages)
+        text, tokens, finish = [], [], "length"
+        for chunk in self._stream(ids, options, self.resolve_mode(options), cancel):
+            text.append(chunk.text)
+            tokens.extend(chunk.tokens)
+            if chunk.finish_reason:
+                finish = chunk.finish_reason
+        return GenerationResult("".join(text), tokens, finish, self.last_stats, len(ids))
+
+    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        return self.generate(messages=messages, **kwargs)
+
+
+def make_options(
+    max_tokens: int = 256,
+    stop: list[str] | str | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    mode: str = "auto",
+    draft_tokens: int | str = "auto",
+    **mode_options,
+) -> GenerateOptions:
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    return GenerateOptions(
+        max_tokens=max_tokens,
+        stop=list(stop) if isinstance(stop, (list, tuple)) else ([stop] if stop else []),
+        sampling=sampling,
+        mode=mode,
+        draft_tokens=draft_tokens,
+        mode_options=mode_options,
+    )

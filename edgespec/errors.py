@@ -1,0 +1,17 @@
+"""Errors users can act on. The CLI prints their message; it never shows a traceback for them."""
+
+
+class EdgespecError(Exception):
+    """Base class of edgespec's user-facing errors."""
+
+
+class ModelLoadError(EdgespecError, ValueError):
+    """A checkpoint, bundle or GGUF file is missing, corrupt, truncated or unsupported."""
+
+
+class VocabularyMismatchError(EdgespecError, ValueError):
+    """A drafter's vocabulary differs from the verifier's."""
+
+
+class ContextLengthError(EdgespecError, ValueError):
+    """The prompt does not fit the context window."""

@@ -1,0 +1,227 @@
+"""Generation as a stack of generators: decoding mode -> stream layer -> text.
+
+A decoding mode yields `Token` records (id, log-prob, source) from its own
+step loop; `stream_tokens` turns any of them into text chunks, stopping on
+EOS, stop strings, max tokens or the context window, and finalises the stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+
+from edgespec.cache import KVCache
+from edgespec.sampling import Sampler
+from edgespec.tokenizer import StreamingDetokenizer, Tokenizer
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Token:
+    id: int
+    logprob: float
+    source: str  # "verifier" | "drafter" | "lookahead"
+
+
+@dataclass
+class GenerationStats:
+    mode: str = "plain"
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    verifier_passes: int = 0  # decode passes of the verifier (prefill excluded)
+    drafted: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0  # drafter busy time
+    verify_s: float = 0.0  # verifier busy time
+    hidden_draft_s: float = 0.0  # drafting overlapped with verification
+    draft_tokens: int | None = None  # K in use (speculative), last value
+    accepted_by_position: list[int] = field(default_factory=list)  # accepted count per draft index
+    drafted_by_position: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_pass(self) -> float | None:
+        return self.generated_tokens / self.verifier_passes if self.verifier_passes else None
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        """Count one verification round of `drafted` proposals with `accepted` kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.drafted_by_position) < drafted:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            if i < accepted:
+                self.accepted_by_position[i] += 1
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d.update(
+            tokens_per_s=self.tokens_per_s,
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_pass=self.tokens_per_pass,
+        )
+        return d
+
+    def summary(self) -> str:
+        parts = [f"{self.generated_tokens} tokens", f"{self.tokens_per_s:.1f} tok/s", f"mode {self.mode}"]
+        if self.verifier_passes:
+            parts.append(f"{self.tokens_per_pass:.2f} tokens/pass")
+        if self.drafted:
+            parts.append(f"acceptance {self.acceptance_rate:.1%}")
+            if self.draft_tokens:
+                parts.append(f"K={self.draft_tokens}")
+        if self.draft_s or self.verify_s:
+            parts.append(f"draft {self.draft_s:.2f}s / verify {self.verify_s:.2f}s")
+        if self.hidden_draft_s:
+            parts.append(f"hidden drafting {self.hidden_draft_s:.2f}s")
+        return ", ".join(parts)
+
+
+class DecodingMode(Protocol):
+    """A decoding strategy: yields tokens forever; the stream layer decides when to stop."""
+
+    name: str
+
+    def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]: ...
+
+
+def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Run the prompt through the model in chunks; returns logits of its last position (V,)."""
+    logits = None
+    for start in range(0, len(tokens), chunk):
+        piece = mx.array(tokens[start : start + chunk], dtype=mx.int32)[None]
+        logits = model(piece, cache)
+        if start + chunk < len(tokens):
+            mx.eval([c.keys for c in cache if c.keys is not None])
+    return logits[0, -1]
+
+
+class PlainMode:
+    """Autoregressive decoding: the baseline every other mode must reproduce."""
+
+    name = "plain"
+
+    def __init__(self, model):
+        self.model = model
+
+    def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
+        model = self.model
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        logits = prefill(model, cache, prompt)
+
+        def pick(logits):
+            lp = sampler.logprobs(logits)
+            tok = sampler.sample(lp)
+            return tok, lp[tok]
+
+        tok, lp = pick(logits)
+        mx.eval(tok, lp)
+        stats.prefill_s += time.perf_counter() - t0
+        while True:
+            # Queue the next step before handing out this token so graph building
+            # and Python overhead overlap the computation (mx.async_eval).
+            nxt_logits = model(tok.reshape(1, 1), cache)[0, -1]
+            nxt_tok, nxt_lp = pick(nxt_logits)
+            mx.async_eval(nxt_tok, nxt_lp)
+            stats.verifier_passes += 1
+            yield Token(int(tok.item()), float(lp.item()), "verifier")
+            tok, lp = nxt_tok, nxt_lp
+
+
+@dataclass
+class Chunk:
+    """One piece of streamed output."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled" | None
+
+
+def _stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+                break
+    return best
+
+
+def stream_tokens(
+    steps: Iterator[Token],
+    tokenizer: Tokenizer,
+    stats: GenerationStats,
+    max_tokens: int,
+    stop: list[str] | None = None,
+    context_left: int | None = None,
+    cancel=None,
+) -> Iterator[Chunk]:
+    """Detokenize a mode's tokens into chunks; stop on EOS, stop strings, limits or `cancel()`.
+
+    Text that could be the start of a stop string is held back until it is
+    known not to be one, so a stop string never leaks into the output.
+    """
+    stop = [s for s in (stop or []) if s]
+    detok = StreamingDetokenizer(tokenizer)
+    pending_text = ""  # decoded, not yet emitted (possible stop-string prefix)
+    pending_tokens: list[int] = []
+    limit = max_tokens if context_left is None else min(max_tokens, context_left)
+    finish = "length" if limit == max_tokens else "context"
+    stopped_on_string = False
+    t0 = time.perf_counter()
+    try:
+        if limit <= 0:
+            yield Chunk("", [], finish)
+            return
+        for tok in steps:
+            if cancel is not None and cancel():
+                finish = "cancelled"
+                break
+            if tok.id in tokenizer.eos_token_ids:
+                finish = "stop"
+                break
+            stats.generated_tokens += 1
+            pending_tokens.append(tok.id)
+            pending_text += detok.add(tok.id)
+            hold = 0
+            if stop:
+                hits = [i for i in (pending_text.find(s) for s in stop) if i >= 0]
+                if hits:
+                    pending_text = pending_text[: min(hits)]
+                    finish, stopped_on_string = "stop", True
+                    break
+                hold = _stop_holdback(pending_text, stop)
+            if len(pending_text) > hold:
+                cut = len(pending_text) - hold
+                yield Chunk(pending_text[:cut], pending_tokens)
+                pending_text, pending_tokens = pending_text[cut:], []
+            if stats.generated_tokens >= limit:
+                break
+        if not stopped_on_string:
+            pending_text += detok.flush()
+        stats.decode_s = max(time.perf_counter() - t0 - stats.prefill_s, 1e-9)
+        yield Chunk(pending_text, pending_tokens, finish)
+    finally:
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()

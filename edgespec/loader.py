@@ -1,0 +1,131 @@
+"""Load a verifier (or drafter) from a bundle, a Hugging Face folder or a GGUF file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from edgespec.bundle import is_bundle, read_manifest
+from edgespec.errors import ModelLoadError
+from edgespec.models.llama import Model, ModelArgs
+from edgespec.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: Model
+    tokenizer: Tokenizer
+    path: Path | None
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model.args.max_position_embeddings)
+
+
+def apply_quantization(model: nn.Module, quantization: dict[str, Any] | None) -> None:
+    """Swap Linear/Embedding modules for quantized ones as recorded in the config.
+
+    `quantization` is either {"group_size", "bits"} for all modules, optionally
+    with per-module overrides keyed by module path, or per-module entries only.
+    """
+    if not quantization:
+        return
+    default = {k: quantization[k] for k in ("group_size", "bits") if k in quantization}
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        if path in quantization:
+            return dict(quantization[path])
+        return dict(default) if default else False
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype=None) -> Model:
+    """Model from an HF-style config and a complete weight dict (strict: every name must match)."""
+    try:
+        args = ModelArgs.from_dict(config)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(str(e)) from None
+    model = Model(args)
+    apply_quantization(model, config.get("quantization"))
+    if dtype is not None:
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
+        }
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"weights do not match the config: {e}") from None
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def load_model_folder(folder: Path, dtype=None) -> Model:
+    """A folder with config.json + model.safetensors (bundle or drafter sub-folder)."""
+    from edgespec.converters.hf import read_config, read_safetensors
+
+    config = read_config(folder)
+    return build_model(config, read_safetensors([folder / "model.safetensors"]), dtype)
+
+
+def load_bundle(folder: Path, verify_hashes: bool = True) -> LoadedModel:
+    manifest = read_manifest(folder, verify_hashes=verify_hashes)
+    model = load_model_folder(folder)
+    tokenizer = Tokenizer.from_folder(folder)
+    return LoadedModel(model, tokenizer, folder, manifest)
+
+
+def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
+    from edgespec.converters.hf import read_hf
+
+    config, weights = read_hf(folder)
+    model = build_model(config, weights, dtype or mx.float32)
+    return LoadedModel(model, Tokenizer.from_folder(folder), folder, {"source": {"format": "hf"}})
+
+
+def load_gguf(path: Path, keep_quantized: bool = False, dtype=None) -> LoadedModel:
+    from tokenizers import Tokenizer as HFTokenizer  # noqa: F401  (fail early if missing)
+
+    from edgespec.converters.gguf import read_gguf
+
+    config, weights, quant, (backend, tok_config) = read_gguf(path, keep_quantized)
+    if quant:
+        config = {**config, "quantization": quant}
+    arrays = {k: mx.array(v) for k, v in weights.items()}
+    model = build_model(config, arrays, dtype)
+    return LoadedModel(model, Tokenizer(backend, tok_config), path, {"source": {"format": "gguf"}})
+
+
+def is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load(path: str | Path, verify_hashes: bool = True) -> LoadedModel:
+    """Load from a bundle folder, an HF folder or a GGUF file (detected by content)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or folder")
+    if is_bundle(path):
+        return load_bundle(path, verify_hashes)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_folder(path)
+    if is_gguf(path):
+        return load_gguf(path)
+    if path.is_dir():
+        raise ModelLoadError(
+            f"{path}: neither an edgespec bundle (manifest.json) nor a Hugging Face folder (config.json)"
+        )
+    raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a model folder")
+
+

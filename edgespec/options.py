@@ -1,0 +1,29 @@
+"""Options of one generation request, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgespec.sampling import SamplingParams
+
+
+@dataclass
+class GenerateOptions:
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    mode: str = "auto"  # "auto" lets the engine choose (see Engine.resolve_mode)
+    draft_tokens: int | str = "auto"  # K for speculative modes, or "auto"
+    mode_options: dict[str, Any] = field(default_factory=dict)  # e.g. lookahead W/N/G
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        dt = self.draft_tokens
+        if dt != "auto" and (not isinstance(dt, int) or isinstance(dt, bool) or not 1 <= dt <= 16):
+            raise ValueError(f"draft_tokens must be 'auto' or an integer in 1..16, got {dt!r}")
