@@ -1,0 +1,115 @@
+"""Shared fixtures: tiny random models built in memory, and the real default model on demand."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models as tk_models
+from tokenizers import decoders, pre_tokenizers
+
+from edgespec.engine import Engine
+from edgespec.loader import LoadedModel
+from edgespec.models.llama import Model, ModelArgs
+from edgespec.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_args(**overrides) -> ModelArgs:
+    cfg = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
+    cfg.update(overrides)
+    return ModelArgs.from_dict(cfg)
+
+
+def make_tiny_model(seed: int = 0, scale: float = 1.0, **overrides) -> Model:
+    """Random tiny Llama. `scale` multiplies the weights: larger = peakier distributions."""
+    mx.random.seed(seed)
+    model = Model(tiny_args(**overrides))
+    if scale != 1.0:
+        from mlx.utils import tree_map
+
+        model.update(tree_map(lambda p: p * scale if p.ndim > 1 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def make_tiny_tokenizer(vocab_size: int = 64) -> Tokenizer:
+    """Word-level tokenizer over single characters: ids 0..vocab_size-1, id 0 = EOS."""
+    chars = [chr(c) for c in range(97, 97 + 26)] + [chr(c) for c in range(65, 65 + 26)] + list("0123456789 .")
+    vocab = {"</s>": 0}
+    for ch in chars:
+        if len(vocab) >= vocab_size:
+            break
+        vocab[ch] = len(vocab)
+    backend = HFTokenizer(tk_models.WordLevel(vocab=vocab, unk_token="</s>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return Tokenizer(backend, {"eos_token": "</s>"})
+
+
+def make_tiny_engine(seed: int = 0, **overrides) -> Engine:
+    model = make_tiny_model(seed, **overrides)
+    tok = make_tiny_tokenizer(model.args.vocab_size)
+    return Engine(LoadedModel(model, tok, None))
+
+
+@pytest.fixture
+def tiny_model() -> Model:
+    return make_tiny_model()
+
+
+@pytest.fixture
+def tiny_engine() -> Engine:
+    return make_tiny_engine()
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF (downloaded once into the cache folder)."""
+    from edgespec.default_model import default_gguf_path
+
+    return default_gguf_path(progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_bundle() -> Path:
+    """Dense bundle of the default model (converted once into the cache folder)."""
+    from edgespec.default_model import default_bundle_path
+
+    return default_bundle_path(progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_bundle) -> Engine:
+    import edgespec
+
+    return edgespec.load(real_bundle, drafter="none", progress=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    import sys
+
+    for item in items:
+        if "macos" in item.keywords and sys.platform != "darwin":
+            item.add_marker(pytest.mark.skip(reason="needs macOS (Core ML runtime / Metal); this is " + sys.platform))
+        if "metal" in item.keywords and not mx.metal.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a Metal GPU (mx.metal.is_available() is False)"))
+
+
+os.environ.setdefault("EDGESPEC_HOME", str(REPO / ".cache" / "edgespec"))
