@@ -108,21 +108,26 @@ class Engine:
         messages: list[dict] | None = None,
         options: GenerateOptions | None = None,
         cancel: Callable[[], bool] | None = None,
+        stats: GenerationStats | None = None,
         **kwargs,
     ) -> Iterator[Chunk]:
         """Yield text chunks as they are generated; the last chunk carries finish_reason.
 
         Keyword shortcuts: max_tokens, stop, temperature, top_k, top_p, min_p,
-        seed, mode, draft_tokens (or pass `options`).
+        seed, mode, draft_tokens (or pass `options`). Pass your own `stats`
+        object to read this generation's stats when several threads share the
+        engine (`last_stats` is whichever generation finished last).
         """
         options = options or make_options(**kwargs)
         ids = self.encode_prompt(prompt, messages)
         mode_name = self.resolve_mode(options)
-        return self._stream(ids, options, mode_name, cancel)
+        return self._stream(ids, options, mode_name, cancel, stats)
 
-    def _stream(self, ids, options, mode_name, cancel) -> Iterator[Chunk]:
+    def _stream(self, ids, options, mode_name, cancel, stats=None) -> Iterator[Chunk]:
         with self._lock:
-            stats = GenerationStats(mode=mode_name, prompt_tokens=len(ids))
+            if stats is None:
+                stats = GenerationStats()
+            stats.mode, stats.prompt_tokens = mode_name, len(ids)
             mode = make_mode(mode_name, self, options)
             stats.mode = getattr(mode, "name", mode_name)
             sampler = Sampler(options.sampling)
@@ -149,12 +154,13 @@ class Engine:
         options = options or make_options(**kwargs)
         ids = self.encode_prompt(prompt, messages)
         text, tokens, finish = [], [], "length"
-        for chunk in self._stream(ids, options, self.resolve_mode(options), cancel):
+        stats = GenerationStats()  # ours alone: last_stats may already be another thread's
+        for chunk in self._stream(ids, options, self.resolve_mode(options), cancel, stats):
             text.append(chunk.text)
             tokens.extend(chunk.tokens)
             if chunk.finish_reason:
                 finish = chunk.finish_reason
-        return GenerationResult("".join(text), tokens, finish, self.last_stats, len(ids))
+        return GenerationResult("".join(text), tokens, finish, stats, len(ids))
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         return self.generate(messages=messages, **kwargs)
