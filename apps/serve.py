@@ -1,0 +1,102 @@
+"""`edgespec serve`: a local OpenAI-compatible HTTP server (see docs/server.md)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+
+from edgespec.apps.common import add_decoding_arguments, add_model_arguments
+
+HELP = "serve the model over a local OpenAI-compatible HTTP API"
+DESCRIPTION = (
+    "Serve POST /v1/chat/completions, POST /v1/completions (JSON or server-sent events), "
+    "GET /v1/models and GET /health. Requests run one at a time in arrival order; a client "
+    "that disconnects cancels its generation. Binds to 127.0.0.1 unless --host says otherwise."
+)
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    add_decoding_arguments(p)  # server-side defaults for fields a request leaves out
+    n = p.add_argument_group("server")
+    n.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; anything but a loopback address exposes the model to the network")
+    n.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
+    n.add_argument("--api-key", default=os.environ.get("EDGESPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EDGESPEC_API_KEY; "
+                   "none = no check)")
+    n.add_argument("--max-queue", type=int, default=16,
+                   help="requests allowed to wait behind the running one; more are refused with 503")
+    n.add_argument("--model-id", default=None,
+                   help="model name clients send (default: the bundle's folder name); 'default' always works")
+    n.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (info logs every request)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it reaches beyond this machine
+
+
+def server_defaults(args) -> dict:
+    dt = args.draft_tokens
+    if dt != "auto":
+        try:
+            dt = int(dt)
+        except ValueError:
+            raise ValueError(f"--draft-tokens must be 'auto' or an integer, got {dt!r}") from None
+    defaults = dict(max_tokens=args.max_tokens, stop=args.stop or None, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, mode=args.mode,
+                    draft_tokens=dt)
+    from edgespec.engine import make_options
+
+    make_options(**defaults)  # fail now, not on the first request
+    return {k: v for k, v in defaults.items() if v is not None}
+
+
+def run(args) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    defaults = server_defaults(args)
+    if not is_loopback(args.host):
+        print(f"edgespec serve: warning: binding {args.host} makes the model reachable from other machines"
+              + ("" if args.api_key else "; anyone who can reach it can use it (set --api-key)"),
+              file=sys.stderr)
+
+    import uvicorn
+
+    from edgespec.apps.common import load_engine
+    from edgespec.apps.server import ServerSettings, create_app
+
+    # Bind before loading so a busy port fails fast, and so --port 0 reports the real port.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot bind {args.host}:{args.port}: {e.strerror}") from None
+    engine = load_engine(args)
+    model_id = args.model_id or (engine.loaded.path.name if engine.loaded.path else "model")
+    if engine.loaded.path is not None and engine.loaded.path.is_file():
+        model_id = args.model_id or engine.loaded.path.stem  # a GGUF file
+    settings = ServerSettings(model_id=model_id, api_key=args.api_key, max_waiting=args.max_queue,
+                              defaults=defaults)
+    app = create_app(engine, settings)
+    port = sock.getsockname()[1]
+    shown = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    print(f"edgespec serve: {model_id} on http://{shown}:{port}/v1", flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

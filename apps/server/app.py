@@ -1,0 +1,275 @@
+"""The FastAPI application: OpenAI-compatible routes over one Engine and a FIFO Scheduler.
+
+    GET  /health                 liveness + queue figures (no token needed)
+    GET  /v1/models              the served model: its bundle name and "default"
+    POST /v1/chat/completions    messages -> reply (JSON, or SSE with "stream": true)
+    POST /v1/completions         raw text continuation (JSON or SSE)
+
+Each response carries an `edgespec` object with the decoding stats
+(mode, acceptance_rate, tokens_per_pass, tokens_per_s, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from edgespec.apps.server.errors import APIError, error_body, install_error_handlers
+from edgespec.apps.server.scheduler import Job, QueueFull, Scheduler
+from edgespec.apps.server.schemas import ChatCompletionRequest, CompletionRequest
+from edgespec.engine import make_options
+from edgespec.errors import ContextLengthError
+from edgespec.modes import available_modes
+
+KEEPALIVE_S = 1.0  # SSE comment while a request waits: also notices a vanished client (see _sse)
+FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+
+
+@dataclass
+class ServerSettings:
+    model_id: str
+    api_key: str | None = None
+    max_waiting: int = 16
+    max_body_bytes: int = 4 << 20
+    # Server-side defaults for fields a request leaves out (make_options keywords).
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = None) -> FastAPI:
+    scheduler = scheduler or Scheduler(engine, settings.max_waiting, clear_cache=_clear_mlx_cache)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.close()  # cancel what runs, stop the worker
+
+    app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.engine, app.state.scheduler, app.state.settings = engine, scheduler, settings
+    install_error_handlers(app)
+    created = int(time.time())
+    model_ids = (settings.model_id, "default")
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
+            return _json_error(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
+        return await call_next(request)
+
+    async def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                           "with the key given to `edgespec serve --api-key`", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(authorize)]
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_id, "modes": ["auto", *available_modes()],
+                "queue": scheduler.snapshot()}
+
+    def model_card(mid: str) -> dict:
+        return {"id": mid, "object": "model", "created": created, "owned_by": "edgespec"}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models():
+        return {"object": "list", "data": [model_card(m) for m in model_ids]}
+
+    @app.get("/v1/models/{model}", dependencies=auth)
+    async def get_model(model: str):
+        _check_model(model, model_ids)
+        return model_card(model)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        job = await _submit(body, messages=messages)
+        return await _respond(request, body, job, chat=True)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request):
+        job = await _submit(body, prompt=body.prompt)
+        return await _respond(request, body, job, chat=False)
+
+    async def _submit(body, prompt=None, messages=None) -> Job:
+        _check_model(body.model, model_ids)
+        options = _options(body, settings.defaults)
+        try:
+            # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+            ids = await run_in_threadpool(engine.encode_prompt, prompt, messages)
+        except ContextLengthError as e:
+            raise APIError(400, str(e), "messages" if messages is not None else "prompt",
+                           "context_length_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e), "messages" if messages is not None else "prompt", "invalid_prompt") from None
+        job = Job(ids, options, asyncio.get_running_loop())
+        try:
+            scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(503, str(e), None, "queue_full", headers={"Retry-After": "1"}) from None
+        return job
+
+    async def _respond(request: Request, body, job: Job, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": body.model}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(job, base, chat, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _collect(request, job, base, chat)
+
+    return app
+
+
+# ---------------------------------------------------------------------- helpers
+def _json_error(status, message, param=None, code=None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _check_model(model: str, model_ids) -> None:
+    if model not in model_ids:
+        raise APIError(404, f"model {model!r} is not served here; use one of: {', '.join(model_ids)}",
+                       "model", "model_not_found")
+
+
+def _options(body, defaults: dict[str, Any]):
+    """Request fields over server defaults -> GenerateOptions (ValueError -> 400 naming the field)."""
+    req = {
+        "max_tokens": body.token_limit(), "stop": body.stop_list(), "temperature": body.temperature,
+        "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p, "seed": body.seed,
+        "mode": body.mode, "draft_tokens": body.draft_tokens,
+    }
+    kw = {**defaults, **{k: v for k, v in req.items() if v is not None}}
+    mode = kw.get("mode", "auto")
+    valid = ["auto", *available_modes()]
+    if mode not in valid:
+        raise APIError(400, f"unknown decoding mode {mode!r}; choose one of: {', '.join(valid)}", "mode",
+                       "invalid_value")
+    try:
+        return make_options(**kw)
+    except ValueError as e:
+        param = next((k for k in req if str(e).startswith(k)), None)
+        raise APIError(400, str(e), param, "invalid_value") from None
+
+
+def _stats(job: Job) -> dict[str, Any]:
+    s = job.stats
+    return {
+        "mode": s.mode, "acceptance_rate": s.acceptance_rate, "tokens_per_pass": s.tokens_per_pass,
+        "tokens_per_s": s.tokens_per_s, "verifier_passes": s.verifier_passes, "drafted": s.drafted,
+        "accepted": s.accepted, "draft_tokens": s.draft_tokens, "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s, "queue_s": job.queue_s, "notes": list(s.notes),
+    }
+
+
+def _usage(job: Job) -> dict[str, int]:
+    n = job.stats.generated_tokens
+    return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+
+
+def _choice(chat: bool, text: str | None, finish: str | None, first: bool = False, final: bool = False) -> dict:
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if final:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+    delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(job: Job, base: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events. Leaving this generator early (the client went away: Starlette
+    cancels it) cancels the job, which frees the engine at its next token."""
+    finish = "length"
+    try:
+        if chat:
+            yield _event({**base, "choices": [_choice(True, "", None, first=True)]})
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.out.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield ": keep-alive\n\n"  # SSE comment; clients ignore it
+                continue
+            if kind == "chunk":
+                if payload.text:
+                    yield _event({**base, "choices": [_choice(chat, payload.text, None)]})
+                if payload.finish_reason:
+                    finish = FINISH.get(payload.finish_reason, "stop")
+            elif kind == "done":
+                yield _event({**base, "choices": [_choice(chat, "", finish)], "edgespec": _stats(job)})
+                if include_usage:
+                    yield _event({**base, "choices": [], "usage": _usage(job)})
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                yield _event(error_body(500, f"generation failed: {payload}", None, "generation_failed"))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        job.cancel()  # no-op once done; otherwise stops a waiting or running job
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+async def _collect(request: Request, job: Job, base: dict, chat: bool) -> dict:
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    text, finish = [], "length"
+    try:
+        while True:
+            kind, payload = await job.out.get()
+            if kind == "chunk":
+                text.append(payload.text)
+                if payload.finish_reason:
+                    finish = FINISH.get(payload.finish_reason, "stop")
+            elif kind == "done":
+                break
+            else:
+                raise APIError(500, f"generation failed: {payload}", None, "generation_failed")
+    finally:
+        watcher.cancel()
+        job.cancel()
+    obj = "chat.completion" if chat else "text_completion"
+    return {**base, "object": obj, "choices": [_choice(chat, "".join(text), finish, final=True)],
+            "usage": _usage(job), "edgespec": _stats(job)}
+
+
+def _clear_mlx_cache() -> None:
+    """Return MLX's buffer cache to the system when the queue drains (memory back to baseline)."""
+    import mlx.core as mx
+
+    clear = getattr(mx, "clear_cache", None) or getattr(getattr(mx, "metal", None), "clear_cache", None)
+    if clear is not None:
+        clear()
