@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,10 @@ log = logging.getLogger("edgespec.server")
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "server_error", 500: "server_error"}
+
+
+_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class APIError(Exception):
@@ -39,9 +44,10 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
     if not errors:
         return "invalid request body", None, "invalid_request"
     e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    # Union members add their type name to loc (e.g. "str", "list[TextPart]"): keep field names only.
-    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
+    # Union members add their type to loc ("str", "constrained-int", "list[TextPart]"): keep
+    # field names and list indices only.
+    loc = [str(x) for x in e.get("loc", ())
+           if x != "body" and (isinstance(x, int) or (_FIELD.match(str(x)) and str(x) not in _TYPE_NAMES))]
     param = ".".join(loc) or None
     kind = e.get("type", "")
     if kind == "json_invalid":

@@ -1,0 +1,267 @@
+"""`edgespec serve` as a real process on a free loopback port, with a tiny random bundle:
+OpenAI client and plain HTTP, streaming and not, stops, limits, bad input, bearer token."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from server_support import ServerProcess, write_tiny_bundle
+
+import edgespec
+
+KEY = "sk-test-edgespec"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return write_tiny_bundle(tmp_path_factory.mktemp("srv") / "tiny-test")
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    s = ServerProcess(bundle, "--api-key", KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(bundle):
+    return edgespec.load(bundle, drafter="none", progress=False)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def post(server, path, body, headers=AUTH, raw: str | None = None) -> httpx.Response:
+    if raw is not None:
+        return httpx.post(server.url + path, content=raw, timeout=60,
+                          headers={**headers, "Content-Type": "application/json"})
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+def sse_events(server, path, body) -> list:
+    """Raw SSE stream -> list of decoded JSON events (comments skipped), '[DONE]' last."""
+    events = []
+    with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ------------------------------------------------------------------ basics
+def test_models_and_health(server, client, bundle):
+    ids = [m.id for m in client.models.list()]
+    assert ids == [bundle.name, "default"]
+    assert client.models.retrieve("default").id == "default"
+    health = httpx.get(server.url + "/health").json()  # no token needed for liveness
+    assert health["status"] == "ok" and health["model"] == bundle.name
+    assert "plain" in health["modes"]
+
+
+def test_binds_loopback_only_by_default(server):
+    listening = [c for c in psutil.Process(server.proc.pid).net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening, "the server listens on no socket"
+    assert {c.laddr.ip for c in listening} == {"127.0.0.1"}
+    assert {c.laddr.port for c in listening} == {server.port}
+
+
+def test_bearer_token_required(server):
+    body = {"model": "default", "prompt": "abc", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = post(server, "/v1/completions", body, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert post(server, "/v1/completions", body).status_code == 200
+
+
+# ------------------------------------------------------------------ generation
+def test_chat_matches_python_api(client, engine):
+    ref = engine.chat(MSGS, max_tokens=24)
+    r = client.chat.completions.create(model="default", messages=MSGS, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(engine.encode_prompt(messages=MSGS))
+    assert r.usage.completion_tokens == 24 == len(ref.tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+    ext = r.model_extra["edgespec"]
+    assert ext["mode"] == ref.stats.mode and ext["verifier_passes"] >= 1 and ext["tokens_per_pass"] > 0
+
+
+def test_chat_stream_matches_python_api(client, engine):
+    ref = engine.chat(MSGS, max_tokens=30)
+    stream = client.chat.completions.create(model="default", messages=MSGS, max_tokens=30, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert finals[0].model_extra["edgespec"]["mode"] == ref.stats.mode
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+
+
+def test_completions_plain_http(server, engine):
+    ref = engine.generate("hello world", max_tokens=20)
+    r = post(server, "/v1/completions", {"model": "tiny-test", "prompt": "hello world", "max_tokens": 20})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == ref.text
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 20, "total_tokens": 31}
+    events = sse_events(server, "/v1/completions",
+                        {"model": "default", "prompt": "hello world", "max_tokens": 20, "stream": True})
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == ref.text
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and "edgespec" in events[-2]
+    ids = engine.tokenizer.encode("hello world")  # token-id prompts are accepted too
+    r = post(server, "/v1/completions", {"model": "default", "prompt": ids, "max_tokens": 20})
+    assert r.json()["choices"][0]["text"] == ref.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequence(client, engine, stream):
+    full = engine.chat(MSGS, max_tokens=40).text
+    stop = full[12:14]
+    expected = full[: full.index(stop)]
+    r = client.chat.completions.create(model="default", messages=MSGS, max_tokens=40, stop=[stop, "@@"],
+                                       stream=stream)
+    if stream:
+        chunks = list(r)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert text == expected and stop not in text
+    assert finish == "stop"
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_max_tokens(client, n):
+    r = client.completions.create(model="default", prompt="hello world", max_tokens=n)
+    assert r.usage.completion_tokens == n
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_matches_python_api(client, engine):
+    kw = dict(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    ref = engine.chat(MSGS, **kw).text
+    texts = [client.chat.completions.create(model="default", messages=MSGS, **kw).choices[0].message.content
+             for _ in range(2)]
+    assert texts == [ref, ref]
+
+
+def test_extension_fields(client, engine):
+    kw = dict(max_tokens=10, extra_body={"mode": "plain", "top_k": 5, "min_p": 0.05, "draft_tokens": 4})
+    r = client.chat.completions.create(model="default", messages=MSGS, **kw)
+    assert r.model_extra["edgespec"]["mode"] == "plain"
+    assert r.choices[0].message.content == engine.chat(MSGS, max_tokens=10, mode="plain").text
+
+
+# ------------------------------------------------------------------ bad input
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+OK_CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+OK_COMP = {"model": "default", "prompt": "abc", "max_tokens": 2}
+
+BAD = [
+    # (id, path, body or raw text, status, param)
+    ("malformed-json", CHAT, '{"model": "default", "messages": [', 400, None),
+    ("not-an-object", CHAT, "[1, 2]", 400, None),
+    ("empty-body", COMP, "", 400, None),
+    ("unknown-field", CHAT, {**OK_CHAT, "temprature": 0.5}, 400, "temprature"),
+    ("unknown-message-field", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "hi", "x": 1}]},
+     400, "messages.0.x"),
+    ("missing-messages", CHAT, {"model": "default"}, 400, "messages"),
+    ("empty-messages", CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
+    ("bad-role", CHAT, {**OK_CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+    ("max-tokens-string", CHAT, {**OK_CHAT, "max_tokens": "5"}, 400, "max_tokens"),
+    ("max-tokens-zero", COMP, {**OK_COMP, "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature-bool", COMP, {**OK_COMP, "temperature": True}, 400, "temperature"),
+    ("stream-string", COMP, {**OK_COMP, "stream": "yes"}, 400, "stream"),
+    ("prompt-number", COMP, {**OK_COMP, "prompt": 42}, 400, "prompt"),
+    ("empty-prompt", COMP, {**OK_COMP, "prompt": ""}, 400, "prompt"),
+    ("token-out-of-vocab", COMP, {**OK_COMP, "prompt": [1, 2, 999]}, 400, "prompt"),
+    ("over-long-prompt", COMP, {**OK_COMP, "prompt": "ab" * 400}, 400, "prompt"),
+    ("over-long-chat", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
+    ("negative-temperature", CHAT, {**OK_CHAT, "temperature": -0.5}, 400, "temperature"),
+    ("top-p-zero", CHAT, {**OK_CHAT, "top_p": 0}, 400, "top_p"),
+    ("top-p-above-one", COMP, {**OK_COMP, "top_p": 1.5}, 400, "top_p"),
+    ("negative-top-k", COMP, {**OK_COMP, "top_k": -1}, 400, "top_k"),
+    ("min-p-one", COMP, {**OK_COMP, "min_p": 1.0}, 400, "min_p"),
+    ("n-two", CHAT, {**OK_CHAT, "n": 2}, 400, "n"),
+    ("penalty", CHAT, {**OK_CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("too-many-stops", CHAT, {**OK_CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty-stop", CHAT, {**OK_CHAT, "stop": [""]}, 400, "stop"),
+    ("unknown-mode", CHAT, {**OK_CHAT, "mode": "warp"}, 400, "mode"),
+    ("draft-tokens-17", CHAT, {**OK_CHAT, "draft_tokens": 17}, 400, "draft_tokens"),
+    ("unknown-model", CHAT, {**OK_CHAT, "model": "gpt-4o"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_is_a_4xx_with_openai_error(server, case):
+    _, path, body, status, param = case
+    r = post(server, path, None, raw=body) if isinstance(body, str) else post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    # The server keeps serving.
+    assert post(server, COMP, OK_COMP).json()["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server.url + "/v1/nothing", headers=AUTH)
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
+    r = httpx.get(server.url + CHAT, headers=AUTH)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSGS)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=MSGS, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+
+
+# ------------------------------------------------------------------ cancellation
+def test_disconnect_mid_stream_cancels_and_frees_engine(server, engine):
+    before = httpx.get(server.url + "/health").json()["queue"]
+    body = {"model": "default", "prompt": "hello world", "max_tokens": 480, "stream": True}
+    with httpx.stream("POST", server.url + COMP, json=body, headers=AUTH, timeout=60) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 3:
+                break  # leave mid-stream: closing the response drops the connection
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        q = httpx.get(server.url + "/health").json()["queue"]
+        if q["running"] == 0 and q["cancelled"] > before["cancelled"]:
+            break
+        time.sleep(0.05)
+    assert q["cancelled"] == before["cancelled"] + 1 and q["running"] == 0
+    # The engine is free and still correct.
+    r = post(server, COMP, {"model": "default", "prompt": "hello world", "max_tokens": 12})
+    assert r.json()["choices"][0]["text"] == engine.generate("hello world", max_tokens=12).text
