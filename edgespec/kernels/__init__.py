@@ -1,0 +1,38 @@
+"""Custom kernels for the hot spots of tree / lookahead steps.
+
+Each kernel is a Metal source string (`KernelSpec`) run through
+`mx.fast.metal_kernel` on Apple GPUs, with a pure-MLX reference of identical
+semantics that the dispatcher uses everywhere else. `emulate` compiles the
+same Metal strings as C++ so the tests check them on Linux too.
+"""
+
+from edgespec.kernels.kv import KV_GATHER, commit_kv, kv_gather, kv_gather_reference
+from edgespec.kernels.spec import KernelSpec, on_metal
+from edgespec.kernels.tree import (
+    TREE_ACCEPT,
+    TREE_MASK,
+    check_parents,
+    tree_accept,
+    tree_accept_reference,
+    tree_mask,
+    tree_mask_reference,
+)
+
+KERNELS = (TREE_MASK, TREE_ACCEPT, KV_GATHER)
+
+__all__ = [
+    "KERNELS",
+    "KV_GATHER",
+    "TREE_ACCEPT",
+    "TREE_MASK",
+    "KernelSpec",
+    "check_parents",
+    "commit_kv",
+    "kv_gather",
+    "kv_gather_reference",
+    "on_metal",
+    "tree_accept",
+    "tree_accept_reference",
+    "tree_mask",
+    "tree_mask_reference",
+]

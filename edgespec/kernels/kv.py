@@ -1,0 +1,74 @@
+"""Committing the accepted entries of a tree step into the KV cache.
+
+After a step wrote T entries at `start`, only the accepted path survives: its
+entries (sorted indices into the step) move to start, start+1, ... . A GPU
+kernel cannot gather in place (thread j would read a slot thread j' writes),
+so the kernel gathers into a fresh (B, Hk, n, D) block that is then written back.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from edgespec.kernels.spec import KernelSpec, metal, on_metal
+
+# Grid (D, n, B*Hk): one thread per copied element; src is the whole cache
+# buffer (rows of C slots), idx holds absolute slot numbers.
+KV_GATHER = KernelSpec(
+    name="edgespec_kv_gather",
+    inputs=("src", "idx", "dims"),
+    outputs=("out",),
+    source="""
+    uint d = thread_position_in_grid.x;
+    uint j = thread_position_in_grid.y;
+    uint r = thread_position_in_grid.z;
+    int C = dims[0];
+    int D = dims[1];
+    int n = dims[2];
+    if (int(d) >= D || int(j) >= n) {
+        return;
+    }
+    size_t from = (size_t(r) * size_t(C) + size_t(idx[j])) * size_t(D) + size_t(d);
+    out[(size_t(r) * size_t(n) + size_t(j)) * size_t(D) + size_t(d)] = src[from];
+""",
+)
+
+
+def kv_gather_reference(src: mx.array, idx: mx.array) -> mx.array:
+    """src (B, Hk, C, D), idx (n,) absolute slots -> (B, Hk, n, D)."""
+    return mx.take(src, idx, axis=2)
+
+
+def kv_gather(src: mx.array, idx: mx.array) -> mx.array:
+    if not on_metal():
+        return kv_gather_reference(src, idx)
+    B, Hk, C, D = src.shape
+    n = idx.shape[0]
+    dims = mx.array([C, D, n], dtype=mx.int32)
+    (out,) = metal(KV_GATHER)(
+        inputs=[src, idx.astype(mx.int32), dims],
+        grid=(D, n, B * Hk),
+        threadgroup=(min(D, 256), 1, 1),
+        output_shapes=[(B, Hk, n, D)],
+        output_dtypes=[src.dtype],
+    )
+    return out
+
+
+def commit_kv(caches, start: int, indices: list[int]) -> None:
+    """Keep step entries `start + indices` (sorted) packed at `start`; drop the rest.
+
+    Same effect as `KVCache.keep`, with the gather done by the kernel on Metal.
+    """
+    if not on_metal():
+        for c in caches:
+            c.keep(start, indices)
+        return
+    n = len(indices)
+    moved = list(indices) != list(range(n))
+    idx = mx.array([start + i for i in indices], dtype=mx.int32)
+    for c in caches:
+        if c.keys is not None and moved:
+            c.keys[..., start : start + n, :] = kv_gather(c.keys, idx)
+            c.values[..., start : start + n, :] = kv_gather(c.values, idx)
+        c.offset = start + n

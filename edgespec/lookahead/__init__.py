@@ -1,0 +1,8 @@
+"""Weight-free lookahead decoding: Jacobi window + n-gram pool, verified as one token tree."""
+
+from edgespec.lookahead.controller import StepController
+from edgespec.lookahead.pool import NgramPool
+from edgespec.lookahead.tree import StepTree
+from edgespec.lookahead.verify import greedy_pass, sample_walk
+
+__all__ = ["NgramPool", "StepController", "StepTree", "greedy_pass", "sample_walk"]

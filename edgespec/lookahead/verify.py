@@ -1,0 +1,71 @@
+"""Choosing what a tree step commits: greedy longest match, or lossless sampling.
+
+Sampling uses recursive rejection over point-mass candidates. At a node with
+target distribution p (the verifier's filtered probabilities there) and
+children with distinct tokens x1, x2, ... (fixed before any random draw of
+this step), keep a residual r = p and for each child in turn accept x_k with
+probability r(x_k) / sum(r). On rejection set r(x_k) = 0 (the general residual
+max(0, r - q) for a point mass q at x_k, renormalised) and try the next.
+If all fail, sample the output from r and stop; if x_k is accepted, move to
+that child and repeat with its distribution.
+
+Why the output at a node is distributed exactly as p: with one candidate x,
+P(out = x) = r(x) and, for y != x, P(out = y) = (1 - r(x)) * r(y) / (1 - r(x)) = r(y),
+all for normalised r. So a candidate round turns "sample from r" into "accept x
+with r(x), else sample from r with x removed", which is the same distribution;
+by induction over the candidates, the node's output ~ p. Candidates and the tree
+depend only on the past, and the child reached after accepting x holds the
+verifier's distribution given the prefix extended by x, so the whole committed
+sequence follows plain sampling's law. Duplicate tokens among children add
+nothing (r(x) is already 0), so only the first child per token is tried.
+Greedy is the one-hot limit: accept x iff x = argmax, else emit the argmax.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from edgespec.kernels import tree_accept
+from edgespec.lookahead.tree import StepTree
+
+
+def greedy_pass(tree: StepTree, logits: mx.array) -> tuple[mx.array, mx.array]:
+    """Queue argmax per node (T,) and the tree's [best, depth, bonus] (3,) (lazy arrays)."""
+    pred = mx.argmax(logits, axis=-1).astype(mx.int32)
+    result = tree_accept(mx.array(tree.tokens, dtype=mx.int32), mx.array(tree.parents, dtype=mx.int32), pred)
+    return pred, result
+
+
+def sample_walk(tree: StepTree, logits: mx.array, sampler) -> tuple[list[int], int, list[float]]:
+    """Lossless walk from the root -> (accepted nodes, next token, log-probs of path + next).
+
+    logits: (T, V) raw verifier logits of the step's nodes.
+    """
+    node, path, lps = 0, [], []
+    while True:
+        lp = sampler.logprobs(logits[node])
+        lp_np = np.array(lp, dtype=np.float64)
+        r = np.exp(lp_np)
+        total = r.sum()
+        chosen = None
+        for tok, child in tree.children[node].items():  # insertion order: first child per token
+            u = float(sampler.uniform().item())
+            if u * total < r[tok]:
+                chosen = (tok, child)
+                break
+            total -= r[tok]
+            r[tok] = 0.0
+        if chosen is None:
+            # Inverse-CDF draw from the residual with the sampler's own random stream.
+            cdf = np.cumsum(r)
+            u = float(sampler.uniform().item()) * cdf[-1]
+            tok = int(min(np.searchsorted(cdf, u, side="right"), len(r) - 1))
+            while r[tok] == 0.0:  # never land on a removed / filtered token at a cdf edge
+                tok -= 1
+            lps.append(float(lp_np[tok]))
+            return path, tok, lps
+        tok, child = chosen
+        path.append(child)
+        lps.append(float(lp_np[tok]))
+        node = child

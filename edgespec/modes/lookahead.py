@@ -1,0 +1,142 @@
+"""Lookahead decoding (Fu et al., 2024) as a step generator: no drafter weights.
+
+Per verifier pass the model sees one token tree (see edgespec.lookahead.tree):
+x0, the trie of up to G pooled n-grams keyed by x0 (verification branch) and
+a W x (N-1) Jacobi window (lookahead branch), under one boolean mask with
+explicit RoPE positions. The longest accepted root path is committed
+(greedy: exact match; sampling: recursive rejection, see lookahead.verify),
+its KV entries packed into place and the rest dropped. The window then
+advances one Jacobi level: level j <- level j+1, the top level <- the
+verifier's argmax at the old top level, and each column's trajectory
+(N tokens) goes into the pool. A controller drops the window ("lean" steps:
+pool candidates only, a plain step when there are none) while it does not pay.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from edgespec.generate import GenerationStats, Token, prefill
+from edgespec.kernels import commit_kv, tree_mask
+from edgespec.lookahead import NgramPool, StepController, StepTree, greedy_pass, sample_walk
+from edgespec.modes import register_mode
+from edgespec.sampling import Sampler
+
+# Measured on this project's CPU machine with SmolLM2-135M (benchmarks/lookahead.py).
+DEFAULTS = {"window": 4, "ngram": 4, "guesses": 4, "span": 8, "adaptive": True}
+LIMITS = {"window": (1, 32), "ngram": (2, 8), "guesses": (0, 32), "span": (1, 32)}
+
+
+def parse_options(mode_options: dict) -> dict:
+    """Lookahead settings from GenerateOptions.mode_options, validated."""
+    out = dict(DEFAULTS)
+    for key, (lo, hi) in LIMITS.items():
+        if mode_options.get(key) is None:
+            continue
+        v = mode_options[key]
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError(f"lookahead option {key!r} must be an integer in {lo}..{hi}, got {v!r}")
+        out[key] = v
+    if mode_options.get("adaptive") is not None:
+        out["adaptive"] = bool(mode_options["adaptive"])
+    return out
+
+
+class LookaheadMode:
+    name = "lookahead"
+
+    def __init__(self, model, window: int = 4, ngram: int = 4, guesses: int = 4, span: int = 8, adaptive: bool = True):
+        self.model = model
+        self.W, self.N, self.G = window, ngram, guesses
+        self.span = max(span, ngram - 1)
+        self.adaptive = adaptive
+
+    def _init_window(self, prompt: list[int]) -> list[list[int]]:
+        # Any guesses do (verification keeps the output exact); prompt tokens
+        # converge faster than random ids. Seeded, so runs are reproducible.
+        rng = random.Random(len(prompt))
+        return [[rng.choice(prompt) for _ in range(self.W)] for _ in range(self.N - 1)]
+
+    def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
+        model, W, N = self.model, self.W, self.N
+        greedy = sampler.params.greedy
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        logits = prefill(model, cache, prompt)
+        lp = sampler.logprobs(logits)
+        tok = sampler.sample(lp)
+        mx.eval(tok, lp)
+        x0 = int(tok.item())
+        stats.prefill_s += time.perf_counter() - t0
+        yield Token(x0, float(lp[x0].item()), "verifier")
+
+        seq = list(prompt) + [x0]
+        pool = NgramPool(self.span, N - 1)
+        pool.add_text(seq)
+        levels = self._init_window(prompt) if W > 0 else []
+        ctl = StepController(adaptive=self.adaptive)
+        fell_back_noted = False
+        while True:
+            kind = ctl.choose()
+            t_step = time.perf_counter()
+            tree = StepTree.rooted(x0)
+            for cand in pool.candidates(seq, self.G):
+                tree.add_path(cand)
+            if kind == "full":
+                tree.add_window(levels)
+            p = cache[0].offset
+            T = len(tree)
+            inputs = mx.array(tree.tokens, dtype=mx.int32)[None]
+            if T == 1:
+                out = model(inputs, cache)[0]  # exactly a plain step
+            else:
+                mask, positions = tree_mask(mx.array(tree.parents, dtype=mx.int32), p)
+                out = model(inputs, cache, mask=mask, positions=positions)[0]  # (T, V)
+
+            if greedy:
+                pred, result = greedy_pass(tree, out)
+                mx.eval(pred, result)
+                best, _, nxt = (int(v) for v in result.tolist())
+                path = tree.path_to(best)
+                lps = [0.0] * (len(path) + 1)
+                pred_l = pred.tolist() if kind == "full" else None
+            else:
+                path, nxt, lps = sample_walk(tree, out, sampler)
+                pred_l = mx.argmax(out, axis=-1).tolist() if kind == "full" else None
+
+            commit_kv(cache, p, [0] + path)
+            new = [tree.tokens[n] for n in path] + [nxt]
+            seq.extend(new)
+            pool.add_text(seq)
+            if kind == "full":
+                # Advance the window one Jacobi level and harvest each column's N-gram.
+                top = [pred_l[n] for n in tree.window[-1]]
+                for i in range(W):
+                    column = [lv[i] for lv in levels] + [top[i]]
+                    pool.add_jacobi(column[0], column[1:])
+                levels = levels[1:] + [top]
+            x0 = nxt
+            dt = time.perf_counter() - t_step
+            ctl.record(kind, len(new), dt)
+            stats.verifier_passes += 1
+            stats.verify_s += dt
+            depth = max((len(tree.path_to(n)) for n in range(T)), default=0) if T > 1 else 0
+            if depth:
+                stats.record_draft(depth, len(path))
+            if ctl.fell_back and not fell_back_noted:
+                fell_back_noted = True
+                stats.notes.append("lookahead: the Jacobi window did not pay here; using pooled n-grams only")
+            for n, lpv in zip(path, lps):
+                yield Token(tree.tokens[n], lpv, "lookahead")
+            yield Token(nxt, lps[-1], "verifier")
+
+
+@register_mode("lookahead", "weight-free lookahead decoding: Jacobi window + n-gram pool in one verifier pass")
+def make_lookahead(engine, options):
+    return LookaheadMode(engine.model, **parse_options(options.mode_options))
