@@ -39,3 +39,4 @@ def make_mode(name: str, engine, options):
 from edgespec.modes import plain  # noqa: E402,F401
 from edgespec.modes import lookahead  # noqa: E402,F401
 from edgespec.modes import speculative  # noqa: E402,F401
+from edgespec.modes import prompt_lookup  # noqa: E402,F401
