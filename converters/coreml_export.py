@@ -1,0 +1,220 @@
+"""Export an MLX drafter to a stateful, multifunction Core ML package (`drafter.mlpackage`).
+
+    export_drafter(model, "drafter.mlpackage", context_length=512, prefill_chunk=64,
+                   decode_tokens=(1, 4), compress="int8") -> info dict for the manifest
+
+Functions in the package (all share one weight file and the two KV states):
+    prefill      T = prefill_chunk, outputs the last slot's logits only
+    decode       T = 1
+    decode_K     T = K for each extra K in `decode_tokens` (scores K drafted tokens at once)
+
+The program itself is built in `coreml_program.py`; this module prepares the
+weights, converts each function, compresses linear layers and assembles the
+package atomically. coremltools is imported only here (conversion time).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgespec.converters.coreml_program import DrafterShape, build_function, rope_tables
+from edgespec.errors import ModelLoadError
+
+COMPRESS_CHOICES = ("none", "int8", "int4", "palette4")
+MAX_CONTEXT = 32767  # coremltools may cast gather indices to int16: positions must fit
+PACKAGE_FORMAT = 1
+
+
+def _dense_params(model) -> dict[str, np.ndarray]:
+    """Every weight of an MLX Llama `Model` as float32 numpy, dequantizing quantized modules."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out: dict[str, np.ndarray] = {}
+    for path, m in model.named_modules():
+        if hasattr(m, "scales"):  # QuantizedLinear / QuantizedEmbedding
+            w = mx.dequantize(m.weight, m.scales, getattr(m, "biases", None), m.group_size, m.bits)
+            out[f"{path}.weight"] = np.array(w.astype(mx.float32))
+            if "bias" in m:
+                out[f"{path}.bias"] = np.array(m.bias.astype(mx.float32))
+    for name, v in tree_flatten(model.parameters()):
+        stem = name.rsplit(".", 1)[0]
+        if f"{stem}.weight" in out and name.rsplit(".", 1)[1] in ("weight", "scales", "biases", "bias"):
+            continue
+        out[name] = np.array(v.astype(mx.float32))
+    return out
+
+
+def drafter_shape(model, context_length: int) -> DrafterShape:
+    from edgespec.models.llama import Model
+
+    if not isinstance(model, Model):
+        raise ModelLoadError(
+            f"cannot export {type(model).__name__} to Core ML: only edgespec's Llama-family "
+            f"decoder (models/llama.py: llama, mistral, qwen2, smollm) is supported"
+        )
+    a = model.args
+    return DrafterShape(
+        n_layers=a.num_hidden_layers,
+        hidden=a.hidden_size,
+        n_heads=a.num_attention_heads,
+        n_kv_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        intermediate=a.intermediate_size,
+        vocab=a.vocab_size,
+        context=context_length,
+        eps=float(a.rms_norm_eps),
+        tied=bool(a.tie_word_embeddings),
+    )
+
+
+def prepare_weights(model, shape: DrafterShape) -> dict[str, np.ndarray]:
+    """HF-named float32 weights, rearranged for the exported graph.
+
+    - q_proj rows (and bias) scaled by 1/sqrt(D): folds the attention scale in.
+    - traditional (interleaved-pair) RoPE becomes rotate-half by permuting each
+      head's q/k rows to [even dims, odd dims]; q.k is unchanged by a shared
+      permutation, so one RoPE form serves both.
+    - rope_cos / rope_sin (D/2, C) tables from the model's own frequencies.
+    """
+    w = _dense_params(model)
+    rope = model.layers[0].self_attn.rope
+    D = shape.head_dim
+    if rope.dims != D:
+        raise ModelLoadError(f"partial rotary embeddings ({rope.dims} of {D} dims) are not supported by the Core ML export")
+    periods = np.array(rope._freqs) if rope._freqs is not None else rope.base ** (np.arange(0, D, 2) / D)
+    w["rope_cos"], w["rope_sin"] = rope_tables(D, shape.context, 1.0 / np.asarray(periods, np.float64), rope.scale)
+    perm = None
+    if rope.traditional:
+        perm = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])
+    for i in range(shape.n_layers):
+        p = f"model.layers.{i}.self_attn."
+        for proj, heads in (("q_proj", shape.n_heads), ("k_proj", shape.n_kv_heads)):
+            for suffix in ("weight", "bias"):
+                name = p + proj + "." + suffix
+                if name not in w:
+                    continue
+                t = w[name].reshape(heads, D, -1)
+                if perm is not None:
+                    t = t[:, perm]
+                if proj == "q_proj":
+                    t = t * D**-0.5
+                w[name] = t.reshape(w[name].shape)
+    return w
+
+
+def _compression_config(compress: str):
+    """Compress the 1x1 convs (= linear layers) only; embedding, tied head, norms and RoPE stay fp16."""
+    import coremltools.optimize.coreml as cto
+
+    if compress == "int8":
+        op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
+    elif compress == "int4":
+        op = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=32
+        )
+    elif compress == "palette4":
+        op = cto.OpPalettizerConfig(nbits=4, mode="kmeans", granularity="per_grouped_channel", group_size=16)
+    else:
+        raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
+    return cto.OptimizationConfig(op_type_configs={"conv": op}), (
+        cto.palettize_weights if compress == "palette4" else cto.linear_quantize_weights
+    )
+
+
+def function_specs(prefill_chunk: int, decode_tokens: tuple[int, ...]) -> dict[str, tuple[int, bool]]:
+    """name -> (T, last_only)."""
+    specs = {"prefill": (prefill_chunk, True)}
+    for k in decode_tokens:
+        specs["decode" if k == 1 else f"decode_{k}"] = (k, False)
+    return specs
+
+
+def export_drafter(
+    model,
+    out: str | Path,
+    context_length: int = 512,
+    prefill_chunk: int = 64,
+    decode_tokens: tuple[int, ...] = (1,),
+    compress: str = "none",
+    progress=None,
+) -> dict[str, Any]:
+    """Write `out` (.mlpackage) atomically; returns the manifest's `coreml` entry.
+
+    model: edgespec Llama `Model` (MLX). context_length C: the fixed KV buffer;
+    a sequence longer than C cannot be drafted for (the runtime stops drafting).
+    progress(str) is called with a short status per step.
+    """
+    out = Path(out)
+    compress = compress or "none"
+    if compress not in COMPRESS_CHOICES:
+        raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
+    if not 1 <= prefill_chunk <= context_length <= MAX_CONTEXT:
+        raise ValueError(
+            f"need 1 <= prefill_chunk ({prefill_chunk}) <= context_length ({context_length}) <= {MAX_CONTEXT}"
+        )
+    decode_tokens = tuple(sorted(set(decode_tokens) | {1}))
+    if any(k < 1 or k > context_length for k in decode_tokens):
+        raise ValueError(f"decode token counts must be in 1..{context_length}, got {decode_tokens}")
+    shape = drafter_shape(model, context_length)
+    weights = prepare_weights(model, shape)
+
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    specs = function_specs(prefill_chunk, decode_tokens)
+    work = Path(tempfile.mkdtemp(prefix=".coreml-export-", dir=out.parent if out.parent.exists() else None))
+    try:
+        desc = ct.utils.MultiFunctionDescriptor()
+        for name, (T, last_only) in specs.items():
+            if progress:
+                progress(f"building {name} (T={T})")
+            prog = build_function(mb, types, shape, weights, T, last_only, ct.target.iOS18)
+            # The program is already fp16 by construction with the fp32 RMSNorm
+            # reduction; FLOAT32 here means "do not run the fp16 rewrite pass".
+            mlmodel = ct.convert(
+                prog,
+                convert_to="mlprogram",
+                minimum_deployment_target=ct.target.iOS18,
+                compute_precision=ct.precision.FLOAT32,
+                skip_model_load=True,
+            )
+            if compress != "none":
+                if progress:
+                    progress(f"compressing {name} ({compress})")
+                config, fn = _compression_config(compress)
+                mlmodel = fn(mlmodel, config)
+            path = work / f"{name}.mlpackage"
+            mlmodel.save(str(path))
+            desc.add_function(str(path), src_function_name="main", target_function_name=name)
+        desc.default_function_name = "decode"
+        if progress:
+            progress("assembling multifunction package")
+        staged = work / "out.mlpackage"
+        ct.utils.save_multifunction(desc, str(staged))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            raise FileExistsError(f"{out} already exists")
+        os.replace(staged, out)  # atomic: `out` appears complete or not at all
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "package": out.name,
+        "package_format": PACKAGE_FORMAT,
+        "context_length": context_length,
+        "prefill_chunk": prefill_chunk,
+        "decode_tokens": list(decode_tokens),
+        "functions": list(specs),
+        "compression": compress,
+        "precision": "float16",
+        "deployment_target": "iOS18/macOS15",
+        "vocab_size": shape.vocab,
+        "num_layers": shape.n_layers,
+    }
