@@ -1,0 +1,119 @@
+"""The Python API from an app's point of view: load a bundle, generate, stream, chat with
+history, modes and sampling, stats, and one engine shared by several threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from server_support import write_tiny_bundle
+
+import edgespec
+from edgespec.generate import GenerationStats
+
+PROMPTS = ["hello world", "abc def", "the quick brown fox", "Zebra 42", "xyz", "A B C"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    bundle = write_tiny_bundle(tmp_path_factory.mktemp("api") / "tiny-api")
+    return edgespec.load(bundle, drafter="none", progress=False)
+
+
+def test_generate_stream_and_stats(engine):
+    r = engine.generate("hello world", max_tokens=16)
+    assert isinstance(r, edgespec.GenerationResult)
+    assert len(r.tokens) == 16 and r.finish_reason == "length"
+    assert r.text == engine.tokenizer.decode(r.tokens, skip_special_tokens=True)
+    assert r.stats.generated_tokens == 16 and r.stats.prompt_tokens == r.prompt_tokens == 11
+    assert r.stats.mode == "plain" and r.stats.tokens_per_pass == 1.0
+    chunks = list(engine.stream("hello world", max_tokens=16))
+    assert "".join(c.text for c in chunks) == r.text
+    assert [c.finish_reason for c in chunks][-1] == "length"
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert engine.last_stats.generated_tokens == 16
+
+
+def test_chat_with_history(engine):
+    history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    first = engine.chat(history, max_tokens=8)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
+    second = engine.chat(history, max_tokens=8)
+    assert second.prompt_tokens > first.prompt_tokens + len(first.tokens)
+    assert second.text == engine.generate(messages=history, max_tokens=8).text
+
+
+def test_options_object_and_sampling(engine):
+    opts = edgespec.make_options(max_tokens=12, temperature=0.8, top_k=10, seed=5)
+    a = engine.generate("abc def", options=opts).text
+    b = engine.generate("abc def", max_tokens=12, temperature=0.8, top_k=10, seed=5).text
+    assert a == b
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate("abc", temperature=-1)
+    with pytest.raises(ValueError, match="unknown decoding mode"):
+        engine.generate("abc", mode="warp")
+    with pytest.raises(edgespec.ContextLengthError):
+        engine.generate("ab" * 400)
+
+
+def test_cancel_callback_stops_a_stream(engine):
+    seen: list = []
+    stats = GenerationStats()
+    for chunk in engine.stream("hello world", max_tokens=200, cancel=lambda: len(seen) >= 3, stats=stats):
+        seen.append(chunk)
+    assert seen[-1].finish_reason == "cancelled"
+    # cancel() is polled before each token: nothing is generated after it fires.
+    assert stats.generated_tokens == 3 and len(seen) == 4
+
+
+def _sequential(engine):
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        kw = dict(max_tokens=20) if i % 2 == 0 else dict(max_tokens=20, temperature=0.7, seed=i)
+        out[p] = (engine.generate(p, **kw), kw)
+    return out
+
+
+def test_threads_sharing_one_engine_get_sequential_results(engine):
+    ref = _sequential(engine)
+    results: dict[str, object] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(PROMPTS) * 2)
+
+    def work(p, kw, streaming):
+        try:
+            start.wait()
+            if streaming:
+                stats = GenerationStats()
+                text = "".join(c.text for c in engine.stream(p, stats=stats, **kw))
+                results[(p, "stream")] = (text, stats.generated_tokens)
+            else:
+                r = engine.generate(p, **kw)
+                results[(p, "generate")] = (r.text, r.stats.generated_tokens)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(p, kw, s)) for p, (_, kw) in ref.items() for s in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for p, (r, _) in ref.items():
+        for how in ("generate", "stream"):
+            # Same text, and each caller's stats are its own generation's.
+            assert results[(p, how)] == (r.text, r.stats.generated_tokens), (p, how)
+
+
+def test_an_open_stream_holds_the_engine(engine):
+    """Generations serialise: a second caller waits until the first stream is finished or closed."""
+    stream = engine.stream("hello world", max_tokens=100)
+    next(stream)  # generation started: the engine is taken
+    done = threading.Event()
+    other = threading.Thread(target=lambda: (engine.generate("abc", max_tokens=4), done.set()))
+    other.start()
+    other.join(0.5)
+    assert not done.is_set(), "a second generation ran while a stream was open"
+    stream.close()
+    other.join(60)
+    assert done.is_set()
