@@ -50,10 +50,8 @@ def load(
 
         model = default_bundle_path(progress=progress)
     loaded = load_any(model, verify_hashes=verify_hashes)
+    from edgespec.drafters import attach_drafter
+
     engine = Engine(loaded)
-    try:
-        from edgespec.drafters import attach_drafter
-    except ImportError:  # drafters not available in this build
-        return engine
     attach_drafter(engine, drafter)
     return engine

@@ -1,0 +1,158 @@
+"""Choosing the draft length K (or plain decoding) from measured costs and running acceptance.
+
+With per-token acceptance alpha (each draft kept with probability alpha given
+the previous ones were), one round of K drafts yields
+    E[tokens](alpha, K) = 1 + alpha + ... + alpha^K = (1 - alpha^(K+1)) / (1 - alpha)
+tokens (accepted drafts plus the correction/bonus) and costs
+    t_verify(K+1) + K * t_draft * (1 - hidden)
+seconds, `hidden` being the fraction of drafting overlapped with verification.
+The controller picks K maximising E / cost, and decodes plainly when even the
+best K is not faster than 1 / t_verify(1), probing a speculative round now and
+then (with growing intervals) in case acceptance has improved.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from edgespec.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class CostModel:
+    verify_s: list[float]  # verify_s[T-1]: seconds of one verifier pass over T new tokens
+    draft_s: float  # seconds per drafted token
+
+    @property
+    def kmax(self) -> int:
+        return len(self.verify_s) - 1
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def calibrate(model, drafter, kmax: int = 8, context: int = 64, reps: int = 3) -> CostModel:
+    """Time verifier passes of 1..kmax+1 tokens and the drafter's per-token cost on this device.
+
+    Runs on a dummy context of `context` tokens; a few hundred milliseconds for
+    SmolLM2-135M. The drafter is left in an arbitrary state (callers `begin` it).
+    """
+    V = model.args.vocab_size
+    ids = [(7 * i + 3) % V for i in range(context)]
+    cache = model.make_cache()
+    mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
+    verify = []
+    for T in range(1, kmax + 2):
+        x = mx.array(ids[:T], dtype=mx.int32)[None]
+        times = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            mx.eval(model(x, cache))
+            dt = time.perf_counter() - t0
+            for c in cache:
+                c.trim(T)
+            if r:  # first run warms up
+                times.append(dt)
+        verify.append(_median(times))
+    # Keep the curve monotone: noise must not make a longer pass look cheaper.
+    for i in range(1, len(verify)):
+        verify[i] = max(verify[i], verify[i - 1])
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    drafter.begin(ids)
+    k = max(2, min(kmax, 4))
+    times = []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        drafter.draft(k, sampler)
+        dt = time.perf_counter() - t0
+        drafter.accept(0, ids[-1])
+        if r:
+            times.append(dt / k)
+    return CostModel(verify, _median(times))
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[accepted + 1] for k drafts at per-token acceptance alpha."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class KController:
+    """Online choice of K; K = 0 means "take a plain verifier step"."""
+
+    def __init__(
+        self,
+        costs: CostModel | None,
+        fixed_k: int | None = None,
+        prior_alpha: float = 0.5,
+        decay: float = 0.9,
+        probe_start: int = 16,
+        probe_max: int = 256,
+    ):
+        if fixed_k is None and costs is None:
+            raise ValueError("the controller needs a CostModel unless K is fixed")
+        self.costs = costs
+        self.fixed_k = fixed_k
+        self.decay = decay
+        # Running acceptance: successes / trials with exponential forgetting, started
+        # from a prior worth two trials.
+        self.succ = 2.0 * prior_alpha
+        self.trials = 2.0
+        self.hidden = 0.0  # EMA of the hidden drafting fraction (pipelining)
+        self.spec_factor = 1.0  # EMA of measured / predicted round time
+        self.plain_s = costs.verify_s[0] if costs else 0.0  # EMA of measured plain step time
+        self.probe_interval = probe_start
+        self.probe_max = probe_max
+        self.plain_run = 0  # plain steps since the last speculative round
+        self.in_fallback = False
+
+    @property
+    def alpha(self) -> float:
+        return self.succ / self.trials
+
+    def round_cost(self, k: int) -> float:
+        c = self.costs
+        t = c.verify_s[min(k, c.kmax)] + k * c.draft_s * (1.0 - self.hidden)
+        return t * self.spec_factor
+
+    def best_k(self) -> tuple[int, float]:
+        """(K, expected tokens/s) maximising the speculative rate."""
+        a = self.alpha
+        best = max(range(1, self.costs.kmax + 1), key=lambda k: expected_tokens(a, k) / self.round_cost(k))
+        return best, expected_tokens(a, best) / self.round_cost(best)
+
+    def choose(self) -> int:
+        if self.fixed_k is not None:
+            return self.fixed_k
+        k, rate = self.best_k()
+        if rate > 1.0 / self.plain_s:
+            self.in_fallback = False
+            self.probe_interval = 16
+            return k
+        self.in_fallback = True
+        if self.plain_run >= self.probe_interval:
+            self.probe_interval = min(self.probe_interval * 2, self.probe_max)
+            return k  # probe
+        return 0
+
+    def record_round(self, k: int, n: int, seconds: float, hidden_frac: float | None = None) -> None:
+        d = self.decay
+        self.succ = d * self.succ + n
+        self.trials = d * self.trials + n + (1 if n < k else 0)
+        self.plain_run = 0
+        if hidden_frac is not None:
+            self.hidden = 0.7 * self.hidden + 0.3 * hidden_frac
+        if self.costs is not None and seconds > 0:
+            predicted = self.round_cost(k) / self.spec_factor
+            self.spec_factor = 0.8 * self.spec_factor + 0.2 * (seconds / predicted)
+
+    def record_plain(self, seconds: float) -> None:
+        self.plain_run += 1
+        if seconds > 0:
+            self.plain_s = 0.8 * self.plain_s + 0.2 * seconds

@@ -1,0 +1,225 @@
+"""The Core ML drafter: an exported `drafter.mlpackage` running on the Neural Engine (macOS 15+).
+
+    drafter = CoreMLDrafter.load("bundle/drafter.mlpackage", engine, compute_units="CPU_AND_NE")
+
+The package (see converters/coreml_export.py) holds a fixed KV buffer of C
+slots as Core ML state and functions `prefill` (P tokens), `decode` (1) and
+optional `decode_K` (K). The drafter tracks which tokens occupy the buffer
+(`fed`); rolling back is only shortening that list: the next call passes a
+smaller `position`, the graph masks every slot beyond each query's own
+position, and new tokens overwrite the stale slots. Nothing is copied.
+
+The Core ML runtime is reached through a small backend object (`call(function,
+ids, position) -> logits`, `reset()`), so the same drafting logic runs here on
+Linux against the numpy MIL executor (tests) and on a Mac against Core ML.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from edgespec.drafters.base import Draft, common_prefix
+from edgespec.errors import EdgespecError, ModelLoadError
+
+METADATA_KEY = "edgespec.coreml"  # the package's user-defined metadata entry (JSON info dict)
+COMPUTE_UNITS = ("CPU_AND_NE", "CPU_ONLY", "CPU_AND_GPU", "ALL")
+
+
+class CoreMLUnavailable(EdgespecError):
+    """Core ML cannot run here (not macOS 15+, or coremltools missing); use the MLX drafter."""
+
+
+def macos_version() -> tuple[int, ...] | None:
+    if sys.platform != "darwin":
+        return None
+    try:
+        return tuple(int(x) for x in platform.mac_ver()[0].split(".") if x)
+    except ValueError:
+        return None
+
+
+def require_coreml() -> None:
+    """Raise CoreMLUnavailable unless this is macOS >= 15 (stateful models need it)."""
+    ver = macos_version()
+    if ver is None or ver < (15,):
+        where = "macOS " + ".".join(map(str, ver)) if ver else sys.platform
+        raise CoreMLUnavailable(
+            f"the Core ML drafter needs macOS 15 or later (this is {where}); the MLX drafter is used instead"
+        )
+
+
+class CoreMLBackend:
+    """Runs the package's functions with Core ML, all sharing one state (macOS 15+ only)."""
+
+    def __init__(self, path: Path, functions: list[str], compute_units: str):
+        try:
+            import coremltools as ct
+        except ImportError:
+            raise CoreMLUnavailable("coremltools is not installed; the MLX drafter is used instead") from None
+        cu = getattr(ct.ComputeUnit, compute_units)
+        # One MLModel per function of the same package; Core ML shares the weights,
+        # and a state made by one function is accepted by the others (same state spec).
+        self.models = {f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions}
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.models["decode"].make_state()
+
+    def call(self, function: str, ids: np.ndarray, position: int) -> np.ndarray:
+        """ids (1, T) int32 -> logits (T_out, V) float32."""
+        out = self.models[function].predict(
+            {"input_ids": ids.astype(np.int32), "position": np.array([position], np.int32)}, state=self.state
+        )
+        return logits_rows(out["logits"])
+
+
+def logits_rows(logits: np.ndarray) -> np.ndarray:
+    """Package output (1, V, 1, T) (channels-first) -> (T, V) float32."""
+    lg = np.asarray(logits, dtype=np.float32)
+    return lg.reshape(lg.shape[1], lg.shape[3]).T
+
+
+def read_package_info(path: Path) -> dict[str, Any]:
+    """The export's info dict, from the package metadata (coremltools) or the bundle manifest."""
+    manifest = path.parent / "manifest.json"
+    if manifest.is_file():
+        try:
+            entry = (json.loads(manifest.read_text()).get("drafter") or {}).get("coreml")
+        except json.JSONDecodeError:
+            entry = None
+        if entry and entry.get("package") == path.name:
+            return entry
+    try:
+        import coremltools as ct
+    except ImportError:
+        return {}
+    try:
+        meta = ct.models.MLModel(str(path), skip_model_load=True).user_defined_metadata
+        return json.loads(meta.get(METADATA_KEY, "{}"))
+    except Exception as e:  # damaged protobuf: no common exception base
+        raise ModelLoadError(f"{path}: cannot read the Core ML package ({type(e).__name__}: {e}); re-export it") from None
+
+
+class CoreMLDrafter:
+    """Drafter protocol (begin / draft / accept / sync / close) over a Core ML drafter package."""
+
+    name = "coreml"
+
+    def __init__(self, backend, info: dict[str, Any], device: str = "ane"):
+        self.backend = backend
+        self.device = device
+        self.vocab_size = int(info["vocab_size"])
+        self.context = int(info["context_length"])
+        self.chunk = int(info["prefill_chunk"])
+        self.multi = sorted(int(k) for k in info.get("decode_tokens", [1]) if int(k) > 1)
+        self.seq: list[int] = []
+        self.fed: list[int] = []  # tokens in buffer slots 0..len(fed)-1
+        self._last_draft: list[int] = []
+
+    @classmethod
+    def load(cls, path: str | Path, verifier, compute_units: str = "CPU_AND_NE") -> CoreMLDrafter:
+        """`verifier`: the Engine or LoadedModel drafted for; its vocabulary must match the package's."""
+        from edgespec.drafters.mlx_drafter import check_vocabulary
+
+        path = Path(path).expanduser()
+        if compute_units not in COMPUTE_UNITS:
+            raise ValueError(f"compute_units must be one of {', '.join(COMPUTE_UNITS)}, got {compute_units!r}")
+        if not (path / "Manifest.json").is_file():
+            raise ModelLoadError(f"{path}: not a Core ML .mlpackage (no Manifest.json)")
+        info = read_package_info(path)
+        model = verifier.model
+        tok = getattr(verifier, "tokenizer", None)
+        if info:
+            check_vocabulary(
+                int(info["vocab_size"]),
+                model.args.vocab_size,
+                info.get("vocab_hash"),
+                tok.vocab_hash() if tok is not None else None,
+                what="Core ML drafter",
+            )
+        require_coreml()
+        if not info:
+            raise ModelLoadError(f"{path}: no edgespec export info in the package; re-export it with `edgespec convert`")
+        backend = CoreMLBackend(path, list(info["functions"]), compute_units)
+        return cls(backend, info, device="ane" if "NE" in compute_units or compute_units == "ALL" else "cpu")
+
+    # ---- buffer bookkeeping ----------------------------------------------------
+    def _feed(self, tokens: list[int]) -> np.ndarray:
+        """Write `tokens` after `fed` and return the logits (V,) following the last one.
+
+        Whole prefill chunks first; a remainder longer than the biggest K-token
+        decode is done as one prefill window ending at the last token (its
+        first slots recompute entries already there, identically), the rest with
+        decode_K / decode calls: few calls, as each Core ML call has a fixed cost.
+        """
+        seq = self.fed + tokens
+        end, i, P = len(seq), len(self.fed), self.chunk
+        kmax = self.multi[-1] if self.multi else 1
+        if end > self.context:
+            raise ValueError(f"sequence of {end} tokens exceeds the drafter's context of {self.context}")
+        logits = None
+        while i < end:
+            left = end - i
+            if left >= P or (left > kmax and end >= P):
+                s = i if left >= P else end - P
+                logits = self.backend.call("prefill", np.array([seq[s : s + P]], np.int32), s)[-1]
+                i = s + P
+            else:
+                k = max([k for k in self.multi if k <= left], default=1)
+                fn = "decode" if k == 1 else f"decode_{k}"
+                logits = self.backend.call(fn, np.array([seq[i : i + k]], np.int32), i)[-1]
+                i += k
+        self.fed = seq
+        return logits
+
+    def _trim(self) -> None:
+        del self.fed[common_prefix(self.fed, self.seq[:-1]) :]
+
+    # ---- Drafter protocol --------------------------------------------------------
+    def begin(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the drafter needs a non-empty prompt")
+        self.backend.reset()
+        self.seq, self.fed, self._last_draft = list(prompt), [], []
+        body = self.seq[:-1]
+        if body and len(body) < self.context:
+            self._feed(body)  # the last prompt token is fed by the first draft
+
+    def draft(self, k: int, sampler) -> Draft:
+        """Up to k tokens continuing `seq` with q (k, V); fewer (maybe none) near the context end."""
+        self._trim()
+        k = min(k, self.context - len(self.seq) + 1)  # the k-th token itself needs no slot
+        if k < 1:
+            return Draft([], None)
+        logits = self._feed(self.seq[len(self.fed) :])
+        tokens, rows = [], []
+        for j in range(k):
+            lp = sampler.logprobs(mx.array(logits))
+            tok = int(sampler.sample(lp))
+            tokens.append(tok)
+            rows.append(lp)
+            if j < k - 1:
+                logits = self._feed([tok])
+        self._last_draft = tokens
+        return Draft(tokens, mx.stack(rows))
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        if not 0 <= n_accepted <= len(self._last_draft):
+            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
+        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
+
+    def sync(self, committed: list[int]) -> None:
+        """Make `committed` the committed sequence; buffer slots off that path become stale."""
+        self.seq = list(committed)
+        self._last_draft = []
+        self._trim()
+
+    def close(self) -> None:
+        self.seq, self.fed = [], []

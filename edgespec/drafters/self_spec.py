@@ -1,0 +1,201 @@
+"""Self-speculation: draft with the verifier itself, skipping a searched set of layers.
+
+Zero extra weights: the drafter runs `model(..., layer_ids=keep)` with its own KV
+cache (entries only for the kept layers). Which layers to skip is chosen by
+measured acceptance (as in Draft & Verify, Zhang et al. 2023, which searches the
+skip set with Bayesian optimisation; here a greedy backward elimination):
+starting from all layers, repeatedly drop the layer whose removal keeps the
+highest greedy acceptance on calibration text, then pick the point on that path
+with the best modelled speedup. Truncating to the first layers is far worse
+(SmolLM2-135M: the first 4 or 8 of 30 layers accept < 2% of drafts).
+
+Teacher-forced acceptance: on the verifier's own greedy continuations, the
+fraction of positions where the drafter's argmax equals the verifier's token is
+the per-token acceptance alpha of greedy speculative decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+from edgespec.drafters.base import ModelDrafter
+
+# Written for the search (not the benchmark prompts): chat, code, summary, translation.
+CALIBRATION_PROMPTS = [
+    "What are three good habits for staying healthy?",
+    "Write a Python function that returns the factorial of n.",
+    "Summarize in two sentences: The city council voted to expand the bike lane network after a year of "
+    "public consultation, citing safer streets and lower traffic.",
+    "Translate to French: The weather is nice today and I want to go to the park.",
+    "Explain what a hash table is to a beginner.",
+    "Write a short email asking a colleague to move our meeting to Friday.",
+]
+
+
+class SelfSpecDrafter(ModelDrafter):
+    """Drafts with the verifier's own weights through the kept layers only."""
+
+    def __init__(self, model, keep_layers: list[int], expected_acceptance: float | None = None):
+        n = len(model.layers)
+        if not keep_layers or any(not 0 <= i < n for i in keep_layers):
+            raise ValueError(f"keep_layers must be a non-empty list of layer indices in 0..{n - 1}")
+        super().__init__(model, layer_ids=sorted(keep_layers))
+        self.name = f"self:{len(self.layer_ids)}/{n}"
+        self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        if expected_acceptance is not None:
+            self.expected_acceptance = expected_acceptance
+
+
+# ---------------------------------------------------------------------- search
+def calibration_sequences(model, tokenizer, prompts=None, new_tokens: int = 32) -> list[tuple[list[int], int]]:
+    """(prompt + verifier greedy continuation, prompt length) for each calibration prompt."""
+    from edgespec.generate import prefill
+
+    out = []
+    for text in prompts or CALIBRATION_PROMPTS:
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if isinstance(text, str) else list(text)
+        cache = model.make_cache()
+        logits = prefill(model, cache, ids)
+        seq = list(ids)
+        for _ in range(new_tokens):
+            t = int(mx.argmax(logits).item())
+            seq.append(t)
+            logits = model(mx.array([[t]], dtype=mx.int32), cache)[0, -1]
+        out.append((seq, len(ids)))
+    return out
+
+
+def _match_rate(model, seqs, layer_ids, starts=None) -> float:
+    """Greedy acceptance of `layer_ids` on teacher-forced calibration sequences.
+
+    starts: optional per-sequence (position j in layer_ids, hidden before it) to resume from.
+    """
+    hits = total = 0
+    for s, (seq, plen) in enumerate(seqs):
+        if starts is None:
+            h = model.model.embed_tokens(mx.array(seq, dtype=mx.int32)[None])
+            ids = layer_ids
+        else:
+            j, h = starts[s]
+            ids = layer_ids[j:]
+        for i in ids:
+            h = model.layers[i](h, "causal", None, None)
+        # Logits at positions plen-1 .. end-2 predict the generated tokens.
+        pred = mx.argmax(model.head(h[:, plen - 1 : -1]), axis=-1)[0]
+        target = mx.array(seq[plen:], dtype=mx.int32)
+        hits += int(mx.sum(pred == target).item())
+        total += len(seq) - plen
+    return hits / max(total, 1)
+
+
+def _hidden_prefixes(model, seqs, layer_ids) -> list[list[mx.array]]:
+    """Per sequence, the hidden state before each position of layer_ids (len+1 states)."""
+    out = []
+    for seq, _ in seqs:
+        h = model.model.embed_tokens(mx.array(seq, dtype=mx.int32)[None])
+        states = [h]
+        for i in layer_ids:
+            h = model.layers[i](h, "causal", None, None)
+            mx.eval(h)
+            states.append(h)
+        out.append(states)
+    return out
+
+
+def modelled_speedup(alpha: float, draft_cost: float, verify_growth: float = 0.05, kmax: int = 8) -> float:
+    """Best speedup over K of (E[tokens]) / (t_v(K+1) + K t_d), in units of one plain step.
+
+    draft_cost: drafter token cost / verifier token cost; t_v(K+1) ~ 1 + verify_growth*K
+    (a fast BLAS makes extra positions nearly free).
+    """
+    from edgespec.controller import expected_tokens
+
+    return max(expected_tokens(alpha, k) / (1 + verify_growth * k + k * draft_cost) for k in range(1, kmax + 1))
+
+
+def layer_cost_fractions(model) -> tuple[float, float]:
+    """(one layer, embedding+head) shares of a one-token verifier pass, by multiply-adds."""
+    a = model.args
+    D = a.head_dim
+    layer = a.hidden_size * D * (2 * a.num_attention_heads + 2 * a.num_key_value_heads) + 3 * a.hidden_size * a.intermediate_size
+    head = a.hidden_size * a.vocab_size
+    total = layer * a.num_hidden_layers + head
+    return layer / total, head / total
+
+
+def search_skip_layers(model, tokenizer=None, seqs=None, max_skip: int | None = None, prompts=None) -> dict:
+    """Greedy backward elimination of layers by measured acceptance.
+
+    Returns {"keep", "skip", "acceptance", "speedup_model", "path": [[skip, acceptance], ...]}.
+    """
+    n = len(model.layers)
+    seqs = seqs or calibration_sequences(model, tokenizer, prompts)
+    max_skip = max_skip if max_skip is not None else (2 * n) // 3
+    f_layer, f_head = layer_cost_fractions(model)
+    keep = list(range(n))
+    path = []
+    best = None
+    for _ in range(max_skip):
+        prefixes = _hidden_prefixes(model, seqs, keep)
+        scores = []
+        for j in range(len(keep)):
+            cand = keep[:j] + keep[j + 1 :]
+            # Layers before position j are unchanged: resume from the stored hidden state.
+            starts = [(j, prefixes[s][j]) for s in range(len(seqs))]
+            scores.append((_match_rate(model, seqs, cand, starts), -j))
+        acc, neg_j = max(scores)
+        drop = keep[-neg_j]
+        keep = [i for i in keep if i != drop]
+        cost = f_layer * len(keep) + f_head
+        speed = modelled_speedup(acc, cost)
+        path.append([drop, round(acc, 4)])
+        if best is None or speed > best["speedup_model"]:
+            best = {"keep": list(keep), "acceptance": acc, "speedup_model": speed}
+    best["skip"] = [i for i in range(n) if i not in best["keep"]]
+    best["path"] = path
+    return best
+
+
+# ---------------------------------------------------------------------- cache
+def _cache_file(weights_sha: str) -> Path:
+    from edgespec.default_model import home
+
+    return home() / "self_spec" / f"{weights_sha[:32]}.json"
+
+
+def weights_sha(loaded) -> str | None:
+    files = (getattr(loaded, "manifest", None) or {}).get("files") or {}
+    entry = files.get("model.safetensors")
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
+def skip_set_for(loaded, search: bool = True) -> dict | None:
+    """The cached skip set of this model (by weights sha), searching and caching it when missing."""
+    sha = weights_sha(loaded)
+    if sha:
+        f = _cache_file(sha)
+        if f.is_file():
+            try:
+                return json.loads(f.read_text())
+            except json.JSONDecodeError:
+                pass  # corrupt: search again
+    if not search:
+        return None
+    result = search_skip_layers(loaded.model, loaded.tokenizer)
+    if sha:
+        f = _cache_file(sha)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, f)
+    return result
+
+
+def self_drafter(engine) -> SelfSpecDrafter:
+    """Self-speculative drafter for the engine's model (skip set searched once, then cached)."""
+    found = skip_set_for(engine.loaded)
+    return SelfSpecDrafter(engine.model, found["keep"], expected_acceptance=found.get("acceptance"))

@@ -1,0 +1,284 @@
+"""Lossless speculative decoding: any Drafter against the verifier, optionally pipelined.
+
+One round: the drafter proposes K tokens; the verifier scores [last] + drafts
+(K+1 positions) in ONE pass; `rejection_sample` keeps a prefix and picks the next
+token; the verifier cache is trimmed to the kept prefix and the drafter told.
+
+Pipelining: while the verifier checks round r, a worker thread already drafts
+round r+1 assuming every draft is kept and the bonus token equals the drafter's
+own next proposal (it drafts K+1 tokens; the last is that guess). A wrong guess
+throws the early work away (`drafter.sync` rolls its cache back). The drafter
+only ever runs on that worker, on the worker's own MLX stream, so no MLX graph
+is shared between threads; only evaluated arrays cross.
+
+Randomness is keyed by round: round r's drafter and verifier draws come from
+samplers seeded by (generation seed, r), so the work done ahead for round r+1
+draws exactly what an unpipelined run would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import mlx.core as mx
+
+from edgespec.controller import CostModel, KController, calibrate
+from edgespec.drafters.base import Draft
+from edgespec.errors import EdgespecError
+from edgespec.generate import Token, prefill
+from edgespec.modes import register_mode
+from edgespec.rejection import rejection_sample
+from edgespec.sampling import Sampler
+
+KMAX = 8  # largest K the controller considers
+
+
+class _Worker:
+    """One long-lived thread with its own MLX stream; runs drafter calls in submission order.
+
+    A single process-wide worker: MLX streams belong to the thread that made them,
+    and creating a stream per generation leaks scheduler threads (the process then
+    aborts at exit), so the thread and its stream live as long as the process.
+    """
+
+    _pool: ThreadPoolExecutor | None = None
+    _stream = None
+    _guard = threading.Lock()
+
+    def __init__(self):
+        with _Worker._guard:
+            if _Worker._pool is None:
+                _Worker._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-drafter")
+
+    @staticmethod
+    def _run(fn, args):
+        if _Worker._stream is None:
+            _Worker._stream = mx.new_stream(mx.default_device())
+        with mx.stream(_Worker._stream):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return out, time.perf_counter() - t0
+
+    def submit(self, fn, *args):
+        return _Worker._pool.submit(_Worker._run, fn, args)
+
+    def call(self, fn, *args):
+        return self.submit(fn, *args).result()
+
+    def close(self):
+        # Wait for work still queued (an early draft) so the drafter is idle afterwards.
+        self.submit(lambda: None).result()
+
+
+class _Direct:
+    """Same interface as _Worker, running on the caller's thread."""
+
+    def call(self, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
+
+    def close(self):
+        pass
+
+
+def _seed(base: int, *ids: int) -> int:
+    h = hashlib.blake2b(repr((base,) + ids).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1  # < 2**63
+
+
+class SpeculativeMode:
+    def __init__(self, model, drafter, options=None, stats_name: str = "speculative", costs=None, prior_alpha=None):
+        """options: GenerateOptions (draft_tokens 'auto'|K, mode_options['pipeline']).
+
+        costs: a CostModel for the controller (measured on first need when None).
+        """
+        self.model = model
+        self.drafter = drafter
+        self.name = stats_name
+        opts = options.mode_options if options is not None else {}
+        dt = options.draft_tokens if options is not None else "auto"
+        self.fixed_k = None if dt == "auto" else int(dt)
+        pipeline = opts.get("pipeline")
+        if pipeline is None:
+            pipeline = default_pipeline(drafter)
+        if pipeline and not hasattr(drafter, "sync"):
+            pipeline = False  # cannot undo a wrong guess without sync()
+            self._note = f"drafter {drafter.name!r} cannot roll back a guess; pipelining off"
+        else:
+            self._note = None
+        self.pipeline = bool(pipeline)
+        self.costs = costs
+        self.prior_alpha = prior_alpha if prior_alpha is not None else getattr(drafter, "expected_acceptance", 0.5)
+
+    # ------------------------------------------------------------------ helpers
+    def _samplers(self, sampler: Sampler, base: int, r: int) -> tuple[Sampler, Sampler]:
+        """(drafter, verifier) samplers of round r; greedy needs no randomness."""
+        if sampler.params.greedy:
+            return sampler, sampler
+        p = sampler.params
+        return Sampler(replace(p, seed=_seed(base, r, 0))), Sampler(replace(p, seed=_seed(base, r, 1)))
+
+    def _draft(self, k: int, sampler, with_guess: bool):
+        """Drafter call (on the worker): k drafts, plus one more as the bonus guess if asked."""
+        d = self.drafter.draft(k + (1 if with_guess else 0), sampler)
+        if with_guess and len(d.tokens) == k + 1:
+            q = d.logprobs[:k] if d.logprobs is not None else None
+            if q is not None:
+                mx.eval(q)
+            return Draft(d.tokens[:k], q), d.tokens[k]
+        return d, None
+
+    def _draft_after(self, n_kept: int, guess: int, k: int, sampler):
+        """Early work for the next round: assume all n_kept drafts kept and `guess` follows."""
+        self.drafter.accept(n_kept, guess)
+        return self._draft(k, sampler, True)
+
+    def _catch_up(self, worker, seq: list[int], told: int) -> None:
+        """Tell the drafter the committed tokens seq[told:] (told < 0: its state is off-path)."""
+        if told == len(seq):
+            return
+        if told < 0 or hasattr(self.drafter, "sync"):
+            worker.call(self.drafter.sync, list(seq))
+        else:
+            for t in seq[told:]:
+                worker.call(self.drafter.accept, 0, t)
+
+    def steps(self, prompt, sampler, stats):
+        if self._note:
+            stats.notes.append(self._note)
+        if self.fixed_k is None and self.costs is None:
+            self.costs = calibrate(self.model, self.drafter, KMAX)
+        ctl = KController(self.costs, self.fixed_k, prior_alpha=self.prior_alpha)
+        base = 0 if sampler.params.greedy else int.from_bytes(bytes(memoryview(sampler.next_key())), "little")
+        worker = _Worker() if self.pipeline else _Direct()
+        try:
+            yield from self._loop(prompt, sampler, stats, ctl, base, worker)
+        finally:
+            worker.close()
+
+    def _plain_step(self, cache, last: int, vs) -> tuple[int, float]:
+        lp = vs.logprobs(self.model(mx.array([[last]], dtype=mx.int32), cache)[0, -1])
+        tok = vs.sample(lp)
+        mx.eval(tok, lp)
+        t = int(tok.item())
+        return t, float(lp[t].item())
+
+    def _loop(self, prompt, sampler, stats, ctl, base, worker):
+        model, drafter = self.model, self.drafter
+        pipelined = isinstance(worker, _Worker)
+        t0 = time.perf_counter()
+        begun = worker.submit(drafter.begin, prompt) if pipelined else None
+        cache = model.make_cache()
+        lp = sampler.logprobs(prefill(model, cache, prompt))
+        tok = sampler.sample(lp)
+        mx.eval(tok, lp)
+        if pipelined:
+            begun.result()
+        else:
+            drafter.begin(prompt)
+        stats.prefill_s += time.perf_counter() - t0
+        last = int(tok.item())
+        seq = list(prompt) + [last]
+        told = len(prompt)  # the drafter knows seq[:told]; -1 = it followed a wrong guess
+        yield Token(last, float(lp[last].item()), "verifier")
+        ahead = None  # (future, K) of the next round's draft made early by the worker
+        r = 0
+        while True:
+            r += 1
+            ds, vs = self._samplers(sampler, base, r)
+            ts = time.perf_counter()
+            # ---- this round's draft: made early by the worker, or now
+            draft = guess = None
+            hidden = 0.0
+            if ahead is not None:
+                fut, k_req = ahead
+                ahead = None
+                (early, dt_e) = fut.result()
+                stats.draft_s += dt_e
+                if told == len(seq):
+                    (draft, guess), hidden = early, dt_e
+            else:
+                k_req = ctl.choose()
+            if draft is None and k_req > 0:
+                self._catch_up(worker, seq, told)
+                told = len(seq)
+                (draft, guess), dt = worker.call(self._draft, k_req, ds, pipelined)
+                stats.draft_s += dt
+            if draft is None or not draft.tokens:
+                # Plain verifier step: speculation does not pay now (or nothing was drafted).
+                if ctl.in_fallback and not any(n.startswith("controller:") for n in stats.notes):
+                    stats.notes.append("controller: speculation slower than plain here; plain steps, probing now and then")
+                last, lp_last = self._plain_step(cache, last, vs)
+                dt = time.perf_counter() - ts
+                stats.verify_s += dt
+                stats.verifier_passes += 1
+                ctl.record_plain(dt)
+                seq.append(last)
+                yield Token(last, lp_last, "verifier")
+                continue
+            k = len(draft.tokens)
+            # ---- start drafting round r+1 early: assume all k kept and `guess` next
+            if pipelined and guess is not None:
+                k_next = ctl.choose()
+                if k_next > 0:
+                    dsn, _ = self._samplers(sampler, base, r + 1)
+                    ahead = (worker.submit(self._draft_after, k, guess, k_next, dsn), k_next)
+            # ---- verify [last] + drafts: K+1 positions in one pass
+            tv = time.perf_counter()
+            x = mx.array([[last] + draft.tokens], dtype=mx.int32)
+            p = vs.logprobs(model(x, cache)[0])  # (k+1, V)
+            n, nxt = rejection_sample(draft.tokens, draft.logprobs, p, vs.next_key())
+            for c in cache:
+                c.trim(k - n)  # the cache holds [last] + k drafts; keep [last] + n
+            out = draft.tokens[:n] + [nxt]
+            lps = p[mx.arange(n + 1), mx.array(out)].tolist()
+            stats.verify_s += time.perf_counter() - tv
+            stats.verifier_passes += 1
+            stats.record_draft(k, n)
+            stats.draft_tokens = k
+            seq.extend(out)
+            if ahead is not None:
+                # The worker already assumed seq + drafts + guess.
+                told = len(seq) if (n == k and nxt == guess) else -1
+            else:
+                worker.call(drafter.accept, n, nxt)
+                told = len(seq)
+            stats.hidden_draft_s += hidden
+            ctl.record_round(k, n, time.perf_counter() - ts, (1.0 if hidden else 0.0) if pipelined else None)
+            last = nxt
+            for i, t in enumerate(out):
+                yield Token(t, float(lps[i]), "drafter" if i < n else "verifier")
+
+
+def default_pipeline(drafter) -> bool:
+    """Pipeline when drafter and verifier sit on different devices; on one CPU they compete."""
+    return getattr(drafter, "device", "cpu") not in ("cpu", "none", mx.default_device().type.name)
+
+
+_COSTS_ATTR = "_speculative_costs"
+
+
+def engine_costs(engine, drafter) -> CostModel:
+    """Calibrated costs for this engine/drafter pair, measured once and kept on the engine."""
+    cache = engine.__dict__.setdefault(_COSTS_ATTR, {})
+    key = (id(drafter), getattr(drafter, "name", ""))
+    if key not in cache:
+        cache[key] = calibrate(engine.model, drafter, KMAX)
+    return cache[key]
+
+
+@register_mode("speculative", "draft with the attached drafter, verify K+1 tokens per pass (lossless)")
+def make_speculative(engine, options):
+    drafter = engine.drafter
+    if drafter is None:
+        raise EdgespecError(
+            "mode 'speculative' needs a drafter: load with drafter='self' (skip layers of the "
+            "verifier), 'prompt_lookup', or a drafter folder/bundle"
+        )
+    costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
+    return SpeculativeMode(engine.model, drafter, options, costs=costs)
