@@ -40,4 +40,3 @@ from edgespec.modes import plain  # noqa: E402,F401
 from edgespec.modes import lookahead  # noqa: E402,F401
 from edgespec.modes import speculative  # noqa: E402,F401
 from edgespec.modes import prompt_lookup  # noqa: E402,F401
-from edgespec.modes import speculative  # noqa: E402,F401
