@@ -80,10 +80,10 @@ class LookaheadMode:
         pool = NgramPool(self.span, N - 1)
         pool.add_text(seq)
         levels = self._init_window(prompt) if W > 0 else []
-        ctl = StepController(adaptive=self.adaptive)
+        ctl = StepController(adaptive=self.adaptive and W > 0)
         fell_back_noted = False
         while True:
-            kind = ctl.choose()
+            kind = ctl.choose() if W > 0 else "lean"
             t_step = time.perf_counter()
             tree = StepTree.rooted(x0)
             for cand in pool.candidates(seq, self.G):
