@@ -265,3 +265,36 @@ def test_disconnect_mid_stream_cancels_and_frees_engine(server, engine):
     # The engine is free and still correct.
     r = post(server, COMP, {"model": "default", "prompt": "hello world", "max_tokens": 12})
     assert r.json()["choices"][0]["text"] == engine.generate("hello world", max_tokens=12).text
+
+
+# ------------------------------------------------------------------ decoding modes
+def _modes_without_drafter() -> list[str]:
+    from edgespec.modes import available_modes
+
+    return [m for m in available_modes() if m != "speculative"]
+
+
+@pytest.mark.parametrize("mode", _modes_without_drafter())
+def test_every_mode_over_http_gives_the_plain_greedy_output(client, engine, mode):
+    ref = engine.chat(MSGS, max_tokens=20, mode="plain").text
+    r = client.chat.completions.create(model="default", messages=MSGS, max_tokens=20,
+                                       extra_body={"mode": mode})
+    assert r.choices[0].message.content == ref
+    assert r.model_extra["edgespec"]["mode"] == mode
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_the_engine_rejects_is_a_400(server, stream):
+    """A mode the loaded model cannot run (speculative without a drafter) or bad mode options."""
+    from edgespec.modes import available_modes
+
+    bodies = [{**OK_CHAT, "mode": "lookahead", "mode_options": {"window": 999}, "stream": stream}]
+    if "speculative" in available_modes():
+        bodies.append({**OK_CHAT, "mode": "speculative", "stream": stream})
+    for body in bodies:
+        r = post(server, CHAT, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_request" and r.json()["error"]["message"]
+    r = post(server, CHAT, {**OK_CHAT, "mode_options": {"max_tokens": 3}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode_options"
+    assert post(server, COMP, OK_COMP).status_code == 200

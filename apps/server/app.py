@@ -29,10 +29,10 @@ from edgespec.apps.server.errors import APIError, error_body, install_error_hand
 from edgespec.apps.server.scheduler import Job, QueueFull, Scheduler
 from edgespec.apps.server.schemas import ChatCompletionRequest, CompletionRequest
 from edgespec.engine import make_options
-from edgespec.errors import ContextLengthError
+from edgespec.errors import ContextLengthError, EdgespecError
 from edgespec.modes import available_modes
 
-KEEPALIVE_S = 1.0  # SSE comment while a request waits: also notices a vanished client (see _sse)
+KEEPALIVE_S = 1.0  # seconds without an event before an SSE keep-alive comment (see _sse)
 FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 
 
@@ -130,14 +130,25 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": body.model}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _sse(job, base, chat, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await _collect(request, job, base, chat)
+        # Wait for the job's first event before choosing the status, so a request the
+        # engine rejects (e.g. a mode that needs a drafter) still gets a 4xx; meanwhile a
+        # client that gives up while queued cancels its job.
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            first = await job.out.get()
+            _raise_if_error(first)
+            if not body.stream:
+                return await _collect(job, first, base, chat)
+        finally:
+            watcher.cancel()
+            if not body.stream:
+                job.cancel()  # no-op when done
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(job, first, base, chat, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     return app
 
@@ -162,7 +173,7 @@ def _options(body, defaults: dict[str, Any]):
         "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p, "seed": body.seed,
         "mode": body.mode, "draft_tokens": body.draft_tokens,
     }
-    kw = {**defaults, **{k: v for k, v in req.items() if v is not None}}
+    kw = {**defaults, **{k: v for k, v in req.items() if v is not None}, **(body.mode_options or {})}
     mode = kw.get("mode", "auto")
     valid = ["auto", *available_modes()]
     if mode not in valid:
@@ -204,18 +215,24 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(job: Job, base: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _next(job: Job, first: list) -> tuple[str, object]:
+    return first.pop() if first else await job.out.get()
+
+
+async def _sse(job: Job, first_event, base: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events. Leaving this generator early (the client went away: Starlette
     cancels it) cancels the job, which frees the engine at its next token."""
-    finish = "length"
+    finish, first = "length", [first_event]
     try:
         if chat:
             yield _event({**base, "choices": [_choice(True, "", None, first=True)]})
         while True:
             try:
-                kind, payload = await asyncio.wait_for(job.out.get(), KEEPALIVE_S)
+                kind, payload = await asyncio.wait_for(_next(job, first), KEEPALIVE_S)
             except asyncio.TimeoutError:
-                yield ": keep-alive\n\n"  # SSE comment; clients ignore it
+                # An SSE comment (clients ignore it); under ASGI servers that do not report
+                # disconnects, this write is what notices a vanished client.
+                yield ": keep-alive\n\n"
                 continue
             if kind == "chunk":
                 if payload.text:
@@ -228,12 +245,21 @@ async def _sse(job: Job, base: dict, chat: bool, include_usage: bool) -> AsyncIt
                     yield _event({**base, "choices": [], "usage": _usage(job)})
                 yield "data: [DONE]\n\n"
                 return
-            else:
+            else:  # failed mid-stream: the status is sent already, so report in-band
                 yield _event(error_body(500, f"generation failed: {payload}", None, "generation_failed"))
                 yield "data: [DONE]\n\n"
                 return
     finally:
         job.cancel()  # no-op once done; otherwise stops a waiting or running job
+
+
+def _raise_if_error(event) -> None:
+    kind, payload = event
+    if kind != "error":
+        return
+    if isinstance(payload, (ValueError, EdgespecError)):  # e.g. the mode's own options
+        raise APIError(400, str(payload), None, "invalid_request")
+    raise APIError(500, f"generation failed: {type(payload).__name__}: {payload}", None, "generation_failed")
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -244,23 +270,17 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
             return
 
 
-async def _collect(request: Request, job: Job, base: dict, chat: bool) -> dict:
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    text, finish = [], "length"
-    try:
-        while True:
-            kind, payload = await job.out.get()
-            if kind == "chunk":
-                text.append(payload.text)
-                if payload.finish_reason:
-                    finish = FINISH.get(payload.finish_reason, "stop")
-            elif kind == "done":
-                break
-            else:
-                raise APIError(500, f"generation failed: {payload}", None, "generation_failed")
-    finally:
-        watcher.cancel()
-        job.cancel()
+async def _collect(job: Job, first_event, base: dict, chat: bool) -> dict:
+    text, finish, first = [], "length", [first_event]
+    while True:
+        event = await _next(job, first)
+        _raise_if_error(event)
+        kind, payload = event
+        if kind == "done":
+            break
+        text.append(payload.text)
+        if payload.finish_reason:
+            finish = FINISH.get(payload.finish_reason, "stop")
     obj = "chat.completion" if chat else "text_completion"
     return {**base, "object": obj, "choices": [_choice(chat, "".join(text), finish, final=True)],
             "usage": _usage(job), "edgespec": _stats(job)}

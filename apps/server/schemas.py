@@ -2,7 +2,7 @@
 
 `extra="forbid"`: an unknown field is an error naming it, never silently
 ignored. `strict=True`: "5" is not an integer and true is not a number.
-Fields beyond OpenAI's (`top_k`, `min_p`, `mode`, `draft_tokens`) are
+Fields beyond OpenAI's (`top_k`, `min_p`, `mode`, `draft_tokens`, `mode_options`) are
 edgespec extensions; with the openai client pass them in `extra_body`.
 """
 
@@ -61,6 +61,17 @@ class _Sampling(_Strict):
     # edgespec extensions
     mode: str | None = None
     draft_tokens: Annotated[int, Field(ge=1, le=16)] | Literal["auto"] | None = None
+    # Mode-specific settings, e.g. {"window": 5} for lookahead (checked by the mode).
+    mode_options: dict[str, int | float | str | bool] | None = None
+
+    @field_validator("mode_options")
+    @classmethod
+    def _check_mode_options(cls, v):
+        taken = set(cls.model_fields) | {"sampling", "options"}
+        clash = sorted(k for k in (v or {}) if k in taken)
+        if clash:
+            raise ValueError(f"mode_options may not set request fields: {', '.join(clash)}")
+        return v
 
     @field_validator("stop")
     @classmethod
