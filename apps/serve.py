@@ -24,9 +24,10 @@ def add_arguments(p) -> None:
     n.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but a loopback address exposes the model to the network")
     n.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
-    n.add_argument("--api-key", default=os.environ.get("EDGESPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EDGESPEC_API_KEY; "
-                   "none = no check)")
+    # The environment default is read in run(), so --help never prints a secret.
+    n.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 requests; unset: $EDGESPEC_API_KEY, "
+                   "and without either no check")
     n.add_argument("--max-queue", type=int, default=16,
                    help="requests allowed to wait behind the running one; more are refused with 503")
     n.add_argument("--model-id", default=None,
@@ -65,6 +66,8 @@ def run(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("EDGESPEC_API_KEY") or None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
     defaults = server_defaults(args)

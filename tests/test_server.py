@@ -298,3 +298,18 @@ def test_request_the_engine_rejects_is_a_400(server, stream):
     r = post(server, CHAT, {**OK_CHAT, "mode_options": {"max_tokens": 3}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode_options"
     assert post(server, COMP, OK_COMP).status_code == 200
+
+
+# ------------------------------------------------------------------ command line
+def test_cli_defaults_to_loopback_and_hides_the_key(monkeypatch):
+    from edgespec.apps.serve import is_loopback
+    from edgespec.cli import build_parser
+
+    monkeypatch.setenv("EDGESPEC_API_KEY", "sk-secret-value")
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    assert args.host == "127.0.0.1" and args.api_key is None
+    sub = parser._subparsers._group_actions[0].choices["serve"]
+    assert "sk-secret-value" not in sub.format_help()
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4") and not is_loopback("my.host")
