@@ -313,3 +313,21 @@ def test_cli_defaults_to_loopback_and_hides_the_key(monkeypatch):
     assert "sk-secret-value" not in sub.format_help()
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4") and not is_loopback("my.host")
+
+
+def test_openai_shaped_extras_accepted(server, engine):
+    """Content parts, developer role, neutral penalties, max_completion_tokens, user."""
+    body = {"model": "default", "max_completion_tokens": 6, "presence_penalty": 0.0, "frequency_penalty": 0,
+            "user": "u1", "n": 1,
+            "messages": [{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]}
+    r = post(server, CHAT, body)
+    assert r.status_code == 200, r.text
+    ref = engine.chat(MSGS, max_tokens=6).text  # developer == system; parts are concatenated
+    assert r.json()["choices"][0]["message"]["content"] == ref
+
+
+def test_oversized_body_is_refused(server):
+    r = post(server, COMP, {**OK_COMP, "prompt": "a" * (5 << 20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert post(server, COMP, OK_COMP).status_code == 200
