@@ -331,3 +331,30 @@ def test_oversized_body_is_refused(server):
     r = post(server, COMP, {**OK_COMP, "prompt": "a" * (5 << 20)})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     assert post(server, COMP, OK_COMP).status_code == 200
+
+
+def test_swift_example_request_shape(server, engine):
+    """The body docs/swift.md's ChatRequest encodes (nil optionals omitted), parsed line by
+    line as its client does."""
+    body = {"model": "default", "messages": MSGS, "stream": True, "max_tokens": 12,
+            "stream_options": {"include_usage": True}}
+    text, reasons, usage, stats = [], [], None, None
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=60,
+                      headers={**AUTH, "Accept": "text/event-stream"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line[6:] == "[DONE]":
+                break
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                text.append(choice["delta"].get("content") or "")
+                if choice["finish_reason"]:
+                    reasons.append(choice["finish_reason"])
+                    stats = chunk["edgespec"]
+    assert "".join(text) == engine.chat(MSGS, max_tokens=12).text
+    assert reasons == ["length"] and usage["completion_tokens"] == 12
+    assert {"mode", "acceptance_rate", "tokens_per_pass", "tokens_per_s", "queue_s"} <= set(stats)
