@@ -77,7 +77,6 @@ def run(args) -> int:
               file=sys.stderr)
 
     import uvicorn
-
     from edgespec.apps.common import load_engine
     from edgespec.apps.server import ServerSettings, create_app
 

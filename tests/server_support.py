@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 from conftest import make_tiny_model, make_tiny_tokenizer, tiny_args
-from mlx.utils import tree_flatten
-
 from edgespec.converters.bundle import atomic_folder, finish_manifest, write_model_files
+from mlx.utils import tree_flatten
 
 # seed 2, scale 4: varied text, no early EOS for short prompts (see test_server.py).
 TINY_SEED, TINY_SCALE = 2, 4.0

@@ -303,6 +303,7 @@ def test_request_the_engine_rejects_is_a_400(server, stream):
 # ------------------------------------------------------------------ command line
 def test_cli_defaults_to_loopback_and_hides_the_key(monkeypatch):
     from edgespec.apps.serve import is_loopback
+
     from edgespec.cli import build_parser
 
     monkeypatch.setenv("EDGESPEC_API_KEY", "sk-secret-value")

@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.apps.server.errors import APIError, error_body, install_error_handlers
+from edgespec.apps.server.scheduler import Job, QueueFull, Scheduler
+from edgespec.apps.server.schemas import ChatCompletionRequest, CompletionRequest
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from edgespec.apps.server.errors import APIError, error_body, install_error_handlers
-from edgespec.apps.server.scheduler import Job, QueueFull, Scheduler
-from edgespec.apps.server.schemas import ChatCompletionRequest, CompletionRequest
 from edgespec.engine import make_options
 from edgespec.errors import ContextLengthError, EdgespecError
 from edgespec.modes import available_modes
