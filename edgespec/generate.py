@@ -107,7 +107,7 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
     """Run the prompt through the model in chunks; returns logits of its last position (V,)."""
     logits = None
     for start in range(0, len(tokens), chunk):
-        piece = mx.array(tokens[start : start + chunk], dtype=mx.int32)[None]
+        piece = mx.array([int(t) for t in tokens[start : start + chunk]], dtype=mx.int32)[None]
         logits = model(piece, cache)
         if start + chunk < len(tokens):
             mx.eval([c.keys for c in cache if c.keys is not None])

@@ -113,3 +113,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("EDGESPEC_HOME", str(REPO / ".cache" / "edgespec"))
+
+
+def write_tiny_hf_folder(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A Hugging Face-style model folder (config.json, model.safetensors, tokenizer files)."""
+    import json
+
+    from mlx.utils import tree_flatten
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_model(seed, **overrides)
+    (folder / "config.json").write_text(json.dumps(model.args.to_dict()))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    make_tiny_tokenizer(model.args.vocab_size).save(folder)
+    return folder
+
+
+def write_tiny_bundle(folder: Path, seed: int = 0, **overrides) -> Path:
+    """An edgespec bundle of a tiny random model (via the real converter)."""
+    from edgespec.converters.convert import convert
+
+    src = write_tiny_hf_folder(folder.parent / f".{folder.name}-hf", seed, **overrides)
+    convert(src, folder, quantize="none", dtype="float32", progress=False)
+    return folder
