@@ -87,6 +87,8 @@ def test_bearer_token_required(server):
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server.url + "/v1/models").status_code == 401
+    # Checked before anything else: an unauthenticated bad body learns nothing about the body.
+    assert post(server, "/v1/chat/completions", None, headers={}, raw="{oops").status_code == 401
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -99,6 +101,7 @@ def test_chat_matches_python_api(client, engine):
     r = client.chat.completions.create(model="default", messages=MSGS, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].message.role == "assistant"
+    assert r.model == "tiny-test"  # the served model's id, whatever alias was asked for
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == len(engine.encode_prompt(messages=MSGS))
     assert r.usage.completion_tokens == 24 == len(ref.tokens)

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgespec.apps.server.errors import APIError, error_body, install_error_handlers
+from edgespec.apps.server.errors import APIError, error_body, error_response, install_error_handlers
 from edgespec.apps.server.scheduler import Job, QueueFull, Scheduler
 from edgespec.apps.server.schemas import ChatCompletionRequest, CompletionRequest
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -61,23 +61,20 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
     model_ids = (settings.model_id, "default")
 
     @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
+    async def _gate(request: Request, call_next):
+        # Runs before routing and body parsing: without the token nothing else is revealed
+        # (not even whether the body would have been valid).
+        if settings.api_key is not None and request.url.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                     settings.api_key.encode()):
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                      "with the key given to `edgespec serve --api-key`",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
-            return _json_error(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
+            return error_response(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
         return await call_next(request)
-
-    async def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                           "with the key given to `edgespec serve --api-key`", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    auth = [Depends(authorize)]
 
     @app.get("/health")
     async def health():
@@ -87,23 +84,23 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
     def model_card(mid: str) -> dict:
         return {"id": mid, "object": "model", "created": created, "owned_by": "edgespec"}
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_card(m) for m in model_ids]}
 
-    @app.get("/v1/models/{model}", dependencies=auth)
+    @app.get("/v1/models/{model}")
     async def get_model(model: str):
         _check_model(model, model_ids)
         return model_card(model)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         job = await _submit(body, messages=messages)
         return await _respond(request, body, job, chat=True)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         job = await _submit(body, prompt=body.prompt)
         return await _respond(request, body, job, chat=False)
@@ -129,7 +126,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
     async def _respond(request: Request, body, job: Job, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": body.model}
+                "created": int(time.time()), "model": settings.model_id}
         # Wait for the job's first event before choosing the status, so a request the
         # engine rejects (e.g. a mode that needs a drafter) still gets a 4xx; meanwhile a
         # client that gives up while queued cancels its job.
@@ -154,12 +151,6 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
 
 # ---------------------------------------------------------------------- helpers
-def _json_error(status, message, param=None, code=None):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
-
-
 def _check_model(model: str, model_ids) -> None:
     if model not in model_ids:
         raise APIError(404, f"model {model!r} is not served here; use one of: {', '.join(model_ids)}",
