@@ -1,0 +1,176 @@
+"""`edgespec bench`: measure every decoding mode's speed and acceptance on a prompt set."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+
+from edgespec.apps.common import add_model_arguments
+
+HELP = "measure speed, acceptance and memory of the decoding modes on a prompt set"
+DESCRIPTION = (
+    "Run each decoding mode over a prompt set (built-in: code, summarization, chat, translation; or "
+    "your JSONL), interleaving modes per prompt, with warm-up and repeats. Reports tokens/s, speedup "
+    "vs plain in the same run, acceptance, tokens per verifier pass, time split and peak memory per "
+    "mode and domain, checks that every mode reproduces plain's greedy output (exit code 3 if not), "
+    "recommends a mode, and writes report.json, report.md and PNG plots."
+)
+EXIT_MISMATCH = 3
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument(
+        "--prompts",
+        default=None,
+        help='JSONL prompt file, one {"prompt": str | "messages": [...], "domain": str, "max_tokens": int} '
+        "per line (default: the built-in set)",
+    )
+    g.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated mode specs NAME or NAME:KEY=VALUE:..., e.g. "
+        "'plain,speculative:draft_tokens=4,lookahead:W=5:N=3:G=5' (default: every registered mode; "
+        "plain is always added as the reference)",
+    )
+    g.add_argument("--domains", default=None, help="comma-separated domains to keep (default: all)")
+    g.add_argument("--per-domain", type=int, default=None, help="use at most this many prompts per domain")
+    g.add_argument("--max-tokens", type=int, default=128, help="reply length for prompts that set none")
+    g.add_argument("--repeats", type=int, default=3, help="measured runs of every (prompt, mode)")
+    g.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up rounds per mode")
+    g.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="0 = greedy (enables the equality check); >0 samples")
+    g.add_argument("--seed", type=int, default=None, help="random seed when sampling")
+    g.add_argument("--raw", action="store_true", help="feed 'prompt' text as is, without the chat template")
+    g.add_argument("--out", default="bench-out", help="folder for report.json, report.md and the PNG plots")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _csv(text: str | None) -> list[str] | None:
+    return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+
+def reproduce_command(args) -> str:
+    """The command line that reruns this benchmark (defaults left out)."""
+    parts = ["edgespec", "bench"]
+    for flag, value, default in (
+        ("--model", args.model, None),
+        ("--drafter", args.drafter, None),
+        ("--prompts", args.prompts, None),
+        ("--modes", args.modes, None),
+        ("--domains", args.domains, None),
+        ("--per-domain", args.per_domain, None),
+        ("--max-tokens", args.max_tokens, None),
+        ("--repeats", args.repeats, None),
+        ("--warmup", args.warmup, None),
+        ("--temperature", args.temperature, 0.0),
+        ("--seed", args.seed, None),
+        ("--out", args.out, None),
+    ):
+        if value is not None and value != default:
+            parts += [flag, str(value)]
+    parts += [f for f, on in (("--raw", args.raw), ("--no-plots", args.no_plots)) if on]
+    cmd = shlex.join(parts)
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "openblas" in preload.lower():
+        cmd = f"LD_PRELOAD={shlex.quote(preload)} {cmd}"
+    return cmd
+
+
+def machine_info() -> dict:
+    import platform
+
+    import mlx.core as mx
+
+    info = {
+        "platform": platform.platform(terse=True),
+        "cpus": os.cpu_count(),
+        "device": str(mx.default_device()),
+        "mlx": getattr(mx, "__version__", "?"),
+    }
+    if "openblas" in os.environ.get("LD_PRELOAD", "").lower():
+        info["blas"] = "OpenBLAS (preloaded)"
+    return info
+
+
+def run(args) -> int:
+    from edgespec.apps.common import load_engine
+    from edgespec.benchmark import build_report, load_prompts, parse_mode_specs, run_benchmark, select_prompts
+    from edgespec.benchmark.format import format_markdown, format_table, problems, summary_lines
+    from edgespec.modes import available_modes
+    from edgespec.progress import progress_bar
+
+    # Validate everything cheap before loading the model.
+    specs = parse_mode_specs(args.modes, available_modes())
+    prompts = select_prompts(load_prompts(args.prompts), _csv(args.domains), args.per_domain)
+    os.makedirs(args.out, exist_ok=True)
+    engine = load_engine(args, progress=not args.quiet)
+
+    registered = set(available_modes()) | {"auto"}
+    n_modes = sum(s.mode in registered for s in specs)
+    total = n_modes * (args.warmup + args.repeats * len(prompts))
+    with progress_bar(total=total, desc="bench", unit="gen", enable=not args.quiet) as bar:
+
+        def on_progress(n: int, desc: str) -> None:
+            bar.set_description_str(desc[:40])
+            bar.update(n)
+
+        run_ = run_benchmark(
+            engine,
+            prompts,
+            specs,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            temperature=args.temperature,
+            seed=args.seed,
+            chat=not args.raw,
+            on_progress=on_progress,
+        )
+    path = getattr(engine.loaded, "path", None)
+    meta = dict(
+        command=reproduce_command(args),
+        model=str(path) if path else (args.model or "default"),
+        model_name=os.path.basename(str(path)) if path else "model",
+        drafter=getattr(engine.drafter, "name", None) or (args.drafter if engine.drafter is not None else None),
+        machine=machine_info(),
+    )
+    report = build_report(run_, meta)
+    plots = [] if args.no_plots else _write_plots(report, args.out)
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(format_markdown(report, plots))
+
+    print(format_table(report))
+    print()
+    for line in summary_lines(report):
+        print(line)
+    for line in problems(report):
+        print(("!! " if line.startswith("BUG") else "note: ") + line, file=sys.stderr)
+    print(f"wrote {args.out}/report.json, report.md" + "".join(f", {p}" for p in plots))
+    if report["equality"]["mismatches"]:
+        print(
+            f"!! {len(report['equality']['mismatches'])} greedy output(s) differ from plain: a decoding bug "
+            "(see the list above and report.json 'equality')",
+            file=sys.stderr,
+        )
+        return EXIT_MISMATCH
+    return 0
+
+
+def _write_plots(report: dict, out: str) -> list[str]:
+    from edgespec.benchmark.plots import write_plots
+
+    return write_plots(report, out)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from edgespec.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))
+

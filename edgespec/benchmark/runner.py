@@ -1,0 +1,232 @@
+"""Run decoding modes over a prompt set: warm-up, interleaved repeats, equality check.
+
+Modes are interleaved per prompt (plain, A, B on prompt 1; A, B, plain on
+prompt 2; ...) so slow drifts of the machine (thermal throttling, other
+processes) hit every mode alike instead of whichever ran last. Under greedy
+decoding every mode must reproduce the plain tokens exactly; a difference is
+a bug and is recorded as a mismatch, never averaged into the numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from edgespec.benchmark.prompts import BenchPrompt
+from edgespec.benchmark.specs import ModeSpec
+from edgespec.modes import available_modes
+
+
+@dataclass
+class RunRecord:
+    """One measured generation of one prompt by one mode spec."""
+
+    label: str
+    prompt_index: int
+    domain: str
+    repeat: int
+    tokens: list[int]
+    finish_reason: str
+    wall_s: float  # end to end, prompt encoding excluded
+    stats: dict  # GenerationStats.as_dict()
+
+    def compact(self) -> dict:
+        """JSON-friendly record without the token ids."""
+        s = {k: v for k, v in self.stats.items() if k != "notes"}
+        return dict(
+            label=self.label,
+            prompt_index=self.prompt_index,
+            domain=self.domain,
+            repeat=self.repeat,
+            finish_reason=self.finish_reason,
+            wall_s=self.wall_s,
+            **s,
+        )
+
+
+@dataclass
+class Mismatch:
+    label: str
+    prompt_index: int
+    domain: str
+    repeat: int
+    position: int  # first differing token index
+    expected: int | None  # plain's token there (None: plain's output ended)
+    got: int | None
+    expected_len: int
+    got_len: int
+
+
+@dataclass
+class BenchRun:
+    specs: list[ModeSpec]
+    prompts: list[BenchPrompt]
+    settings: dict
+    records: list[RunRecord] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)  # label -> reason
+    errors: dict[str, str] = field(default_factory=dict)  # label -> first error
+    mismatches: list[Mismatch] = field(default_factory=list)
+    equality: dict = field(default_factory=dict)  # {"checked": bool, "reason": str, "comparisons": int}
+
+    def status(self, label: str) -> str:
+        if label in self.unavailable:
+            return "unavailable"
+        if label in self.errors:
+            return "error"
+        if any(m.label == label for m in self.mismatches):
+            return "mismatch"
+        return "ok"
+
+
+def encode(engine, p: BenchPrompt, chat: bool) -> list[int]:
+    """Token ids of a bench prompt: chat-templated unless raw (messages always are)."""
+    if p.messages is not None:
+        return engine.encode_prompt(messages=p.messages)
+    if chat and engine.tokenizer.chat_template:
+        return engine.encode_prompt(messages=[{"role": "user", "content": p.prompt}])
+    return engine.encode_prompt(p.prompt)
+
+
+def run_benchmark(
+    engine,
+    prompts: list[BenchPrompt],
+    specs: list[ModeSpec],
+    *,
+    max_tokens: int = 128,
+    repeats: int = 1,
+    warmup: int = 1,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    chat: bool = True,
+    on_progress: Callable[[int, str], None] | None = None,
+) -> BenchRun:
+    """Measure every spec on every prompt `repeats` times after `warmup` rounds.
+
+    specs[0] must be the plain reference (see specs.parse_mode_specs).
+    `on_progress(n_done, description)` is called after each generation (and
+    with the count of skipped generations when a mode drops out).
+    """
+    from edgespec.engine import make_options
+
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    if not specs or not specs[0].is_reference:
+        raise ValueError("the first mode spec must be the plain reference")
+    for name, v, lo in (("repeats", repeats, 1), ("warmup", warmup, 0), ("max_tokens", max_tokens, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    progress = on_progress or (lambda n, desc: None)
+    greedy = temperature == 0.0
+    run = BenchRun(
+        specs=specs,
+        prompts=prompts,
+        settings=dict(
+            max_tokens=max_tokens, repeats=repeats, warmup=warmup, temperature=temperature, seed=seed, chat=chat
+        ),
+    )
+    registered = set(available_modes()) | {"auto"}
+    active: list[ModeSpec] = []
+    for s in specs:
+        if s.mode in registered:
+            active.append(s)
+        else:
+            run.unavailable[s.label] = (
+                f"mode {s.mode!r} is not registered in this build; available: {', '.join(sorted(registered))}"
+            )
+    ids = [encode(engine, p, chat) for p in prompts]
+
+    def options(spec: ModeSpec, p: BenchPrompt):
+        return make_options(
+            max_tokens=p.max_tokens or max_tokens,
+            temperature=temperature,
+            seed=seed,
+            mode=spec.mode,
+            draft_tokens=spec.draft_tokens,
+            **spec.options,
+        )
+
+    def generate(spec: ModeSpec, i: int):
+        t0 = time.perf_counter()
+        res = engine.generate(ids[i], options=options(spec, prompts[i]))
+        return res, time.perf_counter() - t0
+
+    def drop(spec: ModeSpec, err: BaseException, remaining: int):
+        run.errors[spec.label] = f"{type(err).__name__}: {err}"
+        active.remove(spec)
+        if remaining:
+            progress(remaining, spec.label)
+
+    n_measured = repeats * len(prompts)
+    # Warm-up: compile kernels, fill allocator pools, and find modes that cannot run at all.
+    for w in range(warmup):
+        for spec in list(active):
+            try:
+                generate(spec, w % len(prompts))
+            except Exception as e:  # a broken mode is reported, not fatal
+                drop(spec, e, (warmup - w) + n_measured)  # this round's too
+                continue
+            progress(1, f"warm-up {spec.label}")
+
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            k = (i + r) % max(len(active), 1)
+            for spec in active[k:] + active[:k]:
+                if spec not in active:
+                    continue  # dropped earlier in this rotation
+                try:
+                    res, wall = generate(spec, i)
+                except Exception as e:
+                    drop(spec, e, n_measured - (r * len(prompts) + i))
+                    continue
+                run.records.append(
+                    RunRecord(spec.label, i, p.domain, r, list(res.tokens), res.finish_reason, wall, res.stats.as_dict())
+                )
+                progress(1, f"{p.domain} {spec.label}")
+
+    check_equality(run, greedy)
+    return run
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for j, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return j
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_equality(run: BenchRun, greedy: bool) -> None:
+    """Compare every record's tokens with plain's first run of the same prompt (greedy only)."""
+    ref = run.specs[0].label
+    if not greedy:
+        run.equality = dict(checked=False, reason="sampling (temperature > 0): outputs legitimately differ", comparisons=0)
+        return
+    if ref in run.errors:
+        run.equality = dict(checked=False, reason=f"the plain reference failed: {run.errors[ref]}", comparisons=0)
+        return
+    expected: dict[int, list[int]] = {}
+    for rec in run.records:
+        if rec.label == ref and rec.prompt_index not in expected:
+            expected[rec.prompt_index] = rec.tokens
+    n = 0
+    for rec in run.records:
+        want = expected.get(rec.prompt_index)
+        if want is None:
+            continue
+        n += 1
+        j = _first_difference(want, rec.tokens)
+        if j is not None:
+            run.mismatches.append(
+                Mismatch(
+                    label=rec.label,
+                    prompt_index=rec.prompt_index,
+                    domain=rec.domain,
+                    repeat=rec.repeat,
+                    position=j,
+                    expected=want[j] if j < len(want) else None,
+                    got=rec.tokens[j] if j < len(rec.tokens) else None,
+                    expected_len=len(want),
+                    got_len=len(rec.tokens),
+                )
+            )
+    run.equality = dict(checked=True, reason="greedy: every mode must reproduce plain token for token", comparisons=n)
