@@ -36,8 +36,6 @@ def shipped_drafter_path(engine) -> Path | None:
 
 def _bundle_drafter(engine):
     """The bundle's own drafter: Core ML (drafter.mlpackage) when it runs here, else drafter/ in MLX."""
-    from edgespec.drafters.mlx_drafter import MLXDrafter
-
     path = engine.loaded.path
     if path is None or not Path(path).is_dir():
         return None
@@ -55,7 +53,7 @@ def _bundle_drafter(engine):
                 if folder.is_dir():
                     engine.drafter_notes = getattr(engine, "drafter_notes", []) + [note]
     if folder.is_dir():
-        return MLXDrafter.load(folder, engine)
+        return _model_drafter(folder, engine)
     return None
 
 
@@ -67,9 +65,7 @@ def load_drafter(engine, spec):
             return d
         shipped = shipped_drafter_path(engine)
         if shipped is not None:
-            from edgespec.drafters.mlx_drafter import MLXDrafter
-
-            return MLXDrafter.load(shipped, engine)
+            return _model_drafter(shipped, engine)
         return None
     if not isinstance(spec, (str, Path)):
         raise ValueError(f"drafter must be None, 'none', 'self', 'prompt_lookup' or a path, got {spec!r}")
@@ -95,6 +91,15 @@ def load_drafter(engine, spec):
         from edgespec.drafters.coreml import CoreMLDrafter
 
         return CoreMLDrafter.load(path, engine)
+    return _model_drafter(path, engine)
+
+
+def _model_drafter(path: Path, engine):
+    """MLX drafter folder: a distilled one (reduced vocab, vocab_map.json) or a plain model."""
+    from edgespec.drafters.distilled import DistilledDrafter, is_distilled_folder
+
+    if is_distilled_folder(path):
+        return DistilledDrafter.load(path, engine)
     from edgespec.drafters.mlx_drafter import MLXDrafter
 
     return MLXDrafter.load(path, engine)
