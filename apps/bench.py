@@ -33,8 +33,9 @@ def add_arguments(p) -> None:
         "--modes",
         default=None,
         help="comma-separated mode specs NAME or NAME:KEY=VALUE:..., e.g. "
-        "'plain,speculative:draft_tokens=4,lookahead:W=5:N=3:G=5' (default: every registered mode; "
-        "plain is always added as the reference)",
+        "'plain,speculative:draft_tokens=4,speculative:drafter=self,lookahead:window=5:ngram=3' "
+        "(drafter=SPEC attaches that drafter for the one spec; default: every registered mode; plain is "
+        "always added as the reference)",
     )
     g.add_argument("--domains", default=None, help="comma-separated domains to keep (default: all)")
     g.add_argument("--per-domain", type=int, default=None, help="use at most this many prompts per domain")
@@ -136,7 +137,8 @@ def run(args) -> int:
         command=reproduce_command(args),
         model=str(path) if path else (args.model or "default"),
         model_name=os.path.basename(str(path)) if path else "model",
-        drafter=getattr(engine.drafter, "name", None) or (args.drafter if engine.drafter is not None else None),
+        drafter=args.drafter,  # the --drafter spec (for the recommended command line)
+        drafter_name=getattr(engine.drafter, "name", None),
         machine=machine_info(),
     )
     report = build_report(run_, meta)

@@ -223,6 +223,21 @@ def test_sampling_skips_equality_check():
     assert run.equality["checked"] is False and not run.mismatches
 
 
+def test_per_spec_drafter_is_attached_for_that_spec_only():
+    if "speculative" not in available_modes():
+        pytest.skip("the speculative mode is not part of this build")
+    engine = make_tiny_engine(scale=3.0)
+    assert engine.drafter is None
+    specs = parse_mode_specs("speculative:drafter=prompt_lookup:draft_tokens=3,speculative", available_modes())
+    run = run_benchmark(engine, tiny_prompts(), specs, max_tokens=10, warmup=0, chat=False)
+    report = build_report(run)
+    assert report["status"]["speculative:drafter=prompt_lookup:draft_tokens=3"] == "ok"
+    assert report["modes"][1]["settings"] == {"draft_tokens": 3, "drafter": "prompt_lookup"}
+    assert report["status"]["speculative"] == "error"  # no drafter on the engine itself
+    assert engine.drafter is None  # restored
+    assert not report["equality"]["mismatches"]
+
+
 # ---------------------------------------------------------------- CLI
 def test_cli_writes_report_and_exits_nonzero_on_mismatch(test_modes, tmp_path, monkeypatch, capsys):
     import edgespec.apps.common as common

@@ -124,7 +124,7 @@ def format_markdown(report: dict, plots: list[str] | None = None) -> str:
     if meta.get("command"):
         md += ["Reproduce with:", "", "```sh", meta["command"], "```", ""]
     md.append(
-        f"Model: `{meta.get('model', '?')}`; drafter: `{meta.get('drafter') or 'none'}`; "
+        f"Model: `{meta.get('model', '?')}`; drafter: `{meta.get('drafter_name') or 'none'}`; "
         f"{len(report['prompts'])} prompts in {len(report['domains'])} domains; max_tokens {st['max_tokens']}, "
         f"{st['repeats']} repeat(s) after {st['warmup']} warm-up round(s); temperature {st['temperature']}."
     )

@@ -140,6 +140,7 @@ def recommend(report: dict, drafter: str | None = None) -> dict:
     settings = dict(spec["settings"])
     if "draft_tokens" in settings:
         cli.append(f"--draft-tokens {settings.pop('draft_tokens')}")
+    drafter = settings.pop("drafter", None) or drafter
     if spec["mode"] == "speculative" and drafter:
         cli.append(f"--drafter {drafter}")
     if label == ref:
@@ -191,7 +192,14 @@ def build_report(run: BenchRun, meta: dict | None = None) -> dict:
         domains=doms,
         prompts=[dict(id=p.id, domain=p.domain, preview=p.preview(), line=p.line) for p in run.prompts],
         modes=[
-            dict(label=s.label, mode=s.mode, draft_tokens=s.draft_tokens, options=s.options, settings=s.settings)
+            dict(
+                label=s.label,
+                mode=s.mode,
+                draft_tokens=s.draft_tokens,
+                drafter=s.drafter,
+                options=s.options,
+                settings=s.settings,
+            )
             for s in run.specs
         ],
         status={s.label: run.status(s.label) for s in run.specs},

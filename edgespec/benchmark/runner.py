@@ -146,10 +146,22 @@ def run_benchmark(
             **spec.options,
         )
 
+    drafters: dict[str, object] = {}  # per-spec drafters, loaded once, by drafter spec
+
     def generate(spec: ModeSpec, i: int):
-        t0 = time.perf_counter()
-        res = engine.generate(ids[i], options=options(spec, prompts[i]))
-        return res, time.perf_counter() - t0
+        default = engine.drafter
+        if spec.drafter is not None:
+            if spec.drafter not in drafters:
+                from edgespec.drafters import load_drafter
+
+                drafters[spec.drafter] = load_drafter(engine, spec.drafter)
+            engine.drafter = drafters[spec.drafter]
+        try:
+            t0 = time.perf_counter()
+            res = engine.generate(ids[i], options=options(spec, prompts[i]))
+            return res, time.perf_counter() - t0
+        finally:
+            engine.drafter = default
 
     def drop(spec: ModeSpec, err: BaseException, remaining: int):
         run.errors[spec.label] = f"{type(err).__name__}: {err}"
@@ -184,6 +196,9 @@ def run_benchmark(
                 )
                 progress(1, f"{p.domain} {spec.label}")
 
+    for d in drafters.values():
+        if d is not None and d is not engine.drafter:
+            d.close()
     check_equality(run, greedy)
     return run
 

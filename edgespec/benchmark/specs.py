@@ -2,8 +2,10 @@
 
 A mode spec is `NAME` or `NAME:KEY=VALUE:KEY=VALUE`, and a list of them is
 comma-separated, e.g. `plain,speculative:draft_tokens=4,lookahead:W=5:N=3:G=5`.
-`draft_tokens` sets GenerateOptions.draft_tokens; every other key goes into
-mode_options. Values are parsed as int, float, true/false, else kept as text.
+`draft_tokens` sets GenerateOptions.draft_tokens; `drafter` (none, self,
+prompt_lookup or a path, as `--drafter`) attaches that drafter for this spec
+only, so `speculative:drafter=self,speculative` compares two drafters in one
+run; every other key goes into mode_options. Values are parsed as int, float, true/false, else kept as text.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ class ModeSpec:
     mode: str  # registered mode name (or "auto")
     draft_tokens: int | str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
+    drafter: str | None = None  # None = the engine's drafter
 
     @property
     def settings(self) -> dict[str, Any]:
-        """All user-set knobs (draft_tokens included when not 'auto')."""
+        """All user-set knobs (draft_tokens included when not 'auto', drafter when set)."""
         d = {} if self.draft_tokens == "auto" else {"draft_tokens": self.draft_tokens}
+        if self.drafter is not None:
+            d["drafter"] = self.drafter
         d.update(self.options)
         return d
 
@@ -51,6 +56,7 @@ def parse_mode_spec(text: str) -> ModeSpec:
     if not name:
         raise ValueError(f"empty mode name in mode spec {text!r}; expected NAME or NAME:KEY=VALUE:...")
     draft_tokens: int | str = "auto"
+    drafter = None
     options: dict[str, Any] = {}
     for kv in parts[1:]:
         key, eq, raw = kv.partition("=")
@@ -60,10 +66,12 @@ def parse_mode_spec(text: str) -> ModeSpec:
         value = _value(raw.strip())
         if key == "draft_tokens":
             draft_tokens = value
+        elif key == "drafter":
+            drafter = raw.strip()
         else:
             options[key] = value
     label = ":".join([name] + [p for p in parts[1:]])
-    spec = ModeSpec(label=label, mode=name, draft_tokens=draft_tokens, options=options)
+    spec = ModeSpec(label=label, mode=name, draft_tokens=draft_tokens, options=options, drafter=drafter)
     # Validate the knobs now (before a model is loaded): GenerateOptions checks draft_tokens.
     from edgespec.engine import make_options
 
