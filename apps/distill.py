@@ -1,0 +1,96 @@
+"""`edgespec distill`: train a small drafter that imitates a verifier."""
+
+from __future__ import annotations
+
+import sys
+
+HELP = "train a small drafter for a verifier by distillation (KL to its top-k)"
+DESCRIPTION = (
+    "Run the verifier over prompts (built-in code/chat/summarization/translation set, or --data), "
+    "record its greedy continuations and top-k log-probs, and train a small Llama-style drafter "
+    "with a reduced output vocabulary to match them. Long stages show progress and ETA, "
+    "checkpoint into a work folder (--resume continues), and the drafter folder (config.json, "
+    "model.safetensors, vocab_map.json, MODEL_CARD.md) is written atomically at the end."
+)
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--init-layers takes comma-separated layer indices, got {s!r}") from None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--verifier", default=None, help="verifier bundle / HF folder / GGUF (default: the default model)")
+    p.add_argument("--out", required=True, help="drafter folder to write")
+    p.add_argument("--data", default=None, help="your prompts: JSONL with 'prompt' (answered by the verifier) or "
+                   "'text' (scored as is) per line, optional 'domain'; or .txt, one prompt per line "
+                   "(default: the built-in varied prompt set)")
+    p.add_argument("--heldout", default=None, help="held-out prompts for the acceptance measurement (same format; "
+                   "default: the built-in held-out set)")
+    p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
+    p.add_argument("--hidden", type=int, default=None, help="drafter width (default: the verifier's, so its "
+                   "weights can be copied; another width starts from random weights)")
+    p.add_argument("--init-layers", type=_int_list, default=None, help="verifier layers to copy into the drafter's, "
+                   "comma-separated (default: spread evenly, first and last)")
+    p.add_argument("--vocab", type=int, default=8192, help="reduced output vocabulary size (slot 0 = other tokens)")
+    p.add_argument("--steps", type=int, default=600, help="training steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, warmup then cosine)")
+    p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data order")
+    p.add_argument("--max-new", type=int, default=96, help="tokens the verifier generates per prompt")
+    p.add_argument("--topk", type=int, default=8, help="verifier log-probs recorded per position")
+    p.add_argument("--gen-batch", type=int, default=48, help="prompts the verifier answers per batch")
+    p.add_argument("--checkpoint-every", type=int, default=25, help="training steps between checkpoints")
+    p.add_argument("--work", default=None, help="work folder for data and checkpoints (default: OUT.work)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its work folder")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance and cost measurement")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def run(args) -> int:
+    from edgespec.converters.distill.pipeline import DistillConfig, distill, recipe_line
+    from edgespec.converters.distill.train import TrainConfig
+
+    verifier = args.verifier
+    if verifier is None:
+        from edgespec.default_model import default_bundle_path
+
+        verifier = default_bundle_path(progress=not args.quiet)
+    cfg = DistillConfig(
+        layers=args.layers, hidden=args.hidden, vocab=args.vocab, init_layers=args.init_layers,
+        max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch, evaluate=not args.no_eval,
+        train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                          checkpoint_every=args.checkpoint_every),
+    )
+    from tqdm import tqdm
+
+    state: dict = {}
+
+    def progress(stage, done, total, note):
+        if args.quiet:
+            return
+        if state.get("stage") != stage:  # one live bar per stage; ETA counts from where it resumed
+            if state.get("bar") is not None:
+                state["bar"].close()
+            unit = "step" if stage == "train" else "it"
+            state.update(stage=stage, bar=tqdm(total=total, initial=max(0, done - 1), desc=stage, unit=unit,
+                                               file=sys.stderr, dynamic_ncols=True))
+        bar = state["bar"]
+        bar.update(done - bar.n)
+        bar.set_postfix_str(note)
+
+    try:
+        info = distill(verifier, args.out, cfg, prompts=args.data, heldout=args.heldout, work=args.work,
+                       resume=args.resume, force=args.force, recipe=recipe_line(sys.argv[2:]), progress=progress)
+    finally:
+        if state.get("bar") is not None:
+            state["bar"].close()
+    print(f"wrote {args.out} ({info['size_mb']:.1f} MB, {info['params'] / 1e6:.1f} M params, vocab {info['vocab_n']})")
+    for dom, a in sorted((info.get("acceptance") or {}).items()):
+        print(f"  acceptance {dom}: {a['accepted']}/{a['drafted']} = {a['rate']:.3f}")
+    if info.get("cost"):
+        print(f"  draft step / verifier step: {info['cost']['ratio_step']:.1%}")
+    return 0

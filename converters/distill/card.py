@@ -1,0 +1,75 @@
+"""MODEL_CARD.md for a distilled drafter: data, size, acceptance by domain, cost, recipe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _table(acc: dict[str, dict[str, float]]) -> str:
+    rows = ["| domain | accepted / drafted | rate | tokens per verifier pass |", "| --- | --- | --- | --- |"]
+    for d in sorted(acc, key=lambda d: (d == "all", d)):
+        a = acc[d]
+        rows.append(f"| {d} | {a['accepted']} / {a['drafted']} | {a['rate']:.3f} | {a['tokens_per_round']:.2f} |")
+    return "\n".join(rows)
+
+
+def model_card(info: dict[str, Any]) -> str:
+    """Markdown from the facts `edgespec distill` gathered (keys used below)."""
+    cost = info.get("cost")
+    cost_txt = (
+        f"One draft step takes {cost['draft_step_s'] * 1e3:.2f} ms; one verifier decode step "
+        f"{cost['verifier_step_s'] * 1e3:.2f} ms and one verify pass of K+1={info['k'] + 1} tokens "
+        f"{cost['verify_pass_s'] * 1e3:.2f} ms, measured interleaved on {info.get('machine', 'this machine')} "
+        f"at a {info.get('cost_context', '?')}-token context. **Draft step / verifier step = "
+        f"{cost['ratio_step']:.1%}** (/ verify pass = {cost['ratio_pass']:.1%})."
+        if cost
+        else "Not measured."
+    )
+    acc = info.get("acceptance")
+    return f"""# Distilled drafter for {info['verifier_name']}
+
+A small Llama-family drafter trained by `edgespec distill` to imitate its verifier
+for lossless speculative decoding. It shares the verifier's tokenizer (vocab hash
+`{info['vocab_hash']}`) but predicts only a reduced output vocabulary of
+{info['vocab_n']} slots (`vocab_map.json`: slot 0 = "any other token", slots 1.. =
+full token ids). `edgespec.drafters.distilled.DistilledDrafter` maps inputs to the
+reduced ids and expands q to the full vocabulary with q = 0 outside the kept set,
+which keeps rejection sampling exact (the verifier's residual covers those tokens).
+
+## Architecture and size
+- {info['layers']} decoder layer(s), hidden {info['hidden']}, {info['heads']} heads / {info['kv_heads']} KV heads,
+  MLP {info['intermediate']}, tied embedding/head over {info['vocab_n']} tokens; {info['params'] / 1e6:.2f} M parameters.
+- Weights fp16: {info['size_mb']:.1f} MB on disk. Initialised from the verifier: embedding rows
+  of the kept tokens, layers {info['init_layers']}, final norm.
+- Size choice: {info.get('size_reason', '')}
+
+## Training data
+- Prompts: {info['n_prompts']} ({info['domains']}) from `{info['prompts']}`.
+- The verifier answered each greedily (up to {info['max_new']} new tokens); at each generated
+  position its top-{info['topk']} log-probabilities were recorded: {info['n_targets']} target positions.
+- Reduced vocabulary coverage of the verifier's greedy tokens: {info['coverage_train']:.1%} (training data),
+  {info.get('coverage_heldout', float('nan')):.1%} (held-out).
+
+## Training
+KL to the verifier's top-{info['topk']} distribution (renormalised), AdamW, lr {info['lr']} (warmup
+{info['warmup']}, cosine to 10%), {info['steps']} steps of {info['batch_size']} sequences,
+seed {info['seed']}; final loss {info.get('final_loss', float('nan')):.3f}. Wall time {info.get('train_minutes', float('nan')):.0f} min
+(data {info.get('data_minutes', float('nan')):.0f} min) on {info.get('machine', 'this machine')}.
+
+## Held-out acceptance (greedy, K={info['k']}, accepted / drafted)
+Prompts not used in training (`{info.get('heldout', '')}`); simulated exactly on the verifier's
+greedy continuations.
+
+{_table(acc) if acc else 'Not measured.'}
+
+## Cost
+{cost_txt}
+
+## Limitations
+{info.get('limitations', '')}
+
+## Recipe
+```
+{info['recipe']}
+```
+"""

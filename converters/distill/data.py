@@ -1,0 +1,202 @@
+"""Distillation data: the verifier's own greedy continuations and its top-k log-probs.
+
+For every prompt the verifier generates greedily (batched, left-padded) and at each
+step records the k most likely next tokens with their log-probabilities (temperature
+1, unfiltered): the drafter is later trained to match that distribution (KL), not
+only the argmax. "text" items are scored teacher-forced in one pass instead.
+
+On disk (`DATA/`): meta.json (settings + verifier identity) and shard-NNNNN.npz
+files, each written atomically; a rerun skips shards that exist, so an interrupted
+build resumes where it stopped and yields the same data.
+
+Example layout: tokens (L,) int32; targets start at `start`: row j of
+topk_ids/topk_lp (L-start, k) is the verifier's distribution for tokens[start+j]
+given tokens[:start+j] (row j's first id is the greedy token itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from edgespec.converters.distill.prompts import PromptItem, encode_item
+
+FORMAT = "edgespec-distill-data"
+
+
+@dataclass
+class Example:
+    tokens: np.ndarray  # (L,) int32
+    start: int
+    topk_ids: np.ndarray  # (L - start, k) int32
+    topk_lp: np.ndarray  # (L - start, k) float16
+    domain: str
+
+
+def _topk(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """logits (..., V) -> (ids, log-probs), each (..., k), sorted by decreasing probability."""
+    lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[..., :k]
+    val = mx.take_along_axis(lp, idx, axis=-1)
+    order = mx.argsort(-val, axis=-1)
+    idx, val = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(val, order, axis=-1)
+    return np.array(idx, dtype=np.int32), np.array(val, dtype=np.float16)
+
+
+def generate_batch(model, prompts: list[list[int]], max_new: int, k: int, eos_ids: set[int]):
+    """Greedy continuations of B prompts in one batch.
+
+    Prompts are left-padded to the longest (P); a per-row boolean mask (B, 1, T, S)
+    hides the padding. RoPE depends only on relative positions, so the shift left
+    padding causes does not change any score. Returns per row (gen ids, topk ids, topk lp).
+    """
+    B, P = len(prompts), max(len(p) for p in prompts)
+    S = P + max_new
+    x = np.zeros((B, P), np.int32)
+    valid = np.zeros((B, S), bool)  # which key positions hold real tokens
+    for b, p in enumerate(prompts):
+        x[b, P - len(p) :] = p
+        valid[b, P - len(p) : P] = True
+    # Pad query rows attend to themselves only, so no row is fully masked (0 * NaN).
+    m = np.tril(np.ones((P, P), bool))[None] & valid[:, None, :P]
+    m |= np.eye(P, dtype=bool)[None]
+    cache = model.make_cache()
+    logits = model(mx.array(x), cache=cache, mask=mx.array(m[:, None]))[:, -1]  # (B, V)
+    out = [([], [], []) for _ in range(B)]
+    done = np.zeros(B, bool)
+    for t in range(max_new):
+        ids, lps = _topk(logits, k)  # (B, k)
+        tok = ids[:, 0]
+        for b in np.nonzero(~done)[0]:
+            out[b][0].append(int(tok[b]))
+            out[b][1].append(ids[b])
+            out[b][2].append(lps[b])
+            if int(tok[b]) in eos_ids:
+                done[b] = True
+        if done.all() or t == max_new - 1:
+            break
+        valid[:, P + t] = True
+        mask = mx.array(valid[:, None, None, : P + t + 1])  # (B, 1, 1, S)
+        logits = model(mx.array(tok[:, None]), cache=cache, mask=mask)[:, -1]
+    return [(g, np.stack(i), np.stack(lp)) for g, i, lp in out]
+
+
+def score_text(model, tokens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced top-k for tokens[1:] given their prefixes: (L-1, k) each."""
+    logits = model(mx.array([tokens]))[0, :-1]
+    return _topk(logits, k)
+
+
+def _items_hash(items: list[PromptItem]) -> str:
+    blob = json.dumps([[i.text, i.domain, i.kind] for i in items]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _save_shard(path: Path, examples: list[Example]) -> None:
+    lens = [len(e.tokens) for e in examples]
+    tmp = path.with_name(path.name + ".part.npz")
+    np.savez(
+        tmp,
+        tokens=np.concatenate([e.tokens for e in examples]).astype(np.int32),
+        lens=np.array(lens, np.int32),
+        starts=np.array([e.start for e in examples], np.int32),
+        topk_ids=np.concatenate([e.topk_ids for e in examples]).astype(np.int32),
+        topk_lp=np.concatenate([e.topk_lp for e in examples]).astype(np.float16),
+        domains=np.array([e.domain for e in examples]),
+    )
+    os.replace(tmp, path)
+
+
+def _load_shard(path: Path) -> list[Example]:
+    z = np.load(path)
+    out, t0, r0 = [], 0, 0
+    for n, s, d in zip(z["lens"], z["starts"], z["domains"], strict=True):
+        n, s = int(n), int(s)
+        out.append(Example(z["tokens"][t0 : t0 + n], s, z["topk_ids"][r0 : r0 + n - s], z["topk_lp"][r0 : r0 + n - s], str(d)))
+        t0, r0 = t0 + n, r0 + n - s
+    return out
+
+
+def build_dataset(
+    loaded,
+    items: list[PromptItem],
+    out: str | Path,
+    max_new: int = 160,
+    topk: int = 8,
+    batch_size: int = 16,
+    max_prompt: int = 384,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Run the verifier over `items`, writing shards to `out` (resumes a partial build).
+
+    `progress(done_items, total_items)` is called after every shard.
+    """
+    if topk < 1 or max_new < 1 or batch_size < 1:
+        raise ValueError("topk, max_new and batch_size must be >= 1")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = loaded.tokenizer
+    meta = {
+        "format": FORMAT,
+        "vocab_hash": tok.vocab_hash(),
+        "vocab_size": int(loaded.model.args.vocab_size),
+        "items_hash": _items_hash(items),
+        "max_new": max_new,
+        "topk": topk,
+        "batch_size": batch_size,
+        "max_prompt": max_prompt,
+    }
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        if old != meta:
+            diff = sorted(k for k in meta if old.get(k) != meta[k])
+            raise ValueError(f"{out} holds data built with other settings ({', '.join(diff)}); use another folder")
+    else:
+        meta_path.write_text(json.dumps(meta, indent=2))
+    # Deterministic shard plan: generation prompts grouped by (domain, length) so a
+    # batch's rows finish at similar times and pad little; texts one shard each batch.
+    enc = [(i, encode_item(tok, it, max_prompt)) for i, it in enumerate(items)]
+    gen = sorted((e for e in enc if items[e[0]].kind == "prompt"), key=lambda e: (items[e[0]].domain, len(e[1]), e[0]))
+    txt = [e for e in enc if items[e[0]].kind == "text" and len(e[1]) > 1]
+    plan = [gen[i : i + batch_size] for i in range(0, len(gen), batch_size)]
+    plan += [txt[i : i + batch_size] for i in range(0, len(txt), batch_size)]
+    eos = set(tok.eos_token_ids)
+    done = 0
+    for n, group in enumerate(plan):
+        path = out / f"shard-{n:05d}.npz"
+        if not path.is_file():
+            exs = []
+            if items[group[0][0]].kind == "prompt":
+                res = generate_batch(loaded.model, [ids for _, ids in group], max_new, topk, eos)
+                for (i, ids), (g, ti, tl) in zip(group, res, strict=True):
+                    exs.append(Example(np.array(ids + g, np.int32), len(ids), ti, tl, items[i].domain))
+            else:
+                for i, ids in group:
+                    ti, tl = score_text(loaded.model, ids, topk)
+                    exs.append(Example(np.array(ids, np.int32), 1, ti, tl, items[i].domain))
+            _save_shard(path, exs)
+        done += len(group)
+        if progress:
+            progress(done, len(items))
+    (out / "complete").write_text(str(len(plan)))
+    return out
+
+
+def load_dataset(folder: str | Path) -> tuple[dict, list[Example]]:
+    """(meta, examples) of a finished build, in shard order."""
+    folder = Path(folder)
+    if not (folder / "meta.json").is_file() or not (folder / "complete").is_file():
+        raise ValueError(f"{folder}: not a finished distillation data folder (run the data stage first)")
+    meta = json.loads((folder / "meta.json").read_text())
+    n = int((folder / "complete").read_text())
+    examples: list[Example] = []
+    for i in range(n):
+        examples += _load_shard(folder / f"shard-{i:05d}.npz")
+    return meta, examples

@@ -1,0 +1,90 @@
+"""Measure a drafter: held-out greedy acceptance at K, and draft cost vs a verifier step.
+
+Acceptance is simulated exactly from the verifier's greedy continuations (the
+data builder's output on held-out prompts): with greedy decoding the committed
+sequence *is* the verifier's greedy path, so each round the drafter proposes K
+tokens from that prefix, the matching prefix a is accepted and the verifier's
+own next token follows; a round costs K drafted tokens. No verifier pass needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+import numpy as np
+
+from edgespec.sampling import Sampler, SamplingParams
+
+
+def acceptance(drafter, examples, k: int = 4) -> dict[str, dict[str, float]]:
+    """Per domain (and "all"): {"accepted", "drafted", "rate", "tokens_per_round"}."""
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    acc, dra, rounds = defaultdict(int), defaultdict(int), defaultdict(int)
+    for e in examples:
+        toks = [int(t) for t in e.tokens]
+        pos = e.start + 1  # the verifier's first token comes from its prefill
+        if pos >= len(toks):
+            continue
+        drafter.begin(toks[:pos])
+        while pos < len(toks):
+            n = min(k, len(toks) - pos)
+            prop = drafter.draft(n, greedy).tokens
+            a = 0
+            while a < len(prop) and prop[a] == toks[pos + a]:
+                a += 1
+            for dom in (e.domain, "all"):
+                acc[dom] += a
+                dra[dom] += len(prop)
+                rounds[dom] += 1
+            if pos + a >= len(toks):
+                break
+            drafter.accept(a, toks[pos + a])
+            pos += a + 1
+    return {
+        d: {"accepted": acc[d], "drafted": dra[d], "rate": acc[d] / max(1, dra[d]),
+            "tokens_per_round": (acc[d] + rounds[d]) / max(1, rounds[d])}
+        for d in dra
+    }
+
+
+def _median_time(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def draft_cost(verifier, drafter, context: list[int], k: int = 4, repeats: int = 20) -> dict[str, float]:
+    """Seconds per drafter step (draft of k tokens / k) vs one verifier decode step and
+    one verify pass of k+1 tokens, measured interleaved at the same context length."""
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    cache = verifier.make_cache()
+    mx.eval(verifier(mx.array([context]), cache=cache))
+    drafter.begin(context)
+    drafter.draft(k, greedy)
+    drafter.accept(0, context[-1])
+
+    def verify(n):
+        out = verifier(mx.array([context[-n:]]), cache=cache)
+        mx.eval(out)
+        for c in cache:
+            c.trim(n)
+
+    def draft():
+        d = drafter.draft(k, greedy)
+        drafter.accept(0, d.tokens[0])
+        drafter.sync(drafter.seq[:-1])  # back to the same context for the next repeat
+
+    res = defaultdict(list)
+    for _ in range(3):  # interleave so both see the same machine load
+        res["verifier_step_s"].append(_median_time(lambda: verify(1), repeats))
+        res["verify_pass_s"].append(_median_time(lambda: verify(k + 1), repeats))
+        res["draft_step_s"].append(_median_time(draft, repeats) / k)
+    out = {key: float(np.median(v)) for key, v in res.items()}
+    out["ratio_step"] = out["draft_step_s"] / out["verifier_step_s"]
+    out["ratio_pass"] = out["draft_step_s"] / out["verify_pass_s"]
+    return out

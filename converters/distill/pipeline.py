@@ -1,0 +1,173 @@
+"""`edgespec distill` end to end: data -> vocab -> student -> train -> measure -> folder.
+
+Everything long lives in a work folder (default OUT.work) so a rerun with --resume
+continues where it stopped: finished data shards are kept, training continues from
+its last checkpoint. The drafter folder itself is written last and atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from edgespec.converters.distill import data as D
+from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
+from edgespec.converters.distill.student import init_student, student_config
+from edgespec.converters.distill.train import TrainConfig, prepare, train
+from edgespec.converters.distill.vocab import choose_vocab, token_counts
+from mlx.utils import tree_flatten
+
+from edgespec.drafters.distilled import DistilledDrafter, VocabMap
+
+
+@dataclass
+class DistillConfig:
+    layers: int = 2
+    hidden: int | None = None  # None = the verifier's width (weights copied from it)
+    vocab: int = 8192
+    init_layers: list[int] | None = None
+    max_new: int = 96
+    topk: int = 8
+    gen_batch: int = 48
+    k: int = 4  # draft length for the acceptance measurement
+    evaluate: bool = True
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+Progress = Callable[[str, int, int, str], None]  # (stage, done, total, note)
+
+
+def _params(model) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def distill(
+    verifier_path: str | Path,
+    out: str | Path,
+    cfg: DistillConfig,
+    prompts: str | Path | None = None,
+    heldout: str | Path | None = None,
+    work: str | Path | None = None,
+    resume: bool = False,
+    force: bool = False,
+    recipe: str = "",
+    progress: Progress | None = None,
+) -> dict:
+    """Train a drafter for the verifier at `verifier_path` into folder `out`. Returns the card facts."""
+    from edgespec.converters.bundle import atomic_folder
+
+    from edgespec.loader import load
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists (pass --force to replace it)")
+    work = Path(work) if work else out.with_name(out.name + ".work")
+    if work.exists() and not resume and any(work.iterdir()):
+        raise FileExistsError(f"work folder {work} exists: pass --resume to continue it, or remove it")
+    work.mkdir(parents=True, exist_ok=True)
+    note = progress or (lambda *a: None)
+
+    loaded = load(verifier_path)
+    items = read_prompts(prompts)
+    t0 = time.time()
+    D.build_dataset(loaded, items, work / "data", cfg.max_new, cfg.topk, cfg.gen_batch,
+                    progress=lambda d, n: note("data", d, n, "prompts answered by the verifier"))
+    _, examples = D.load_dataset(work / "data")
+    held_examples = []
+    heldout_path = Path(heldout) if heldout else builtin_path(BUILTIN_HELDOUT)
+    if cfg.evaluate:
+        D.build_dataset(loaded, read_prompts(heldout_path), work / "heldout", cfg.max_new, cfg.topk, cfg.gen_batch,
+                        progress=lambda d, n: note("held-out data", d, n, "held-out prompts"))
+        held_examples = D.load_dataset(work / "heldout")[1]
+    data_minutes = (time.time() - t0) / 60
+
+    V = loaded.model.args.vocab_size
+    eos = sorted(loaded.tokenizer.eos_token_ids)
+    vmap = VocabMap(choose_vocab(token_counts(examples, V), cfg.vocab, always=eos), V)
+    scfg = student_config(loaded.model.args, cfg.layers, vmap.size, cfg.hidden)
+    student = init_student(scfg, loaded.model, vmap.ids, cfg.init_layers, seed=cfg.train.seed)
+    data = prepare(examples, vmap, cfg.train.max_len)
+    t1 = time.time()
+    losses = train(student, data, cfg.train, checkpoint=work / "train.safetensors",
+                   progress=lambda s, n, loss: note("train", s, n, f"loss {loss:.3f}"))
+    train_minutes = (time.time() - t1) / 60
+
+    greedy_of = lambda exs: np.concatenate([e.topk_ids[:, 0] for e in exs]) if exs else np.zeros(0, int)  # noqa: E731
+    info = {
+        "verifier_name": loaded.path.name if loaded.path else str(verifier_path),
+        "vocab_hash": loaded.tokenizer.vocab_hash(),
+        "vocab_n": vmap.size,
+        "layers": scfg["num_hidden_layers"],
+        "hidden": scfg["hidden_size"],
+        "heads": scfg["num_attention_heads"],
+        "kv_heads": scfg["num_key_value_heads"],
+        "intermediate": scfg["intermediate_size"],
+        "params": _params(student),
+        "init_layers": cfg.init_layers or "spread evenly (first..last)",
+        "n_prompts": len(items),
+        "domains": ", ".join(f"{d} {n}" for d, n in sorted(_count(i.domain for i in items).items())),
+        "prompts": str(prompts or "built-in edgespec/data/distill_prompts.jsonl"),
+        "heldout": str(heldout or "built-in edgespec/data/distill_prompts_heldout.jsonl"),
+        "max_new": cfg.max_new,
+        "topk": cfg.topk,
+        "n_targets": int(sum(len(p.cols) for p in data)),
+        "coverage_train": vmap.coverage(greedy_of(examples)),
+        "coverage_heldout": vmap.coverage(greedy_of(held_examples)) if held_examples else float("nan"),
+        **{k: v for k, v in asdict(cfg.train).items() if k in ("lr", "warmup", "steps", "batch_size", "seed")},
+        "final_loss": float(np.mean(losses[-10:])) if losses else float("nan"),
+        "train_minutes": train_minutes,
+        "data_minutes": data_minutes,
+        "machine": f"{platform.machine()} {platform.system()}, MLX {mx.default_device()}",
+        "k": cfg.k,
+        "recipe": recipe,
+    }
+    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(student.parameters())}
+    with atomic_folder(out, force=force) as tmp:
+        (tmp / "config.json").write_text(json.dumps({**scfg, "torch_dtype": "float16"}, indent=2))
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        vmap.save(tmp, vocab_hash=info["vocab_hash"])
+        info["size_mb"] = sum(p.stat().st_size for p in tmp.iterdir()) / 1e6
+        if cfg.evaluate:
+            drafter = DistilledDrafter.load(tmp, loaded)  # measure exactly what ships (fp16)
+            note("evaluate", 0, 2, "held-out acceptance")
+            info["acceptance"] = acceptance_fn(drafter, held_examples, cfg.k)
+            note("evaluate", 1, 2, "draft vs verifier cost")
+            ctx = [int(t) for t in held_examples[0].tokens] if held_examples else [1] * 128
+            info["cost_context"] = len(ctx)
+            info["cost"] = cost_fn(loaded.model, drafter, ctx, cfg.k)
+            note("evaluate", 2, 2, "done")
+        (tmp / "distill.json").write_text(json.dumps(info, indent=2, default=str))
+        from edgespec.converters.distill.card import model_card
+
+        (tmp / "MODEL_CARD.md").write_text(model_card(info))
+    return info
+
+
+def acceptance_fn(drafter, examples, k):
+    from edgespec.converters.distill.evaluate import acceptance
+
+    return acceptance(drafter, examples, k)
+
+
+def cost_fn(model, drafter, ctx, k):
+    from edgespec.converters.distill.evaluate import draft_cost
+
+    return draft_cost(model, drafter, ctx, k)
+
+
+def _count(xs):
+    out: dict[str, int] = {}
+    for x in xs:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def recipe_line(argv: list[str]) -> str:
+    return "edgespec distill " + " ".join(shlex.quote(a) for a in argv)

@@ -1,0 +1,134 @@
+"""`edgespec distill` on tiny models: data, loss falls, exact resume, saved drafter drafts."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_tiny_model, make_tiny_tokenizer
+from edgespec.converters.distill.data import build_dataset, generate_batch, load_dataset
+from edgespec.converters.distill.prompts import PromptItem, read_prompts
+from edgespec.converters.distill.student import init_student, student_config
+from edgespec.converters.distill.train import TrainConfig, prepare, train
+from edgespec.converters.distill.vocab import choose_vocab, token_counts
+
+from edgespec.drafters.distilled import DistilledDrafter, VocabMap
+from edgespec.loader import LoadedModel
+from edgespec.sampling import Sampler, SamplingParams
+
+
+def _verifier(seed=3):
+    model = make_tiny_model(seed, scale=3.0, num_hidden_layers=3)
+    return LoadedModel(model, make_tiny_tokenizer(model.args.vocab_size), None)
+
+
+def _items(n=12):
+    words = ["abc", "hello", "xyz", "data", "Mix", "zz top", "QRS", "lmno"]
+    return [PromptItem(" ".join(words[i % 8 : i % 8 + 2]) + str(i), "toy", "text" if i % 4 == 3 else "prompt") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A finished tiny dataset, its vocab map and the verifier."""
+    loaded = _verifier()
+    folder = tmp_path_factory.mktemp("data")
+    build_dataset(loaded, _items(), folder, max_new=12, topk=4, batch_size=4)
+    meta, exs = load_dataset(folder)
+    vmap = VocabMap(choose_vocab(token_counts(exs, 64), 40, always=[0]), 64)
+    return loaded, exs, vmap
+
+
+def test_batched_generation_matches_one_by_one():
+    loaded = _verifier()
+    prompts = [[5, 6, 7], [9, 3, 4, 5, 6, 1], [2]]
+    together = generate_batch(loaded.model, prompts, 8, 3, set())
+    for p, (g, ids, lp) in zip(prompts, together, strict=True):
+        alone = generate_batch(loaded.model, [p], 8, 3, set())[0]
+        assert g == alone[0]
+        assert ids[:, 0].tolist() == g  # the greedy token leads the top-k
+        assert np.all(np.diff(lp.astype(np.float32), axis=1) <= 0)
+
+
+def test_data_resume_and_settings_check(tmp_path):
+    loaded = _verifier()
+    build_dataset(loaded, _items(8), tmp_path, max_new=6, topk=3, batch_size=4)
+    first = load_dataset(tmp_path)[1]
+    (tmp_path / "shard-00001.npz").unlink()  # simulate an interrupted build
+    (tmp_path / "complete").unlink()
+    build_dataset(loaded, _items(8), tmp_path, max_new=6, topk=3, batch_size=4)
+    again = load_dataset(tmp_path)[1]
+    assert [e.tokens.tolist() for e in first] == [e.tokens.tolist() for e in again]
+    with pytest.raises(ValueError, match="other settings"):
+        build_dataset(loaded, _items(8), tmp_path, max_new=7, topk=3, batch_size=4)
+
+
+def test_builtin_prompts_cover_domains_and_heldout_is_disjoint():
+    train_items = read_prompts()
+    held = read_prompts(__import__("edgespec.converters.distill.prompts", fromlist=["x"]).builtin_path("distill_prompts_heldout.jsonl"))
+    assert {"code", "chat", "summarization", "translation"} <= {i.domain for i in train_items}
+    assert not {i.text for i in train_items} & {i.text for i in held}
+
+
+def test_vocab_map_roundtrip_and_coverage(toy, tmp_path):
+    _, exs, vmap = toy
+    assert vmap.ids[0] == -1 and 0 in vmap.ids.tolist()
+    vmap.save(tmp_path, vocab_hash="abc")
+    back = VocabMap.load(tmp_path)
+    assert back.ids.tolist() == vmap.ids.tolist()
+    greedy = np.concatenate([e.topk_ids[:, 0] for e in exs])
+    assert vmap.coverage(greedy) > 0.9
+    with pytest.raises(ValueError):
+        VocabMap([3, 4], 64)
+
+
+def _student(toy, seed=0):
+    loaded, _, vmap = toy
+    cfg = student_config(loaded.model.args, 1, vmap.size)
+    return init_student(cfg, loaded.model, vmap.ids, [2], seed=seed), cfg
+
+
+def test_loss_falls(toy):
+    loaded, exs, vmap = toy
+    student, _ = _student(toy)
+    data = prepare(exs, vmap, 128)
+    losses = train(student, data, TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup=2))
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+
+
+def test_resume_reproduces_uninterrupted_weights(toy, tmp_path):
+    _, exs, vmap = toy
+    data = prepare(exs, vmap, 128)
+    cfg = TrainConfig(steps=9, batch_size=3, lr=1e-3, warmup=2, checkpoint_every=2)
+    straight, _ = _student(toy)
+    train(straight, data, cfg)
+    resumed, _ = _student(toy)
+    ckpt = tmp_path / "ckpt.safetensors"
+    train(resumed, data, cfg, checkpoint=ckpt, stop_after=5)  # "interrupted" after step 5 (ckpt at 4)
+    resumed2, _ = _student(toy)  # a fresh process: new model, state from the checkpoint
+    train(resumed2, data, cfg, checkpoint=ckpt)
+    a = dict(__import__("mlx.utils", fromlist=["x"]).tree_flatten(straight.parameters()))
+    b = dict(__import__("mlx.utils", fromlist=["x"]).tree_flatten(resumed2.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert mx.array_equal(a[k], b[k]), k
+    with pytest.raises(ValueError, match="other training settings"):
+        train(_student(toy)[0], data, TrainConfig(steps=10, batch_size=3), checkpoint=ckpt)
+
+
+def test_distilled_drafter_expands_to_full_vocab(toy):
+    loaded, _, vmap = toy
+    student, _ = _student(toy)
+    d = DistilledDrafter(student, vmap)
+    assert d.vocab_size == 64
+    d.begin([5, 6, 7])
+    draft = d.draft(3, Sampler(SamplingParams(temperature=0.0)))
+    assert len(draft.tokens) == 3 and draft.logprobs.shape == (3, 64)
+    outside = [i for i in range(64) if i not in set(vmap.ids[1:].tolist())]
+    assert all(t in set(vmap.ids[1:].tolist()) for t in draft.tokens)
+    if outside:
+        assert bool(mx.all(draft.logprobs[:, outside] == -mx.inf))
+    d.accept(1, draft.tokens[1])
+    assert d.seq == [5, 6, 7, draft.tokens[0], draft.tokens[1]]
+    json.dumps(vmap.ids.tolist())
