@@ -44,24 +44,27 @@ def sample_walk(tree: StepTree, logits: mx.array, sampler) -> tuple[list[int], i
     """
     node, path, lps = 0, [], []
     while True:
-        lp = sampler.logprobs(logits[node])
+        children = tree.children[node]  # token -> first child with it, in insertion order
+        # One evaluation per node: the filtered log-probs and one uniform per candidate
+        # plus one for the residual draw (independent uniforms, drawn up front).
+        lp, u = sampler.logprobs(logits[node]), sampler.uniform((len(children) + 1,))
+        mx.eval(lp, u)
         lp_np = np.array(lp, dtype=np.float64)
+        u = np.array(u, dtype=np.float64)
         r = np.exp(lp_np)
         total = r.sum()
         chosen = None
-        for tok, child in tree.children[node].items():  # insertion order: first child per token
-            u = float(sampler.uniform().item())
-            if u * total < r[tok]:
+        for i, (tok, child) in enumerate(children.items()):
+            if u[i] * total < r[tok]:
                 chosen = (tok, child)
                 break
             total -= r[tok]
             r[tok] = 0.0
         if chosen is None:
-            # Inverse-CDF draw from the residual with the sampler's own random stream.
+            # Inverse-CDF draw from the residual r (unnormalised; cdf[-1] is its mass).
             cdf = np.cumsum(r)
-            u = float(sampler.uniform().item()) * cdf[-1]
-            tok = int(min(np.searchsorted(cdf, u, side="right"), len(r) - 1))
-            while r[tok] == 0.0:  # never land on a removed / filtered token at a cdf edge
+            tok = int(min(np.searchsorted(cdf, u[-1] * cdf[-1], side="right"), len(r) - 1))
+            while r[tok] == 0.0 and tok > 0:  # float edge: never emit a removed / filtered token
                 tok -= 1
             lps.append(float(lp_np[tok]))
             return path, tok, lps
