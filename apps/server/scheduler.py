@@ -15,6 +15,7 @@ engine is free for the next job within one decoding step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ from typing import Any
 
 from edgespec.generate import GenerationStats
 from edgespec.options import GenerateOptions
+
+log = logging.getLogger("edgespec.server")
 
 
 class QueueFull(Exception):
@@ -80,7 +83,7 @@ class Scheduler:
         self.counters = Counters()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._waiting = 0
+        self._active = 0  # accepted and not finished: waiting + running (or about to run)
         self._running: Job | None = None
         self._clear_cache = clear_cache  # called when the queue drains (frees MLX's buffer cache)
         self._thread = threading.Thread(target=self._work, name="edgespec-generate", daemon=True)
@@ -89,14 +92,15 @@ class Scheduler:
     # ------------------------------------------------------------ request side
     def submit(self, job: Job) -> None:
         with self._lock:
-            # An idle engine always takes one job, even with max_waiting == 0.
-            if self._waiting >= max(self.max_waiting, 1 if self._running is None else 0):
+            # One job runs, max_waiting wait behind it. Counting accepted jobs rather than
+            # the worker's state keeps the bound exact while the worker is picking one up.
+            if self._active >= self.max_waiting + 1:
                 self.counters.refused += 1
                 raise QueueFull(
-                    f"the server is busy: {self._waiting} requests are already waiting "
+                    f"the server is busy: {self._active - 1} requests are already waiting "
                     f"(limit {self.max_waiting}); retry later"
                 )
-            self._waiting += 1
+            self._active += 1
             self.counters.submitted += 1
         self._queue.put(job)
 
@@ -105,7 +109,7 @@ class Scheduler:
             c = self.counters
             return {
                 "running": int(self._running is not None),
-                "waiting": self._waiting,
+                "waiting": self._active - (self._running is not None),
                 "max_waiting": self.max_waiting,
                 "submitted": c.submitted,
                 "completed": c.completed,
@@ -134,7 +138,6 @@ class Scheduler:
                         rest._emit("error", RuntimeError("the server is shutting down"))
                 return
             with self._lock:
-                self._waiting -= 1
                 self._running = job
             outcome = "failed"
             try:
@@ -142,10 +145,14 @@ class Scheduler:
             finally:
                 with self._lock:
                     self._running = None
+                    self._active -= 1
                     setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
-                    idle = self._waiting == 0
+                    idle = self._active == 0
             if idle and self._clear_cache is not None:
-                self._clear_cache()
+                try:
+                    self._clear_cache()
+                except Exception:  # never let housekeeping stop the worker
+                    log.exception("clearing the buffer cache failed")
 
     def _run(self, job: Job) -> str:
         """Run one job; returns its outcome: 'completed', 'cancelled' or 'failed'."""
