@@ -20,6 +20,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="drafter for speculative decoding: a drafter folder or bundle, 'self' (skip-layer "
         "self-speculation), 'prompt_lookup', or 'none'; default: the bundle's own drafter if any",
     )
+    g.add_argument(
+        "--memory-budget",
+        default=None,
+        help="memory the model may use, e.g. 800M or 2G (default: the free memory detected); "
+        "when the drafter would not fit, mode auto uses weight-free lookahead decoding instead",
+    )
 
 
 def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,6 +78,10 @@ def load_engine(args, progress: bool = True):
     import edgespec
 
     engine = edgespec.load(args.model, drafter=getattr(args, "drafter", None), progress=progress)
+    if getattr(args, "memory_budget", None):
+        from edgespec.lookahead.memory import parse_size
+
+        engine.memory_budget = parse_size(args.memory_budget)
     return engine
 
 

@@ -37,6 +37,7 @@ class Engine:
     loaded: LoadedModel
     drafter: Any = None  # a Drafter (see edgespec.drafters) or None
     default_mode: str = "auto"
+    memory_budget: int | None = None  # bytes; None = use the free memory detected
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
@@ -89,6 +90,11 @@ class Engine:
         if options.mode != "auto":
             return options.mode
         chooser = getattr(self.drafter, "preferred_mode", None)
+        if self.drafter is not None and "lookahead" in available_modes():
+            from edgespec.lookahead.memory import drafter_fits
+
+            if not drafter_fits(self, self.memory_budget):
+                return "lookahead"  # no extra weights: the drafter would not fit the memory budget
         if self.drafter is not None and "speculative" in available_modes():
             return chooser() if callable(chooser) else "speculative"
         return "plain"

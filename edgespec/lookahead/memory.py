@@ -1,0 +1,80 @@
+"""Will a drafter fit? Memory estimates for choosing lookahead (no extra weights) instead.
+
+A drafter costs its weights plus its own KV cache at the context length; a
+drafter that reuses the verifier's weights (self-speculation) costs only its
+cache, and prompt lookup costs nothing worth counting. The budget is the
+user's `--memory-budget`, else what the machine has free now plus what the
+loaded models already hold.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'1.5G', '800M', '512MB', '1073741824' -> bytes; None / '' -> None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"memory budget must be positive, got {text}")
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", str(text).upper())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"memory budget {text!r}: use a positive size like 800M, 1.5G or 2GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def tree_bytes(module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def kv_bytes(args, context: int, itemsize: int = 4) -> int:
+    """K and V of every layer for `context` positions: 2 * L * Hk * D * context * itemsize."""
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * context * itemsize
+
+
+def drafter_bytes(drafter, verifier, context: int) -> tuple[int, int]:
+    """(weights, KV cache at `context`) the drafter adds to the verifier's own."""
+    model = getattr(drafter, "model", None)
+    if model is None or not hasattr(model, "parameters"):
+        return 0, 0  # weight-free (prompt lookup) or not an MLX model (nothing known to count)
+    n_layers = len(getattr(drafter, "layer_ids", None) or model.layers)
+    own = 0 if model is verifier else tree_bytes(model)
+    return own, kv_bytes(model.args, context) * n_layers // max(model.args.num_hidden_layers, 1)
+
+
+def available_memory() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def drafter_fits(engine, budget: int | None = None) -> bool:
+    """True if verifier + drafter, weights and KV caches at the full context, fit the budget.
+
+    Without a budget, the caches (not allocated yet) must fit in the free memory
+    detected now; the weights are already loaded and out of it.
+    """
+    if engine.drafter is None:
+        return True
+    model, context = engine.model, engine.context_length
+    d_weights, d_kv = drafter_bytes(engine.drafter, model, context)
+    weights = tree_bytes(model) + d_weights
+    caches = kv_bytes(model.args, context) + d_kv
+    if budget is None:
+        free = available_memory()
+        return free is None or caches <= free
+    return weights + caches <= budget
