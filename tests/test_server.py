@@ -210,6 +210,8 @@ BAD = [
     ("top-p-above-one", COMP, {**OK_COMP, "top_p": 1.5}, 400, "top_p"),
     ("negative-top-k", COMP, {**OK_COMP, "top_k": -1}, 400, "top_k"),
     ("min-p-one", COMP, {**OK_COMP, "min_p": 1.0}, 400, "min_p"),
+    ("negative-seed", COMP, {**OK_COMP, "seed": -1}, 400, "seed"),
+    ("huge-seed", COMP, {**OK_COMP, "seed": 2**70}, 400, "seed"),
     ("n-two", CHAT, {**OK_CHAT, "n": 2}, 400, "n"),
     ("penalty", CHAT, {**OK_CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("too-many-stops", CHAT, {**OK_CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),

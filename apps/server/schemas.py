@@ -49,7 +49,7 @@ class _Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # what the sampler's RNG takes
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
