@@ -42,6 +42,14 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens drafted per verifier pass in speculative modes: 'auto' (controller picks K "
         "from measured costs and acceptance) or an integer 1..16",
     )
+    g.add_argument(
+        "--mode-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="setting of the decoding mode (repeatable), e.g. lookahead: window=4 ngram=4 "
+        "guesses=4 span=8 adaptive=0; prompt_lookup: ngram_max=3",
+    )
     g.add_argument("--max-tokens", type=int, default=256, help="maximum tokens in a reply")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s = p.add_argument_group("sampling")
@@ -61,6 +69,15 @@ def options_from_args(args):
             dt = int(dt)
         except ValueError:
             raise ValueError(f"--draft-tokens must be 'auto' or an integer, got {dt!r}") from None
+    extra = {}
+    for item in getattr(args, "mode_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--mode-option wants KEY=VALUE, got {item!r}")
+        key, v = key.strip(), value.strip()
+        if key in ("max_tokens", "stop", "temperature", "top_k", "top_p", "min_p", "seed", "mode", "draft_tokens"):
+            raise ValueError(f"--mode-option {key}: use the --{key.replace('_', '-')} option instead")
+        extra[key] = int(v) if v.lstrip("-").isdigit() else v
     return make_options(
         max_tokens=args.max_tokens,
         stop=args.stop,
@@ -71,6 +88,7 @@ def options_from_args(args):
         seed=args.seed,
         mode=args.mode,
         draft_tokens=dt,
+        **extra,
     )
 
 

@@ -119,3 +119,17 @@ def test_engine_mode_and_options():
     for bad in ({"window": 0}, {"ngram": 1}, {"guesses": -1}, {"span": "x"}, {"window": True}):
         with pytest.raises(ValueError, match="lookahead option"):
             parse_options(bad)
+
+
+def test_cli_mode_options_reach_the_mode():
+    import argparse
+
+    from edgespec.apps.common import add_decoding_arguments, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_decoding_arguments(p)
+    opts = options_from_args(p.parse_args(["--mode", "lookahead", "--mode-option", "window=3", "--mode-option", "adaptive=0"]))
+    assert parse_options(opts.mode_options) == {**parse_options({}), "window": 3, "adaptive": False}
+    for bad in (["--mode-option", "window"], ["--mode-option", "top_k=2"]):
+        with pytest.raises(ValueError, match="--mode-option"):
+            options_from_args(p.parse_args(bad))
