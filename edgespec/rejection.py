@@ -11,6 +11,7 @@ then emit the verifier's argmax".
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 NEG_INF = float("-inf")
 
@@ -32,6 +33,12 @@ def point_mass_logprobs(tokens: mx.array, vocab_size: int) -> mx.array:
     return mx.where(mx.arange(vocab_size)[None, :] == tokens[:, None], 0.0, NEG_INF)
 
 
+def _categorical(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from unnormalised probabilities (V,) with one uniform u in [0, 1)."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(probs) - 1))
+
+
 def rejection_sample(
     draft_tokens: list[int] | mx.array,
     q_logprobs: mx.array | None,
@@ -43,37 +50,42 @@ def rejection_sample(
     draft_tokens: (k,) proposed ids; q_logprobs: (k, V) drafter log-probs the drafts
     were sampled from, or None for deterministic proposals (q = point mass);
     p_logprobs: (k+1, V) verifier log-probs at the k draft positions plus the one
-    after them; key: a PRNG key (split here into the k uniforms and the final draw).
+    after them; key: a PRNG key (gives the k acceptance uniforms and the final draw).
     Both distributions must come from the same SamplingParams transform.
     Returns (n_accepted in 0..k, next_token): the correction at the first
     rejected position, or the bonus token drawn from p_k when all k are kept.
     """
-    x = mx.array(draft_tokens, dtype=mx.int32) if not isinstance(draft_tokens, mx.array) else draft_tokens
+    x = draft_tokens if isinstance(draft_tokens, mx.array) else mx.array(list(draft_tokens), dtype=mx.int32)
     k = int(x.shape[0])
     V = p_logprobs.shape[-1]
     if p_logprobs.shape[0] != k + 1:
         raise ValueError(f"p_logprobs must have k+1 = {k + 1} rows, got {p_logprobs.shape[0]}")
-    if q_logprobs is None:
-        q_logprobs = point_mass_logprobs(x, V)
-    elif q_logprobs.shape != (k, V):
+    if q_logprobs is not None and q_logprobs.shape != (k, V):
         raise ValueError(f"q_logprobs must have shape {(k, V)}, got {q_logprobs.shape}")
-    k_u, k_s = mx.random.split(key)
-    p = p_logprobs.astype(mx.float32)
-    q = q_logprobs.astype(mx.float32)
+    u = mx.random.uniform(shape=(k + 1,), key=key)  # u[:k] acceptance tests, u[k] the final draw
     if k:
-        p_x = mx.take_along_axis(p[:k], x[:, None], axis=1)[:, 0]  # (k,)
-        q_x = mx.take_along_axis(q, x[:, None], axis=1)[:, 0]
-        log_u = mx.log(mx.random.uniform(shape=(k,), key=k_u))
+        idx = x.astype(mx.int32)[:, None]
+        p_x = mx.take_along_axis(p_logprobs[:k], idx, axis=1)[:, 0]  # (k,)
+        q_x = mx.take_along_axis(q_logprobs, idx, axis=1)[:, 0] if q_logprobs is not None else mx.zeros((k,))
         # NaN (p_x = q_x = -inf: a proposal outside both supports) compares False: rejected.
-        keep = log_u < p_x - q_x
-        # n = length of the all-True prefix: cumprod stays 1 until the first False.
-        n = mx.sum(mx.cumprod(keep.astype(mx.int32)))
-        # Candidate next token for every possible n at once: residual rows 0..k-1, p row k.
-        rows = mx.concatenate([residual_logprobs(p[:k], q), p[k:]], axis=0)  # (k+1, V)
+        keep = mx.log(u[:k]) < p_x - q_x
+        mx.eval(keep, u)
+        keep = np.array(keep)
+        n = int(np.argmin(keep)) if not keep.all() else k
     else:
-        n = mx.array(0)
-        rows = p
-    choices = mx.random.categorical(rows, axis=-1, key=k_s)  # (k+1,)
-    nxt = choices[n]
-    mx.eval(n, nxt)
-    return int(n.item()), int(nxt.item())
+        mx.eval(u)
+        n = 0
+    u_last = float(np.array(u)[k])
+    # Only one row's full distribution is ever needed, computed on the host in float64
+    # (MLX's CPU transcendental kernels are slow over a 50k vocabulary).
+    p_row = np.exp(np.array(p_logprobs[n], dtype=np.float64))
+    if n < k:
+        if q_logprobs is None:
+            q_row = np.zeros(V)
+            q_row[int(np.array(x)[n])] = 1.0
+        else:
+            q_row = np.exp(np.array(q_logprobs[n], dtype=np.float64))
+        resid = np.maximum(p_row - q_row, 0.0)  # normalize(max(0, p - q))
+        if resid.sum() > 0:  # empty only through rounding when p == q: use p
+            p_row = resid
+    return n, _categorical(p_row, u_last)

@@ -127,8 +127,12 @@ def layer_cost_fractions(model) -> tuple[float, float]:
     return layer / total, head / total
 
 
-def search_skip_layers(model, tokenizer=None, seqs=None, max_skip: int | None = None, prompts=None) -> dict:
+def search_skip_layers(
+    model, tokenizer=None, seqs=None, max_skip: int | None = None, prompts=None, on_step=None
+) -> dict:
     """Greedy backward elimination of layers by measured acceptance.
+
+    on_step(dropped_layer, acceptance, modelled_speedup) is called after each elimination.
 
     Returns {"keep", "skip", "acceptance", "speedup_model", "path": [[skip, acceptance], ...]}.
     """
@@ -153,6 +157,8 @@ def search_skip_layers(model, tokenizer=None, seqs=None, max_skip: int | None = 
         cost = f_layer * len(keep) + f_head
         speed = modelled_speedup(acc, cost)
         path.append([drop, round(acc, 4)])
+        if on_step is not None:
+            on_step(drop, acc, speed)
         if best is None or speed > best["speedup_model"]:
             best = {"keep": list(keep), "acceptance": acc, "speedup_model": speed}
     best["skip"] = [i for i in range(n) if i not in best["keep"]]

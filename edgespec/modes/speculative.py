@@ -40,13 +40,12 @@ KMAX = 8  # largest K the controller considers
 class _Worker:
     """One long-lived thread with its own MLX stream; runs drafter calls in submission order.
 
-    A single process-wide worker: MLX streams belong to the thread that made them,
-    and creating a stream per generation leaks scheduler threads (the process then
-    aborts at exit), so the thread and its stream live as long as the process.
+    A single process-wide worker: a stream made with mx.new_stream per generation
+    left the process aborting at exit, so the thread (and with it its default
+    stream) lives as long as the process.
     """
 
     _pool: ThreadPoolExecutor | None = None
-    _stream = None
     _guard = threading.Lock()
 
     def __init__(self):
@@ -56,12 +55,11 @@ class _Worker:
 
     @staticmethod
     def _run(fn, args):
-        if _Worker._stream is None:
-            _Worker._stream = mx.new_stream(mx.default_device())
-        with mx.stream(_Worker._stream):
-            t0 = time.perf_counter()
-            out = fn(*args)
-            return out, time.perf_counter() - t0
+        # MLX gives every thread its own default stream, so the drafter's graphs are
+        # scheduled apart from the verifier's; evaluated arrays are safe to share.
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
 
     def submit(self, fn, *args):
         return _Worker._pool.submit(_Worker._run, fn, args)
@@ -173,7 +171,7 @@ class SpeculativeMode:
         pipelined = isinstance(worker, _Worker)
         t0 = time.perf_counter()
         begun = worker.submit(drafter.begin, prompt) if pipelined else None
-        cache = model.make_cache()
+        cache = self.cache = model.make_cache()  # kept on the mode for inspection (tests)
         lp = sampler.logprobs(prefill(model, cache, prompt))
         tok = sampler.sample(lp)
         mx.eval(tok, lp)
