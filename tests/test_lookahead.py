@@ -98,14 +98,17 @@ def test_controller_falls_back_and_probes():
     ctl = StepController(probe_every=3, warmup=1)
     assert ctl.choose() == "full"
     ctl.record("full", 1, 1.0)
-    assert ctl.choose() == "lean"
+    assert ctl.choose() == "lean"  # every kind is measured once
     ctl.record("lean", 3, 1.0)
+    assert ctl.choose() == "plain"
+    ctl.record("plain", 2, 1.0)
     kinds = []
-    for _ in range(8):
+    for _ in range(12):
         k = ctl.choose()
         kinds.append(k)
-        ctl.record(k, 1 if k == "full" else 3, 1.0)
-    assert kinds.count("lean") >= 5 and "full" in kinds and ctl.fell_back
+        ctl.record(k, {"full": 1, "lean": 3, "plain": 2}[k], 1.0)
+    assert kinds.count("lean") >= 6 and "full" in kinds and "plain" in kinds and ctl.fell_back
+    assert StepController(adaptive=False).choose() == "full"
 
 
 def test_engine_mode_and_options():

@@ -1,14 +1,18 @@
-"""Deciding on the fly whether the lookahead window pays.
+"""Deciding on the fly which kind of step pays.
 
-A "full" step feeds the Jacobi window plus the pooled candidates; a "lean"
-step feeds only the candidates (just x0 when there are none: a plain step).
-Each kind's speed is tracked as an exponential moving average of
-tokens committed per second of step time; the faster kind runs, and the
-other is re-measured every `probe_every` steps so a change of regime (chat
-turning into copying) is noticed.
+- "full": the Jacobi window plus the pooled candidates (the whole lookahead step);
+- "lean": the pooled candidates only (prompt-lookup-like; cheap when copying);
+- "plain": x0 alone, exactly a plain decoding step.
+Each kind's speed is an exponential moving average of tokens committed per
+second of step time; the fastest runs, and every other kind is re-measured
+after `probe_every` steps without it, so a change of regime (chat turning into
+copying) is noticed. A lean step with no candidates is a plain step and is
+recorded as one.
 """
 
 from __future__ import annotations
+
+KINDS = ("full", "lean", "plain")
 
 
 class StepController:
@@ -17,20 +21,21 @@ class StepController:
         self.probe_every = probe_every
         self.alpha = alpha
         self.warmup = warmup
-        self.rate: dict[str, float | None] = {"full": None, "lean": None}
-        self.count = {"full": 0, "lean": 0}
-        self.since = {"full": 0, "lean": 0}  # steps since the kind last ran
+        self.rate: dict[str, float | None] = dict.fromkeys(KINDS)
+        self.count = dict.fromkeys(KINDS, 0)
+        self.since = dict.fromkeys(KINDS, 0)  # steps since the kind last ran
 
     def choose(self) -> str:
         if not self.adaptive:
             return "full"
         if self.count["full"] < self.warmup:
             return "full"  # let the window fill and its n-grams reach the pool first
-        if self.rate["lean"] is None:
-            return "lean"
-        best = "full" if self.rate["full"] >= self.rate["lean"] else "lean"
-        other = "lean" if best == "full" else "full"
-        return other if self.since[other] >= self.probe_every else best
+        for k in KINDS:
+            if self.rate[k] is None:
+                return k
+        best = max(KINDS, key=lambda k: self.rate[k])
+        stale = [k for k in KINDS if k != best and self.since[k] >= self.probe_every]
+        return max(stale, key=lambda k: self.since[k]) if stale else best
 
     def record(self, kind: str, tokens: int, seconds: float) -> None:
         r = tokens / max(seconds, 1e-9)
@@ -42,4 +47,5 @@ class StepController:
 
     @property
     def fell_back(self) -> bool:
-        return self.count["lean"] > self.count["full"]
+        """True once steps without the window outnumber full steps."""
+        return self.count["lean"] + self.count["plain"] > self.count["full"]

@@ -78,8 +78,14 @@ class NgramPool:
         return [list(t) for t in reversed(d)][:limit]
 
     def candidates(self, seq: list[int], guesses: int) -> list[list[int]]:
-        """Up to `guesses` continuations of seq[-1]: about half from text, the rest Jacobi."""
+        """Up to `guesses` continuations of seq[-1]: about half from text, the rest Jacobi.
+
+        Only the best-ranked text candidate keeps the full `span`; the others are cut
+        to N-1 tokens, since every fed token costs verifier time and runner-up copies
+        rarely survive far.
+        """
         text = self.text_candidates(seq, guesses)
+        text = text[:1] + [c[: self.jacobi_len] for c in text[1:]]
         jac = self.jacobi_candidates(seq[-1], guesses)
         n_text = min(len(text), max(guesses - len(jac), (guesses + 1) // 2))
         out = text[:n_text] + jac[: guesses - n_text]

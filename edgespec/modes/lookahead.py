@@ -8,8 +8,9 @@ explicit RoPE positions. The longest accepted root path is committed
 its KV entries packed into place and the rest dropped. The window then
 advances one Jacobi level: level j <- level j+1, the top level <- the
 verifier's argmax at the old top level, and each column's trajectory
-(N tokens) goes into the pool. A controller drops the window ("lean" steps:
-pool candidates only, a plain step when there are none) while it does not pay.
+(N tokens) goes into the pool. A controller (lookahead.controller) measures
+full steps, "lean" steps (pool candidates only) and plain steps on the fly
+and runs the fastest, so lookahead never settles on something slower than plain.
 """
 
 from __future__ import annotations
@@ -86,8 +87,11 @@ class LookaheadMode:
             kind = ctl.choose() if W > 0 else "lean"
             t_step = time.perf_counter()
             tree = StepTree.rooted(x0)
-            for cand in pool.candidates(seq, self.G):
-                tree.add_path(cand)
+            if kind != "plain":
+                for cand in pool.candidates(seq, self.G):
+                    tree.add_path(cand)
+            if kind == "lean" and len(tree) == 1:
+                kind = "plain"
             if kind == "full":
                 tree.add_window(levels)
             p = cache[0].offset
