@@ -117,4 +117,8 @@ class DistilledDrafter(ModelDrafter):
             if v_hash is None and loaded.tokenizer is not None and meta.get("vocab_hash"):
                 v_hash = loaded.tokenizer.vocab_hash()
             check_vocabulary(vmap.full_vocab_size, loaded.model.args.vocab_size, meta.get("vocab_hash"), v_hash)
-        return cls(load_model_folder(path), vmap, name=f"distilled:{path.name}")
+        # Weights ship in fp16 (size); the CPU computes fp16 several times slower than
+        # fp32 (measured ~3.5x for this drafter), so widen them there.
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        model = load_model_folder(path, dtype=mx.float32 if on_cpu else None)
+        return cls(model, vmap, name=f"distilled:{path.name}")
