@@ -31,8 +31,6 @@ CALIBRATION_PROMPTS = [
     "Summarize in two sentences: The city council voted to expand the bike lane network after a year of "
     "public consultation, citing safer streets and lower traffic.",
     "Translate to French: The weather is nice today and I want to go to the park.",
-    "Explain what a hash table is to a beginner.",
-    "Write a short email asking a colleague to move our meeting to Friday.",
 ]
 
 
@@ -51,7 +49,7 @@ class SelfSpecDrafter(ModelDrafter):
 
 
 # ---------------------------------------------------------------------- search
-def calibration_sequences(model, tokenizer, prompts=None, new_tokens: int = 32) -> list[tuple[list[int], int]]:
+def calibration_sequences(model, tokenizer, prompts=None, new_tokens: int = 24) -> list[tuple[list[int], int]]:
     """(prompt + verifier greedy continuation, prompt length) for each calibration prompt."""
     from edgespec.generate import prefill
 
@@ -69,10 +67,12 @@ def calibration_sequences(model, tokenizer, prompts=None, new_tokens: int = 32) 
     return out
 
 
-def _match_rate(model, seqs, layer_ids, starts=None) -> float:
+def _match_rate(model, seqs, layer_ids, starts=None, vocab_subsets=None) -> float:
     """Greedy acceptance of `layer_ids` on teacher-forced calibration sequences.
 
     starts: optional per-sequence (position j in layer_ids, hidden before it) to resume from.
+    vocab_subsets: optional per-sequence (P, S) token ids; the drafter's argmax is then
+    taken among those S candidates only (a cheap proxy for the full (E, V) head).
     """
     hits = total = 0
     for s, (seq, plen) in enumerate(seqs):
@@ -84,12 +84,38 @@ def _match_rate(model, seqs, layer_ids, starts=None) -> float:
             ids = layer_ids[j:]
         for i in ids:
             h = model.layers[i](h, "causal", None, None)
-        # Logits at positions plen-1 .. end-2 predict the generated tokens.
-        pred = mx.argmax(model.head(h[:, plen - 1 : -1]), axis=-1)[0]
+        # Positions plen-1 .. end-2 predict the generated tokens seq[plen:].
+        hp = h[:, plen - 1 : -1]
         target = mx.array(seq[plen:], dtype=mx.int32)
+        if vocab_subsets is None:
+            pred = mx.argmax(model.head(hp), axis=-1)[0]
+        else:
+            sub = vocab_subsets[s]  # (P, S)
+            hn = model.model.norm(hp)[0]  # (P, E)
+            w = _head_rows(model, sub)  # (P, S, E)
+            scores = (w @ hn[:, :, None])[..., 0]  # (P, S)
+            pred = mx.take_along_axis(sub, mx.argmax(scores, axis=-1)[:, None], axis=1)[:, 0]
         hits += int(mx.sum(pred == target).item())
         total += len(seq) - plen
     return hits / max(total, 1)
+
+
+def _head_rows(model, ids: mx.array) -> mx.array:
+    """Output-projection rows for token ids (..., S) -> (..., S, E) (tied or separate head)."""
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.weight[ids]
+    return model.lm_head.weight[ids]
+
+
+def _verifier_top(model, seqs, n: int = 32) -> list[mx.array]:
+    """Per sequence, the verifier's top-n token ids at each generated position (P, n)."""
+    out = []
+    for seq, plen in seqs:
+        logits = model(mx.array(seq, dtype=mx.int32)[None])[0, plen - 1 : -1]
+        top = mx.argpartition(-logits, n - 1, axis=-1)[:, :n]
+        mx.eval(top)
+        out.append(top)
+    return out
 
 
 def _hidden_prefixes(model, seqs, layer_ids) -> list[list[mx.array]]:
@@ -128,39 +154,53 @@ def layer_cost_fractions(model) -> tuple[float, float]:
 
 
 def search_skip_layers(
-    model, tokenizer=None, seqs=None, max_skip: int | None = None, prompts=None, on_step=None
+    model,
+    tokenizer=None,
+    seqs=None,
+    max_skip: int | None = None,
+    prompts=None,
+    candidates: int = 3,
+    on_step=None,
 ) -> dict:
     """Greedy backward elimination of layers by measured acceptance.
 
-    on_step(dropped_layer, acceptance, modelled_speedup) is called after each elimination.
-
-    Returns {"keep", "skip", "acceptance", "speedup_model", "path": [[skip, acceptance], ...]}.
+    Phase 1 scores every layer by the acceptance left when it alone is skipped.
+    Phase 2 removes layers one at a time: the `candidates` least important
+    remaining layers (phase-1 order) are each tried in the current set and the
+    one keeping the highest acceptance goes. Candidate scoring takes the
+    drafter's argmax among the verifier's top-32 tokens (a cheap proxy); the
+    chosen set's acceptance is then measured with the full head.
+    on_step(dropped_layer, acceptance, modelled_speedup) follows each removal.
+    Returns {"keep", "skip", "acceptance", "speedup_model", "path": [[layer, acceptance], ...]}.
     """
     n = len(model.layers)
     seqs = seqs or calibration_sequences(model, tokenizer, prompts)
-    max_skip = max_skip if max_skip is not None else (2 * n) // 3
+    max_skip = max_skip if max_skip is not None else n // 2
     f_layer, f_head = layer_cost_fractions(model)
+    subsets = _verifier_top(model, seqs, min(32, model.args.vocab_size))
+
+    def score(keep, j, prefixes):
+        cand = keep[:j] + keep[j + 1 :]
+        # Layers before position j are unchanged: resume from the stored hidden state.
+        return _match_rate(model, seqs, cand, [(j, prefixes[s][j]) for s in range(len(seqs))], subsets)
+
     keep = list(range(n))
-    path = []
-    best = None
+    prefixes = _hidden_prefixes(model, seqs, keep)
+    importance = {i: score(keep, i, prefixes) for i in range(n)}  # higher = less important
+    path, best = [], None
     for _ in range(max_skip):
         prefixes = _hidden_prefixes(model, seqs, keep)
-        scores = []
-        for j in range(len(keep)):
-            cand = keep[:j] + keep[j + 1 :]
-            # Layers before position j are unchanged: resume from the stored hidden state.
-            starts = [(j, prefixes[s][j]) for s in range(len(seqs))]
-            scores.append((_match_rate(model, seqs, cand, starts), -j))
-        acc, neg_j = max(scores)
-        drop = keep[-neg_j]
+        pool = sorted(keep, key=lambda i: -importance[i])[:candidates]
+        acc, drop = max((score(keep, keep.index(i), prefixes), i) for i in pool)
         keep = [i for i in keep if i != drop]
-        cost = f_layer * len(keep) + f_head
-        speed = modelled_speedup(acc, cost)
+        speed = modelled_speedup(acc, f_layer * len(keep) + f_head)
         path.append([drop, round(acc, 4)])
         if on_step is not None:
             on_step(drop, acc, speed)
         if best is None or speed > best["speedup_model"]:
-            best = {"keep": list(keep), "acceptance": acc, "speedup_model": speed}
+            best = {"keep": list(keep), "acceptance_proxy": acc, "speedup_model": speed}
+    best["acceptance"] = _match_rate(model, seqs, best["keep"])
+    best["speedup_model"] = modelled_speedup(best["acceptance"], f_layer * len(best["keep"]) + f_head)
     best["skip"] = [i for i in range(n) if i not in best["keep"]]
     best["path"] = path
     return best
