@@ -27,7 +27,7 @@ def shipped_drafter_path(engine) -> Path | None:
         names.append(str(src["name"]).split(".")[0])
     if loaded.path is not None:
         names.append(Path(loaded.path).name)
-    for name in names:
+    for name in names + [n.lower() for n in names]:  # shipped folders are lower-case
         for cand in (DATA / name, DATA / name.rsplit("-", 1)[0]):
             if (cand / "config.json").is_file() and (cand / "model.safetensors").is_file():
                 return cand
