@@ -46,18 +46,15 @@ def is_loopback(host: str) -> bool:
 
 
 def server_defaults(args) -> dict:
-    dt = args.draft_tokens
-    if dt != "auto":
-        try:
-            dt = int(dt)
-        except ValueError:
-            raise ValueError(f"--draft-tokens must be 'auto' or an integer, got {dt!r}") from None
-    defaults = dict(max_tokens=args.max_tokens, stop=args.stop or None, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, mode=args.mode,
-                    draft_tokens=dt)
-    from edgespec.engine import make_options
+    """The decoding/sampling options given on the command line, as make_options keywords:
+    the defaults for fields a request leaves out (validated now, not on the first request)."""
+    from edgespec.apps.common import options_from_args
 
-    make_options(**defaults)  # fail now, not on the first request
+    o = options_from_args(args)
+    sp = o.sampling
+    defaults = dict(max_tokens=o.max_tokens, stop=o.stop or None, temperature=sp.temperature, top_k=sp.top_k,
+                    top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed, mode=o.mode, draft_tokens=o.draft_tokens,
+                    **o.mode_options)
     return {k: v for k, v in defaults.items() if v is not None}
 
 

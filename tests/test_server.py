@@ -364,3 +364,17 @@ def test_swift_example_request_shape(server, engine):
     assert "".join(text) == engine.chat(MSGS, max_tokens=12).text
     assert reasons == ["length"] and usage["completion_tokens"] == 12
     assert {"mode", "acceptance_rate", "tokens_per_pass", "tokens_per_s", "queue_s"} <= set(stats)
+
+
+def test_command_line_defaults_become_request_defaults():
+    from edgespec.apps.serve import server_defaults
+
+    from edgespec.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-tokens", "9", "--temperature", "0.5", "--seed", "3",
+                                      "--mode", "lookahead", "--mode-option", "window=5", "--stop", "##"])
+    d = server_defaults(args)
+    assert d["max_tokens"] == 9 and d["temperature"] == 0.5 and d["seed"] == 3
+    assert d["mode"] == "lookahead" and d["window"] == 5 and d["stop"] == ["##"]
+    with pytest.raises(ValueError, match="top_p"):
+        server_defaults(build_parser().parse_args(["serve", "--top-p", "0"]))
