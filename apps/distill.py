@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=None, help="drafter width (default: the verifier's, so its "
                    "weights can be copied; another width starts from random weights)")
     p.add_argument("--init-layers", type=_int_list, default=None, help="verifier layers to copy into the drafter's, "
-                   "comma-separated (default: spread evenly, first and last)")
+                   "comma-separated (default: the first ones)")
     p.add_argument("--vocab", type=int, default=8192, help="reduced output vocabulary size (slot 0 = other tokens)")
     p.add_argument("--steps", type=int, default=600, help="training steps")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")

@@ -132,3 +132,16 @@ def test_distilled_drafter_expands_to_full_vocab(toy):
     d.accept(1, draft.tokens[1])
     assert d.seq == [5, 6, 7, draft.tokens[0], draft.tokens[1]]
     json.dumps(vmap.ids.tolist())
+
+
+def test_fast_acceptance_equals_drafting_loop(toy):
+    from edgespec.converters.distill.evaluate import acceptance, acceptance_fast
+
+    _, exs, vmap = toy
+    student, _ = _student(toy)
+    data = prepare(exs, vmap, 128)
+    train(student, data, TrainConfig(steps=15, batch_size=4, lr=3e-3, warmup=2))
+    slow = acceptance(DistilledDrafter(student, vmap), exs, k=3)
+    fast = acceptance_fast(student, vmap, exs, k=3)
+    assert slow == fast
+    assert 0 < slow["all"]["accepted"] < slow["all"]["drafted"]

@@ -110,7 +110,7 @@ def distill(
         "kv_heads": scfg["num_key_value_heads"],
         "intermediate": scfg["intermediate_size"],
         "params": _params(student),
-        "init_layers": cfg.init_layers or "spread evenly (first..last)",
+        "init_layers": cfg.init_layers or f"0..{scfg['num_hidden_layers'] - 1}",
         "n_prompts": len(items),
         "domains": ", ".join(f"{d} {n}" for d, n in sorted(_count(i.domain for i in items).items())),
         "prompts": str(prompts or "built-in edgespec/data/distill_prompts.jsonl"),
@@ -134,6 +134,10 @@ def distill(
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         vmap.save(tmp, vocab_hash=info["vocab_hash"])
         info["size_mb"] = sum(p.stat().st_size for p in tmp.iterdir()) / 1e6
+        emb_mb = vmap.size * scfg["hidden_size"] * 2 / 1e6
+        layer_mb = (info["params"] - vmap.size * scfg["hidden_size"]) * 2 / 1e6 / scfg["num_hidden_layers"]
+        info.setdefault("size_reason", f"fp16: {scfg['num_hidden_layers']} layer(s) x {layer_mb:.1f} MB + "
+                        f"{vmap.size} x {scfg['hidden_size']} tied embedding/head {emb_mb:.1f} MB.")
         if cfg.evaluate:
             drafter = DistilledDrafter.load(tmp, loaded)  # measure exactly what ships (fp16)
             note("evaluate", 0, 2, "held-out acceptance")
@@ -151,15 +155,15 @@ def distill(
 
 
 def acceptance_fn(drafter, examples, k):
-    from edgespec.converters.distill.evaluate import acceptance
+    from edgespec.converters.distill.evaluate import acceptance_fast
 
-    return acceptance(drafter, examples, k)
+    return acceptance_fast(drafter.model, drafter.vocab_map, examples, k)
 
 
 def cost_fn(model, drafter, ctx, k):
     from edgespec.converters.distill.evaluate import draft_cost
 
-    return draft_cost(model, drafter, ctx, k)
+    return draft_cost(model, drafter, ctx, k, repeats=8)
 
 
 def _count(xs):

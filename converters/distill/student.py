@@ -38,7 +38,9 @@ def init_student(config: dict, verifier: Model, vocab_ids: np.ndarray, init_laye
 
     vocab_ids (N,) full id per reduced slot (slot 0 = -1 "other", embedded as the
     mean row). init_layers: verifier layer index for each drafter layer (same width
-    only); None = evenly spread, first and last included.
+    only); None = the first n. Measured on SmolLM2-135M (2 layers, untrained, KL
+    loss on verifier data): layers [0, 1] 17.9, [28, 29] 17.9, [0, 15] 21.2,
+    [0, 29] 60.8: a late layer fed a shallow residual stream is far off.
     """
     mx.random.seed(seed)
     student = Model(ModelArgs.from_dict(config))
@@ -48,7 +50,7 @@ def init_student(config: dict, verifier: Model, vocab_ids: np.ndarray, init_laye
         return student  # different width: random init, nothing to copy
     n = config["num_hidden_layers"]
     if init_layers is None:
-        init_layers = [round(i * (v.num_hidden_layers - 1) / max(1, n - 1)) for i in range(n)]
+        init_layers = list(range(min(n, v.num_hidden_layers)))
     if len(init_layers) != n or not all(0 <= i < v.num_hidden_layers for i in init_layers):
         raise ValueError(f"--init-layers needs {n} verifier layer indices in 0..{v.num_hidden_layers - 1}")
     emb = verifier.model.embed_tokens.weight.astype(mx.float32)  # (V, E)
