@@ -149,6 +149,7 @@ class SpeculativeMode:
     def steps(self, prompt, sampler, stats):
         if self._note:
             stats.notes.append(self._note)
+        stats.notes.extend(getattr(self, "extra_notes", []))
         if self.fixed_k is None and self.costs is None:
             self.costs = calibrate(self.model, self.drafter, KMAX)
         ctl = KController(self.costs, self.fixed_k, prior_alpha=self.prior_alpha)
@@ -279,4 +280,7 @@ def make_speculative(engine, options):
             "verifier), 'prompt_lookup', or a drafter folder/bundle"
         )
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    return SpeculativeMode(engine.model, drafter, options, costs=costs)
+    mode = SpeculativeMode(engine.model, drafter, options, costs=costs)
+    # Notes from attaching the drafter (e.g. Core ML unavailable -> MLX copy); apps show each once.
+    mode.extra_notes = list(getattr(engine, "drafter_notes", []))
+    return mode

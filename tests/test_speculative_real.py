@@ -1,0 +1,58 @@
+"""Speculative decoding on SmolLM2-135M-Instruct: greedy output equals plain for K 1..8, pipelined or not."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgespec.drafters.self_spec import SelfSpecDrafter, skip_set_for
+
+pytestmark = pytest.mark.real_model
+
+TOPICS = [
+    "Name a fruit.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+    "Write a haiku about rain.",
+    "def add(a, b):",
+    "List three colors.",
+    "What is the capital of France?",
+    "Give me a word that rhymes with cat.",
+    "Translate 'thank you' into German.",
+    "Summarize: the cat sat on the mat all day.",
+    "Write a SQL query selecting all rows from users.",
+    "Why do leaves change color?",
+    "Count from one to five.",
+    "What is a prime number?",
+    "Suggest a name for a dog.",
+    "How many legs does a spider have?",
+    "Write one sentence about the sea.",
+    "What does CPU stand for?",
+    "Give a synonym for happy.",
+    "Finish this: once upon a time",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(real_engine):
+    found = skip_set_for(real_engine.loaded, search=False)
+    # Without a cached search result use a fixed subset: exactness does not depend on it.
+    keep = found["keep"] if found else [i for i in range(30) if i % 3 != 1]
+    drafter = SelfSpecDrafter(real_engine.model, keep)
+    prompts = [real_engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TOPICS]
+    plain = [real_engine.generate(p, max_tokens=MAX_TOKENS, mode="plain").tokens for p in prompts]
+    yield real_engine, drafter, prompts, plain
+    real_engine.drafter = None
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_real_greedy_equals_plain(setup, k):
+    engine, drafter, prompts, plain = setup
+    engine.drafter = drafter
+    drafted = 0
+    for i, (p, ref) in enumerate(zip(prompts, plain)):
+        pipeline = (i + k) % 2 == 0  # every K sees both, across the 20 prompts
+        res = engine.generate(p, max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k, pipeline=pipeline)
+        assert res.tokens == ref, f"K={k} pipeline={pipeline} prompt {TOPICS[i]!r}"
+        drafted += res.stats.drafted
+    assert drafted > 0
