@@ -260,3 +260,15 @@ def test_controller_picks_long_drafts_when_cheap_and_accepted():
         ctl.record_round(k, k, 0.01 * (1 + 0.05 * k) + k * 0.0005)  # everything accepted
     assert ctl.alpha > 0.9
     assert ctl.choose() >= 6
+
+
+def test_controller_fallback_decodes_plainly_and_exactly(verifier, plain_outputs, noisy_drafter):
+    # Drafting priced far above a verifier pass: the controller must fall back to
+    # plain steps (with occasional probes) and still reproduce plain output.
+    costs = CostModel(verify_s=[0.01] * 9, draft_s=1.0)
+    mode = SpeculativeMode(verifier, noisy_drafter, GenerateOptions(), costs=costs, prior_alpha=0.1)
+    out, stats = run(mode, PROMPTS[2], n=60)
+    ref, _ = run(PlainMode(verifier), PROMPTS[2], n=60)
+    assert out == ref
+    assert any("controller" in n for n in stats.notes)
+    assert 0 < stats.drafted < 20  # a few probe rounds only

@@ -160,12 +160,43 @@ class SpeculativeMode:
         finally:
             worker.close()
 
-    def _plain_step(self, cache, last: int, vs) -> tuple[int, float]:
-        lp = vs.logprobs(self.model(mx.array([[last]], dtype=mx.int32), cache)[0, -1])
-        tok = vs.sample(lp)
-        mx.eval(tok, lp)
-        t = int(tok.item())
-        return t, float(lp[t].item())
+    def _plain_steps(self, cache, last: int, sampler, base: int, r: int, ctl, stats, next_k: list):
+        """Plain decoding while the controller says K=0; yields (token, logprob).
+
+        Like PlainMode, step i+1 is queued (mx.async_eval) before token i is handed
+        out, so graph building overlaps the computation; after each token the
+        controller may ask for a speculative round (a probe), which ends the run
+        with that K appended to `next_k`.
+        """
+        model = self.model
+
+        def queue(tok_in: int, rr: int):
+            _, vs = self._samplers(sampler, base, rr)
+            lp = vs.logprobs(model(mx.array([[tok_in]], dtype=mx.int32), cache)[0, -1])
+            tok = vs.sample(lp)
+            mx.async_eval(tok, lp)
+            return tok, lp
+
+        pending = queue(last, r)
+        while True:
+            t0 = time.perf_counter()
+            tok, lp = pending
+            t = int(tok.item())
+            lp_t = float(lp[t].item())
+            dt = time.perf_counter() - t0
+            stats.verify_s += dt
+            stats.verifier_passes += 1
+            ctl.record_plain(dt)
+            r += 1
+            k = ctl.choose()
+            more = k == 0
+            if more:
+                pending = queue(t, r)
+            else:
+                next_k.append(k)
+            yield t, lp_t
+            if not more:
+                return
 
     def _loop(self, prompt, sampler, stats, ctl, base, worker):
         model, drafter = self.model, self.drafter
@@ -186,6 +217,7 @@ class SpeculativeMode:
         told = len(prompt)  # the drafter knows seq[:told]; -1 = it followed a wrong guess
         yield Token(last, float(lp[last].item()), "verifier")
         ahead = None  # (future, K) of the next round's draft made early by the worker
+        next_k = []  # K the controller chose at the end of a plain run (a probe)
         r = 0
         while True:
             r += 1
@@ -202,23 +234,20 @@ class SpeculativeMode:
                 if told == len(seq):
                     (draft, guess), hidden = early, dt_e
             else:
-                k_req = ctl.choose()
+                k_req = next_k.pop() if next_k else ctl.choose()
             if draft is None and k_req > 0:
                 self._catch_up(worker, seq, told)
                 told = len(seq)
                 (draft, guess), dt = worker.call(self._draft, k_req, ds, pipelined)
                 stats.draft_s += dt
             if draft is None or not draft.tokens:
-                # Plain verifier step: speculation does not pay now (or nothing was drafted).
+                # Plain verifier steps: speculation does not pay now (or nothing was drafted).
                 if ctl.in_fallback and not any(n.startswith("controller:") for n in stats.notes):
                     stats.notes.append("controller: speculation slower than plain here; plain steps, probing now and then")
-                last, lp_last = self._plain_step(cache, last, vs)
-                dt = time.perf_counter() - ts
-                stats.verify_s += dt
-                stats.verifier_passes += 1
-                ctl.record_plain(dt)
-                seq.append(last)
-                yield Token(last, lp_last, "verifier")
+                for last, lp_last in self._plain_steps(cache, last, sampler, base, r, ctl, stats, next_k):
+                    seq.append(last)
+                    r += 1
+                    yield Token(last, lp_last, "verifier")
                 continue
             k = len(draft.tokens)
             # ---- start drafting round r+1 early: assume all k kept and `guess` next
