@@ -81,7 +81,7 @@ class Engine:
         if len(ids) >= self.context_length:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the context window is {self.context_length} "
-                "(prompt plus reply must fit): shorten it or /reset the conversation"
+                "(prompt plus reply must fit): shorten the prompt or the conversation"
             )
         return ids
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 NEG_INF = float("-inf")
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,15 @@ class SamplingParams:
         m = self.min_p
         if not isinstance(m, (int, float)) or isinstance(m, bool) or not (0 <= m < 1):
             raise ValueError(f"min_p must be in [0, 1) (0 = off), got {m!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+        ):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflows float32: the limit is greedy anyway.
+        return self.temperature < GREEDY_BELOW
 
 
 def logprobs_from_logits(logits: mx.array, params: SamplingParams) -> mx.array:

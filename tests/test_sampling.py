@@ -111,8 +111,14 @@ def test_seed_makes_sampling_reproducible():
         ({"top_p": 1.5}, "top_p"),
         ({"min_p": 1.0}, "min_p"),
         ({"seed": "x"}, "seed"),
+        ({"seed": -1}, "seed"),
     ],
 )
 def test_nonsense_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_vanishing_temperature_is_greedy():
+    lp = np.array(logprobs_from_logits(mx.array(LOGITS), SamplingParams(temperature=1e-300)))
+    assert lp[0] == 0.0 and np.isneginf(lp[1:]).all()
