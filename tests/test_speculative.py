@@ -64,7 +64,7 @@ def spec(verifier, drafter, k, pipeline):
 def test_greedy_equals_plain_for_every_k(verifier, plain_outputs, noisy_drafter, pipeline):
     accepted = drafted = bonus_rounds = 0
     for k in range(1, 9):
-        for prompt, ref in zip(PROMPTS, plain_outputs):
+        for prompt, ref in zip(PROMPTS, plain_outputs, strict=True):
             out, stats = run(spec(verifier, noisy_drafter, k, pipeline), prompt)
             assert out == ref, f"K={k} pipeline={pipeline} prompt={prompt}"
             accepted += stats.accepted
@@ -78,7 +78,7 @@ def test_greedy_equals_plain_for_every_k(verifier, plain_outputs, noisy_drafter,
 def test_greedy_self_speculation_equals_plain(verifier, plain_outputs, pipeline):
     drafter = SelfSpecDrafter(verifier, [1])
     for k in (2, 5):
-        for prompt, ref in list(zip(PROMPTS, plain_outputs))[:6]:
+        for prompt, ref in list(zip(PROMPTS, plain_outputs, strict=True))[:6]:
             assert run(spec(verifier, drafter, k, pipeline), prompt)[0] == ref
 
 
@@ -109,7 +109,7 @@ def _fresh_state(model, tokens, layer_ids=None):
 def _assert_cache_equals(cache, fresh, layers):
     for i in layers:
         assert cache[i].offset == fresh[i].offset
-        for a, b in zip(cache[i].state, fresh[i].state):
+        for a, b in zip(cache[i].state, fresh[i].state, strict=True):
             np.testing.assert_allclose(np.array(a), np.array(b), atol=2e-5, rtol=1e-4)
 
 

@@ -50,7 +50,7 @@ def test_real_greedy_equals_plain(setup, k):
     engine, drafter, prompts, plain = setup
     engine.drafter = drafter
     drafted = 0
-    for i, (p, ref) in enumerate(zip(prompts, plain)):
+    for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
         pipeline = (i + k) % 2 == 0  # every K sees both, across the 20 prompts
         res = engine.generate(p, max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k, pipeline=pipeline)
         assert res.tokens == ref, f"K={k} pipeline={pipeline} prompt {TOPICS[i]!r}"

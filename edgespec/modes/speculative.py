@@ -244,10 +244,11 @@ class SpeculativeMode:
                 # Plain verifier steps: speculation does not pay now (or nothing was drafted).
                 if ctl.in_fallback and not any(n.startswith("controller:") for n in stats.notes):
                     stats.notes.append("controller: speculation slower than plain here; plain steps, probing now and then")
-                for last, lp_last in self._plain_steps(cache, last, sampler, base, r, ctl, stats, next_k):
-                    seq.append(last)
+                for t, lp_t in self._plain_steps(cache, last, sampler, base, r, ctl, stats, next_k):
+                    seq.append(t)
+                    last = t
                     r += 1
-                    yield Token(last, lp_last, "verifier")
+                    yield Token(t, lp_t, "verifier")
                 continue
             k = len(draft.tokens)
             # ---- start drafting round r+1 early: assume all k kept and `guess` next
