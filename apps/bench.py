@@ -27,18 +27,18 @@ def add_arguments(p) -> None:
         "--prompts",
         default=None,
         help='JSONL prompt file, one {"prompt": str | "messages": [...], "domain": str, "max_tokens": int} '
-        "per line (default: the built-in set)",
+        "per line; None = the built-in set",
     )
     g.add_argument(
         "--modes",
         default=None,
         help="comma-separated mode specs NAME or NAME:KEY=VALUE:..., e.g. "
         "'plain,speculative:draft_tokens=4,speculative:drafter=self,lookahead:window=5:ngram=3' "
-        "(drafter=SPEC attaches that drafter for the one spec; default: every registered mode; plain is "
-        "always added as the reference)",
+        "(drafter=SPEC attaches that drafter for that spec only); None = every registered mode; plain is "
+        "always added as the reference",
     )
-    g.add_argument("--domains", default=None, help="comma-separated domains to keep (default: all)")
-    g.add_argument("--per-domain", type=int, default=None, help="use at most this many prompts per domain")
+    g.add_argument("--domains", default=None, help="comma-separated domains to keep; None = all")
+    g.add_argument("--per-domain", type=int, default=None, help="use at most this many prompts per domain; None = all")
     g.add_argument("--max-tokens", type=int, default=128, help="reply length for prompts that set none")
     g.add_argument("--repeats", type=int, default=3, help="measured runs of every (prompt, mode)")
     g.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up rounds per mode")
@@ -155,6 +155,8 @@ def run(args) -> int:
     for line in problems(report):
         print(("!! " if line.startswith("BUG") else "note: ") + line, file=sys.stderr)
     print(f"wrote {args.out}/report.json, report.md" + "".join(f", {p}" for p in plots))
+    if run_.settings.get("interrupted"):
+        print("!! interrupted: the report covers only the generations that finished", file=sys.stderr)
     if report["equality"]["mismatches"]:
         print(
             f"!! {len(report['equality']['mismatches'])} greedy output(s) differ from plain: a decoding bug "
@@ -162,7 +164,7 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return EXIT_MISMATCH
-    return 0
+    return 130 if run_.settings.get("interrupted") else 0
 
 
 def _write_plots(report: dict, out: str) -> list[str]:

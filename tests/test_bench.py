@@ -238,6 +238,27 @@ def test_per_spec_drafter_is_attached_for_that_spec_only():
     assert not report["equality"]["mismatches"]
 
 
+def test_interrupted_run_still_reports_what_finished(monkeypatch):
+    calls = []
+
+    def interrupting(engine, options):
+        calls.append(1)
+        if len(calls) == 3:  # warm-up, prompt 1, then Ctrl-C during prompt 2
+            raise KeyboardInterrupt
+        return PlainMode(engine.model)
+
+    monkeypatch.setitem(MODES, "interrupting", interrupting)
+    engine = make_tiny_engine()
+    specs = parse_mode_specs("interrupting", available_modes())
+    run = run_benchmark(engine, tiny_prompts(), specs, max_tokens=4, repeats=1, warmup=1, chat=False)
+    assert run.settings["interrupted"] is True
+    assert {r.prompt_index for r in run.records if r.label == "interrupting"} == {0}
+    report = build_report(run)
+    assert report["results"]["interrupting"]["all"]["prompts"] == 1
+    assert report["results"]["interrupting"]["all"]["speedup"] is not None
+    assert "Interrupted" in format_markdown(report)
+
+
 # ---------------------------------------------------------------- CLI
 def test_cli_writes_report_and_exits_nonzero_on_mismatch(test_modes, tmp_path, monkeypatch, capsys):
     import edgespec.apps.common as common

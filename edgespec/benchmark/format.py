@@ -128,6 +128,8 @@ def format_markdown(report: dict, plots: list[str] | None = None) -> str:
         f"{len(report['prompts'])} prompts in {len(report['domains'])} domains; max_tokens {st['max_tokens']}, "
         f"{st['repeats']} repeat(s) after {st['warmup']} warm-up round(s); temperature {st['temperature']}."
     )
+    if st.get("interrupted"):
+        md.append("**Interrupted**: these numbers cover only the generations that finished.")
     if meta.get("machine"):
         md.append("Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()) + ".")
     md += ["", "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]

@@ -62,8 +62,13 @@ def acceptance_curve(records: list[RunRecord]) -> list[dict]:
 
 def metrics(records: list[RunRecord], ref: list[RunRecord]) -> dict:
     """Metrics of one mode's records against the plain records of the same (prompt, repeat)s."""
-    keys = {(r.prompt_index, r.repeat) for r in records}
+    # Compare on the (prompt, repeat)s both have (they differ only after a mode failed
+    # or the run was interrupted).
+    keys = {(r.prompt_index, r.repeat) for r in records} & {(r.prompt_index, r.repeat) for r in ref}
+    ref_all = ref
     ref = [r for r in ref if (r.prompt_index, r.repeat) in keys]
+    if ref_all:
+        records = [r for r in records if (r.prompt_index, r.repeat) in keys] or records
     tok, dec, wall = _per_prompt_medians(records)
     rtok, rdec, rwall = _per_prompt_medians(ref) if ref else (0.0, 0.0, 0.0)
     tps, e2e = _rate(tok, dec), _rate(tok, wall)

@@ -170,31 +170,38 @@ def run_benchmark(
             progress(remaining, spec.label)
 
     n_measured = repeats * len(prompts)
-    # Warm-up: compile kernels, fill allocator pools, and find modes that cannot run at all.
-    for w in range(warmup):
-        for spec in list(active):
-            try:
-                generate(spec, w % len(prompts))
-            except Exception as e:  # a broken mode is reported, not fatal
-                drop(spec, e, (warmup - w) + n_measured)  # this round's too
-                continue
-            progress(1, f"warm-up {spec.label}")
 
-    for r in range(repeats):
-        for i, p in enumerate(prompts):
-            k = (i + r) % max(len(active), 1)
-            for spec in active[k:] + active[:k]:
-                if spec not in active:
-                    continue  # dropped earlier in this rotation
+    def measure():
+        # Warm-up: compile kernels, fill allocator pools, and find modes that cannot run at all.
+        for w in range(warmup):
+            for spec in list(active):
                 try:
-                    res, wall = generate(spec, i)
-                except Exception as e:
-                    drop(spec, e, n_measured - (r * len(prompts) + i))
+                    generate(spec, w % len(prompts))
+                except Exception as e:  # a broken mode is reported, not fatal
+                    drop(spec, e, (warmup - w) + n_measured)  # this round's too
                     continue
-                run.records.append(
-                    RunRecord(spec.label, i, p.domain, r, list(res.tokens), res.finish_reason, wall, res.stats.as_dict())
-                )
-                progress(1, f"{p.domain} {spec.label}")
+                progress(1, f"warm-up {spec.label}")
+
+        for r in range(repeats):
+            for i, p in enumerate(prompts):
+                k = (i + r) % max(len(active), 1)
+                for spec in active[k:] + active[:k]:
+                    if spec not in active:
+                        continue  # dropped earlier in this rotation
+                    try:
+                        res, wall = generate(spec, i)
+                    except Exception as e:
+                        drop(spec, e, n_measured - (r * len(prompts) + i))
+                        continue
+                    run.records.append(
+                        RunRecord(spec.label, i, p.domain, r, list(res.tokens), res.finish_reason, wall, res.stats.as_dict())
+                    )
+                    progress(1, f"{p.domain} {spec.label}")
+
+    try:
+        measure()
+    except KeyboardInterrupt:  # keep what was measured: the report covers the finished runs
+        run.settings["interrupted"] = True
 
     for d in drafters.values():
         if d is not None and d is not engine.drafter:
