@@ -42,6 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new", type=int, default=96, help="tokens the verifier generates per prompt")
     p.add_argument("--topk", type=int, default=8, help="verifier log-probs recorded per position")
     p.add_argument("--gen-batch", type=int, default=48, help="prompts the verifier answers per batch")
+    p.add_argument("--max-shards", type=int, default=None, help="data budget: answer only the first N batches of "
+                   "prompts (each prefix of the plan is balanced across domains; default: all)")
     p.add_argument("--checkpoint-every", type=int, default=25, help="training steps between checkpoints")
     p.add_argument("--work", default=None, help="work folder for data and checkpoints (default: OUT.work)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its work folder")
@@ -61,7 +63,8 @@ def run(args) -> int:
         verifier = default_bundle_path(progress=not args.quiet)
     cfg = DistillConfig(
         layers=args.layers, hidden=args.hidden, vocab=args.vocab, init_layers=args.init_layers,
-        max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch, evaluate=not args.no_eval,
+        max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch,
+        max_shards=args.max_shards, evaluate=not args.no_eval,
         train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                           checkpoint_every=args.checkpoint_every),
     )

@@ -64,6 +64,18 @@ def test_data_resume_and_settings_check(tmp_path):
         build_dataset(loaded, _items(8), tmp_path, max_new=7, topk=3, batch_size=4)
 
 
+def test_shard_plan_prefix_is_balanced_and_max_shards(tmp_path):
+    from edgespec.converters.distill.data import shard_plan
+
+    loaded = _verifier()
+    items = [PromptItem(f"ab{i}", dom) for i in range(6) for dom in ("x", "y", "z")]
+    plan = shard_plan(loaded.tokenizer, items, 2, 64)
+    assert [{items[i].domain for i, _ in g} for g in plan[:3]] == [{"x"}, {"y"}, {"z"}]
+    build_dataset(loaded, items, tmp_path, max_new=3, topk=2, batch_size=2, max_shards=3)
+    exs = load_dataset(tmp_path)[1]
+    assert sorted(e.domain for e in exs) == ["x", "x", "y", "y", "z", "z"]
+
+
 def test_builtin_prompts_cover_domains_and_heldout_is_disjoint():
     train_items = read_prompts()
     held = read_prompts(__import__("edgespec.converters.distill.prompts", fromlist=["x"]).builtin_path("distill_prompts_heldout.jsonl"))

@@ -123,6 +123,33 @@ def _load_shard(path: Path) -> list[Example]:
     return out
 
 
+PLAN_VERSION = 2
+
+
+def shard_plan(tok, items: list[PromptItem], batch_size: int, max_prompt: int) -> list[list[tuple[int, list[int]]]]:
+    """Deterministic shards of (item index, prompt ids).
+
+    Per domain, prompts sorted by length are cut into batches (rows of a batch finish
+    at similar times and pad little); shards then take turns across domains, so
+    every prefix of the plan covers all domains. Texts go last, scored in batches.
+    """
+    enc = [(i, encode_item(tok, it, max_prompt)) for i, it in enumerate(items)]
+    per_domain: dict[str, list] = {}
+    for e in enc:
+        if items[e[0]].kind == "prompt":
+            per_domain.setdefault(items[e[0]].domain, []).append(e)
+    queues = []
+    for dom in sorted(per_domain):
+        rows = sorted(per_domain[dom], key=lambda e: (len(e[1]), e[0]))
+        queues.append([rows[i : i + batch_size] for i in range(0, len(rows), batch_size)])
+    plan = []
+    for turn in range(max((len(q) for q in queues), default=0)):
+        plan += [q[turn] for q in queues if turn < len(q)]
+    txt = [e for e in enc if items[e[0]].kind == "text" and len(e[1]) > 1]
+    plan += [txt[i : i + batch_size] for i in range(0, len(txt), batch_size)]
+    return plan
+
+
 def build_dataset(
     loaded,
     items: list[PromptItem],
@@ -132,9 +159,12 @@ def build_dataset(
     batch_size: int = 16,
     max_prompt: int = 384,
     progress: Callable[[int, int], None] | None = None,
+    max_shards: int | None = None,
 ) -> Path:
     """Run the verifier over `items`, writing shards to `out` (resumes a partial build).
 
+    `max_shards` keeps only the first shards of the plan (each prefix is balanced
+    across domains, see shard_plan): a smaller data budget, still reproducible.
     `progress(done_items, total_items)` is called after every shard.
     """
     if topk < 1 or max_new < 1 or batch_size < 1:
@@ -151,6 +181,7 @@ def build_dataset(
         "topk": topk,
         "batch_size": batch_size,
         "max_prompt": max_prompt,
+        "plan": PLAN_VERSION,
     }
     meta_path = out / "meta.json"
     if meta_path.is_file():
@@ -160,13 +191,9 @@ def build_dataset(
             raise ValueError(f"{out} holds data built with other settings ({', '.join(diff)}); use another folder")
     else:
         meta_path.write_text(json.dumps(meta, indent=2))
-    # Deterministic shard plan: generation prompts grouped by (domain, length) so a
-    # batch's rows finish at similar times and pad little; texts one shard each batch.
-    enc = [(i, encode_item(tok, it, max_prompt)) for i, it in enumerate(items)]
-    gen = sorted((e for e in enc if items[e[0]].kind == "prompt"), key=lambda e: (items[e[0]].domain, len(e[1]), e[0]))
-    txt = [e for e in enc if items[e[0]].kind == "text" and len(e[1]) > 1]
-    plan = [gen[i : i + batch_size] for i in range(0, len(gen), batch_size)]
-    plan += [txt[i : i + batch_size] for i in range(0, len(txt), batch_size)]
+    plan = shard_plan(tok, items, batch_size, max_prompt)
+    if max_shards is not None:
+        plan = plan[:max_shards]
     eos = set(tok.eos_token_ids)
     done = 0
     for n, group in enumerate(plan):
@@ -184,7 +211,7 @@ def build_dataset(
             _save_shard(path, exs)
         done += len(group)
         if progress:
-            progress(done, len(items))
+            progress(done, sum(len(g) for g in plan))
     (out / "complete").write_text(str(len(plan)))
     return out
 

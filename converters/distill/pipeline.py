@@ -36,6 +36,7 @@ class DistillConfig:
     max_new: int = 96
     topk: int = 8
     gen_batch: int = 48
+    max_shards: int | None = None  # data budget: first shards of the (domain-balanced) plan
     k: int = 4  # draft length for the acceptance measurement
     evaluate: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -78,7 +79,8 @@ def distill(
     items = read_prompts(prompts)
     t0 = time.time()
     D.build_dataset(loaded, items, work / "data", cfg.max_new, cfg.topk, cfg.gen_batch,
-                    progress=lambda d, n: note("data", d, n, "prompts answered by the verifier"))
+                    progress=lambda d, n: note("data", d, n, "prompts answered by the verifier"),
+                    max_shards=cfg.max_shards)
     _, examples = D.load_dataset(work / "data")
     held_examples = []
     heldout_path = Path(heldout) if heldout else builtin_path(BUILTIN_HELDOUT)
@@ -111,8 +113,8 @@ def distill(
         "intermediate": scfg["intermediate_size"],
         "params": _params(student),
         "init_layers": cfg.init_layers or f"0..{scfg['num_hidden_layers'] - 1}",
-        "n_prompts": len(items),
-        "domains": ", ".join(f"{d} {n}" for d, n in sorted(_count(i.domain for i in items).items())),
+        "n_prompts": len(examples),
+        "domains": ", ".join(f"{d} {n}" for d, n in sorted(_count(e.domain for e in examples).items())),
         "prompts": str(prompts or "built-in edgespec/data/distill_prompts.jsonl"),
         "heldout": str(heldout or "built-in edgespec/data/distill_prompts_heldout.jsonl"),
         "max_new": cfg.max_new,

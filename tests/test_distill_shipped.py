@@ -1,0 +1,47 @@
+"""The drafter shipped for SmolLM2-135M-Instruct: loads by default, drafts, stays exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edgespec.drafters import DATA, attach_drafter, shipped_drafter_path
+from edgespec.drafters.distilled import DistilledDrafter
+
+SHIPPED = DATA / "smollm2-135m-instruct"
+
+
+def test_shipped_folder_is_complete_and_small():
+    names = {p.name for p in SHIPPED.iterdir()}
+    assert {"config.json", "model.safetensors", "vocab_map.json", "MODEL_CARD.md"} <= names
+    size = sum(p.stat().st_size for p in SHIPPED.iterdir())
+    assert size < 26e6  # the ~20 MB budget (see MODEL_CARD.md for the breakdown)
+    vmap = json.loads((SHIPPED / "vocab_map.json").read_text())
+    assert vmap["full_vocab_size"] == 49152 and vmap["ids"][0] == -1
+    assert json.loads((SHIPPED / "config.json").read_text())["vocab_size"] == len(vmap["ids"])
+
+
+@pytest.mark.real_model
+def test_shipped_drafter_is_found_and_greedy_exact(real_engine):
+    assert shipped_drafter_path(real_engine) == SHIPPED
+    try:
+        drafter = attach_drafter(real_engine, None)
+        assert isinstance(drafter, DistilledDrafter) and drafter.vocab_size == 49152
+        msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+        plain = real_engine.generate(messages=msgs, max_tokens=24, temperature=0, mode="plain")
+        spec = real_engine.generate(messages=msgs, max_tokens=24, temperature=0, mode="speculative", draft_tokens=4)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.accepted > 0  # the drafter predicts the verifier at least sometimes
+    finally:
+        attach_drafter(real_engine, "none")
+
+
+def test_shipped_vocab_hash_matches_default_tokenizer():
+    tok = Path(__file__).resolve().parents[1] / ".cache" / "edgespec" / "models" / "SmolLM2-135M-Instruct-f32"
+    if not (tok / "tokenizer.json").is_file():
+        pytest.skip("default model not converted in this checkout's cache")
+    from edgespec.tokenizer import Tokenizer
+
+    assert json.loads((SHIPPED / "vocab_map.json").read_text())["vocab_hash"] == Tokenizer.from_folder(tok).vocab_hash()
