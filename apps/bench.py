@@ -38,16 +38,34 @@ def add_arguments(p) -> None:
         "always added as the reference",
     )
     g.add_argument("--domains", default=None, help="comma-separated domains to keep; None = all")
-    g.add_argument("--per-domain", type=int, default=None, help="use at most this many prompts per domain; None = all")
-    g.add_argument("--max-tokens", type=int, default=128, help="reply length for prompts that set none")
+    g.add_argument(
+        "--per-domain",
+        type=int,
+        default=None,
+        help="use at most this many prompts per domain; None = all",
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=128, help="reply length for prompts that set none"
+    )
     g.add_argument("--repeats", type=int, default=3, help="measured runs of every (prompt, mode)")
     g.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up rounds per mode")
-    g.add_argument("--temperature", "--temp", type=float, default=0.0,
-                   help="0 = greedy (enables the equality check); >0 samples")
+    g.add_argument(
+        "--temperature",
+        "--temp",
+        type=float,
+        default=0.0,
+        help="0 = greedy (enables the equality check); >0 samples",
+    )
     g.add_argument("--seed", type=int, default=None, help="random seed when sampling")
-    g.add_argument("--raw", action="store_true", help="feed 'prompt' text as is, without the chat template")
-    g.add_argument("--out", default="bench-out", help="folder for report.json, report.md and the PNG plots")
-    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    g.add_argument(
+        "--raw", action="store_true", help="feed 'prompt' text as is, without the chat template"
+    )
+    g.add_argument(
+        "--out", default="bench-out", help="folder for report.json, report.md and the PNG plots"
+    )
+    g.add_argument(
+        "--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)"
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -100,7 +118,14 @@ def machine_info() -> dict:
 
 def run(args) -> int:
     from edgespec.apps.common import load_engine
-    from edgespec.benchmark import build_report, load_prompts, parse_mode_specs, run_benchmark, select_prompts
+
+    from edgespec.benchmark import (
+        build_report,
+        load_prompts,
+        parse_mode_specs,
+        run_benchmark,
+        select_prompts,
+    )
     from edgespec.benchmark.format import format_markdown, format_table, problems, summary_lines
     from edgespec.modes import available_modes
     from edgespec.progress import progress_bar
@@ -156,7 +181,9 @@ def run(args) -> int:
         print(("!! " if line.startswith("BUG") else "note: ") + line, file=sys.stderr)
     print(f"wrote {args.out}/report.json, report.md" + "".join(f", {p}" for p in plots))
     if run_.settings.get("interrupted"):
-        print("!! interrupted: the report covers only the generations that finished", file=sys.stderr)
+        print(
+            "!! interrupted: the report covers only the generations that finished", file=sys.stderr
+        )
     if report["equality"]["mismatches"]:
         print(
             f"!! {len(report['equality']['mismatches'])} greedy output(s) differ from plain: a decoding bug "
@@ -177,4 +204,3 @@ if __name__ == "__main__":  # pragma: no cover
     from edgespec.cli import main
 
     sys.exit(main(["bench", *sys.argv[1:]]))
-

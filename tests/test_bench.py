@@ -7,7 +7,13 @@ import json
 import pytest
 from conftest import make_tiny_engine
 
-from edgespec.benchmark import build_report, load_prompts, parse_mode_specs, parse_prompts, run_benchmark
+from edgespec.benchmark import (
+    build_report,
+    load_prompts,
+    parse_mode_specs,
+    parse_prompts,
+    run_benchmark,
+)
 from edgespec.benchmark.format import format_markdown, format_table, problems
 from edgespec.benchmark.prompts import select_prompts
 from edgespec.benchmark.runner import BenchRun, RunRecord
@@ -82,8 +88,14 @@ def test_builtin_prompt_set_covers_four_domains():
 
 # ---------------------------------------------------------------- mode specs
 def test_mode_specs_parse_settings_and_put_plain_first():
-    specs = parse_mode_specs("lookahead:W=5:N=3:flag=true,speculative:draft_tokens=4", ["plain", "lookahead"])
-    assert [s.label for s in specs] == ["plain", "lookahead:W=5:N=3:flag=true", "speculative:draft_tokens=4"]
+    specs = parse_mode_specs(
+        "lookahead:W=5:N=3:flag=true,speculative:draft_tokens=4", ["plain", "lookahead"]
+    )
+    assert [s.label for s in specs] == [
+        "plain",
+        "lookahead:W=5:N=3:flag=true",
+        "speculative:draft_tokens=4",
+    ]
     assert specs[1].options == {"W": 5, "N": 3, "flag": True} and specs[1].draft_tokens == "auto"
     assert specs[2].draft_tokens == 4 and specs[2].options == {}
     assert [s.label for s in parse_mode_specs("x,plain", ["plain"])] == ["plain", "x"]
@@ -105,7 +117,9 @@ class CorruptMode:
     def steps(self, prompt, sampler, stats):
         for i, tok in enumerate(self.inner.steps(prompt, sampler, stats)):
             if i == 3:
-                tok = Token(1 + tok.id % 40, tok.logprob, tok.source)  # never EOS (0), always different
+                tok = Token(
+                    1 + tok.id % 40, tok.logprob, tok.source
+                )  # never EOS (0), always different
             yield tok
 
 
@@ -154,7 +168,13 @@ def test_report_has_every_mode_and_domain_and_flags_corrupted_mode(test_modes):
     specs = parse_mode_specs("drafting_plain,corrupt,broken,nosuch", available_modes())
     calls = []
     run = run_benchmark(
-        engine, tiny_prompts(), specs, max_tokens=10, repeats=2, warmup=1, chat=False,
+        engine,
+        tiny_prompts(),
+        specs,
+        max_tokens=10,
+        repeats=2,
+        warmup=1,
+        chat=False,
         on_progress=lambda n, d: calls.append(n),
     )
     report = build_report(run, {"model": "tiny"})
@@ -167,7 +187,11 @@ def test_report_has_every_mode_and_domain_and_flags_corrupted_mode(test_modes):
     # Progress covers every planned generation, including the ones skipped for broken modes.
     assert sum(calls) == 4 * (1 + 2 * 3)
     assert report["status"] == {
-        "plain": "ok", "drafting_plain": "ok", "corrupt": "mismatch", "broken": "error", "nosuch": "unavailable",
+        "plain": "ok",
+        "drafting_plain": "ok",
+        "corrupt": "mismatch",
+        "broken": "error",
+        "nosuch": "unavailable",
     }
     assert "needs a drafter" in report["errors"]["broken"]
     # Every corrupted generation is listed (3 prompts x 2 repeats), at token 3; nothing else.
@@ -190,13 +214,22 @@ def test_report_has_every_mode_and_domain_and_flags_corrupted_mode(test_modes):
 
 
 def _record(label, prompt, domain, repeat, tokens, decode_s):
-    stats = dict(generated_tokens=len(tokens), decode_s=decode_s, verifier_passes=len(tokens), peak_memory_bytes=0)
+    stats = dict(
+        generated_tokens=len(tokens),
+        decode_s=decode_s,
+        verifier_passes=len(tokens),
+        peak_memory_bytes=0,
+    )
     return RunRecord(label, prompt, domain, repeat, tokens, "length", decode_s, stats)
 
 
 def test_speedup_and_recommendation_from_known_timings():
     prompts = tiny_prompts()[:2]
-    specs = [ModeSpec("plain", "plain"), ModeSpec("fast", "fast"), ModeSpec("faster_but_wrong", "fw")]
+    specs = [
+        ModeSpec("plain", "plain"),
+        ModeSpec("fast", "fast"),
+        ModeSpec("faster_but_wrong", "fw"),
+    ]
     run = BenchRun(specs, prompts, dict(max_tokens=4, repeats=2, warmup=0, temperature=0.0))
     for r in range(2):
         for i in range(2):
@@ -219,7 +252,16 @@ def test_speedup_and_recommendation_from_known_timings():
 def test_sampling_skips_equality_check():
     engine = make_tiny_engine()
     specs = parse_mode_specs("plain", available_modes())
-    run = run_benchmark(engine, tiny_prompts()[:1], specs, max_tokens=4, warmup=0, temperature=1.0, seed=1, chat=False)
+    run = run_benchmark(
+        engine,
+        tiny_prompts()[:1],
+        specs,
+        max_tokens=4,
+        warmup=0,
+        temperature=1.0,
+        seed=1,
+        chat=False,
+    )
     assert run.equality["checked"] is False and not run.mismatches
 
 
@@ -228,7 +270,9 @@ def test_per_spec_drafter_is_attached_for_that_spec_only():
         pytest.skip("the speculative mode is not part of this build")
     engine = make_tiny_engine(scale=3.0)
     assert engine.drafter is None
-    specs = parse_mode_specs("speculative:drafter=prompt_lookup:draft_tokens=3,speculative", available_modes())
+    specs = parse_mode_specs(
+        "speculative:drafter=prompt_lookup:draft_tokens=3,speculative", available_modes()
+    )
     run = run_benchmark(engine, tiny_prompts(), specs, max_tokens=10, warmup=0, chat=False)
     report = build_report(run)
     assert report["status"]["speculative:drafter=prompt_lookup:draft_tokens=3"] == "ok"
@@ -250,7 +294,9 @@ def test_interrupted_run_still_reports_what_finished(monkeypatch):
     monkeypatch.setitem(MODES, "interrupting", interrupting)
     engine = make_tiny_engine()
     specs = parse_mode_specs("interrupting", available_modes())
-    run = run_benchmark(engine, tiny_prompts(), specs, max_tokens=4, repeats=1, warmup=1, chat=False)
+    run = run_benchmark(
+        engine, tiny_prompts(), specs, max_tokens=4, repeats=1, warmup=1, chat=False
+    )
     assert run.settings["interrupted"] is True
     assert {r.prompt_index for r in run.records if r.label == "interrupting"} == {0}
     report = build_report(run)
@@ -262,13 +308,30 @@ def test_interrupted_run_still_reports_what_finished(monkeypatch):
 # ---------------------------------------------------------------- CLI
 def test_cli_writes_report_and_exits_nonzero_on_mismatch(test_modes, tmp_path, monkeypatch, capsys):
     import edgespec.apps.common as common
+
     from edgespec.cli import main
 
-    monkeypatch.setattr(common, "load_engine", lambda args, progress=True: make_tiny_engine(scale=3.0))
+    monkeypatch.setattr(
+        common, "load_engine", lambda args, progress=True: make_tiny_engine(scale=3.0)
+    )
     pf = tmp_path / "p.jsonl"
-    pf.write_text(jsonl({"prompt": "hello", "domain": "code"}, {"prompt": "world", "domain": "chat"}))
+    pf.write_text(
+        jsonl({"prompt": "hello", "domain": "code"}, {"prompt": "world", "domain": "chat"})
+    )
     out = tmp_path / "out"
-    base = ["bench", "--prompts", str(pf), "--max-tokens", "8", "--repeats", "1", "--warmup", "0", "--raw", "--quiet"]
+    base = [
+        "bench",
+        "--prompts",
+        str(pf),
+        "--max-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--raw",
+        "--quiet",
+    ]
     rc = main(base + ["--modes", "plain,corrupt", "--out", str(out)])
     cap = capsys.readouterr()
     assert rc == 3
@@ -279,7 +342,9 @@ def test_cli_writes_report_and_exits_nonzero_on_mismatch(test_modes, tmp_path, m
     assert report["status"]["corrupt"] == "mismatch"
     assert "--modes plain,corrupt" in report["meta"]["command"]
     # A correct set of modes, one of them unavailable: reported, exit 0.
-    rc = main(base + ["--modes", "drafting_plain,nosuch", "--out", str(tmp_path / "ok"), "--no-plots"])
+    rc = main(
+        base + ["--modes", "drafting_plain,nosuch", "--out", str(tmp_path / "ok"), "--no-plots"]
+    )
     cap = capsys.readouterr()
     assert rc == 0
     assert "nosuch unavailable" in cap.err and "all identical" in cap.out
@@ -297,7 +362,9 @@ def test_bench_real_model_chat_prompts(real_engine):
     """
     prompts = select_prompts(load_prompts(), ["translation"], per_domain=1)
     modes = "plain,prompt_lookup" if "prompt_lookup" in available_modes() else "plain"
-    run = run_benchmark(real_engine, prompts, parse_mode_specs(modes, available_modes()), max_tokens=8, warmup=0)
+    run = run_benchmark(
+        real_engine, prompts, parse_mode_specs(modes, available_modes()), max_tokens=8, warmup=0
+    )
     report = build_report(run)
     assert not report["equality"]["mismatches"], problems(report)
     assert not report["errors"], report["errors"]

@@ -5,7 +5,18 @@ from __future__ import annotations
 from edgespec.benchmark.report import ALL
 
 MAX_LISTED = 5  # mismatches listed per mode in text (report.json has all)
-COLUMNS = ("mode", "domain", "tok/s", "speedup", "accept", "tok/pass", "draft", "verify", "peak MB", "status")
+COLUMNS = (
+    "mode",
+    "domain",
+    "tok/s",
+    "speedup",
+    "accept",
+    "tok/pass",
+    "draft",
+    "verify",
+    "peak MB",
+    "status",
+)
 
 
 def _f(v, fmt: str, none: str = "-") -> str:
@@ -60,7 +71,12 @@ def format_table(report: dict) -> str:
     for n, r in enumerate(rows):
         if n > 0 and r[0]:
             lines.append("-" * (sum(widths) + 2 * (len(widths) - 1)))
-        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=False))
+            )
+        )
     return "\n".join(lines)
 
 
@@ -92,7 +108,9 @@ def summary_lines(report: dict) -> list[str]:
     if eq["checked"]:
         n_bad = len(eq["mismatches"])
         verdict = "all identical" if not n_bad else f"{n_bad} MISMATCH(ES) - a decoding bug"
-        lines.append(f"equality check vs plain: {eq['comparisons']} generations compared, {verdict}")
+        lines.append(
+            f"equality check vs plain: {eq['comparisons']} generations compared, {verdict}"
+        )
     else:
         lines.append(f"equality check skipped: {eq['reason']}")
     lines.append(f"recommendation: {rec['cli']} ({rec['reason']})")
@@ -114,7 +132,14 @@ def _md_accept(report: dict) -> list[str]:
     k = max(len(per.get(ALL) or []) for per in report["acceptance_by_position"].values())
     head = "| mode | " + " | ".join(f"pos {i}" for i in range(1, k + 1)) + " |"
     sep = "|---" * (k + 1) + "|"
-    return ["", "Acceptance by draft position (share of drafts at that position kept):", "", head, sep, *out]
+    return [
+        "",
+        "Acceptance by draft position (share of drafts at that position kept):",
+        "",
+        head,
+        sep,
+        *out,
+    ]
 
 
 def format_markdown(report: dict, plots: list[str] | None = None) -> str:

@@ -14,7 +14,9 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("plots need matplotlib: pip install 'edgespec[bench]' (or pass --no-plots)") from None
+        raise ValueError(
+            "plots need matplotlib: pip install 'edgespec[bench]' (or pass --no-plots)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -27,9 +29,13 @@ def plot_speedup(report: dict, path: Path) -> None:
     groups = [*report["domains"], ALL]
     # The reference (plain) is the dashed line at 1.0, not a bar.
     ref = report["modes"][0]["label"]
-    labels = [m["label"] for m in report["modes"] if m["label"] in report["results"] and m["label"] != ref]
+    labels = [
+        m["label"] for m in report["modes"] if m["label"] in report["results"] and m["label"] != ref
+    ]
     width = 0.8 / max(len(labels), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(labels)) ** 0.5 + 2), 4.2))
+    fig, ax = plt.subplots(
+        figsize=(max(6.0, 1.4 * len(groups) * max(1, len(labels)) ** 0.5 + 2), 4.2)
+    )
     for j, label in enumerate(labels):
         xs, ys, lo, hi = [], [], [], []
         for i, g in enumerate(groups):
@@ -38,16 +44,34 @@ def plot_speedup(report: dict, path: Path) -> None:
                 continue
             xs.append(i + (j - (len(labels) - 1) / 2) * width)
             ys.append(m["speedup"])
-            lo.append(m["speedup"] - (m["speedup_min"] if m["speedup_min"] is not None else m["speedup"]))
-            hi.append((m["speedup_max"] if m["speedup_max"] is not None else m["speedup"]) - m["speedup"])
+            lo.append(
+                m["speedup"] - (m["speedup_min"] if m["speedup_min"] is not None else m["speedup"])
+            )
+            hi.append(
+                (m["speedup_max"] if m["speedup_max"] is not None else m["speedup"]) - m["speedup"]
+            )
         status = report["status"][label]
         name = label if status == "ok" else f"{label} ({status})"
         bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
-        for b, y, up in zip(bars, ys, hi):
-            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y + up), ha="center", va="bottom", fontsize=7,
-                        xytext=(0, 2), textcoords="offset points")
+        for b, y, up in zip(bars, ys, hi, strict=False):
+            ax.annotate(
+                f"{y:.2f}",
+                (b.get_x() + b.get_width() / 2, y + up),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     if not labels:
-        ax.text(0.5, 0.5, "only the plain reference ran", ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "only the plain reference ran",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     ax.axhline(1.0, color="black", lw=0.8, ls="--", label=f"{ref} (reference)")
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("speedup vs plain (decode tokens/s)")
@@ -70,7 +94,14 @@ def plot_acceptance(report: dict, path: Path) -> None:
         ax.plot([c["position"] for c in curve], [c["rate"] for c in curve], marker="o", label=label)
         drawn += 1
     if not drawn:
-        ax.text(0.5, 0.5, "no mode drafted tokens in this run", ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no mode drafted tokens in this run",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     else:
         ax.legend(fontsize=8)
     from matplotlib.ticker import MaxNLocator

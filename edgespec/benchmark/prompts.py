@@ -57,7 +57,9 @@ def parse_prompt_line(obj, line: int) -> BenchPrompt:
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(KEYS))
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(KEYS)}")
+        raise ValueError(
+            f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(KEYS)}"
+        )
     has_p, has_m = "prompt" in obj, "messages" in obj
     if has_p == has_m:
         raise ValueError('give exactly one of "prompt" or "messages"')
@@ -119,7 +121,11 @@ def parse_prompts(text: str, source: str = "<prompts>") -> list[BenchPrompt]:
 def load_prompts(path: str | Path | None = None) -> list[BenchPrompt]:
     """Read a JSONL prompt file, or the built-in set when `path` is None."""
     if path is None:
-        text = resources.files("edgespec.data").joinpath("bench_prompts.jsonl").read_text(encoding="utf-8")
+        text = (
+            resources.files("edgespec.data")
+            .joinpath("bench_prompts.jsonl")
+            .read_text(encoding="utf-8")
+        )
         return parse_prompts(text, "bench_prompts.jsonl (built-in)")
     path = Path(path)
     if not path.is_file():
@@ -135,7 +141,9 @@ def select_prompts(
     if domains:
         missing = [d for d in domains if d not in present]
         if missing:
-            raise ValueError(f"no prompts in domain(s) {', '.join(missing)}; the prompt set has: {', '.join(present)}")
+            raise ValueError(
+                f"no prompts in domain(s) {', '.join(missing)}; the prompt set has: {', '.join(present)}"
+            )
     if per_domain is not None and per_domain < 1:
         raise ValueError(f"per_domain must be >= 1, got {per_domain}")
     counts: dict[str, int] = {}

@@ -54,9 +54,17 @@ def acceptance_curve(records: list[RunRecord]) -> list[dict]:
             drafted[i] += d[i]
             accepted[i] += a[i] if i < len(a) else 0
     out = []
-    for i, (d, a) in enumerate(zip(drafted, accepted)):
+    for i, (d, a) in enumerate(zip(drafted, accepted, strict=False)):
         prev = drafted[0] if i == 0 else accepted[i - 1]
-        out.append(dict(position=i + 1, drafted=d, accepted=a, rate=_rate(a, d), conditional_rate=_rate(a, prev)))
+        out.append(
+            dict(
+                position=i + 1,
+                drafted=d,
+                accepted=a,
+                rate=_rate(a, d),
+                conditional_rate=_rate(a, prev),
+            )
+        )
     return out
 
 
@@ -154,7 +162,9 @@ def recommend(report: dict, drafter: str | None = None) -> dict:
             "plain decoding is the safe choice"
         )
     else:
-        reason = f"{label} was {speedup:.2f}x plain over all prompts (greedy output identical to plain)"
+        reason = (
+            f"{label} was {speedup:.2f}x plain over all prompts (greedy output identical to plain)"
+        )
         if m.get("draft_tokens") and spec["draft_tokens"] == "auto":
             reason += f"; the K controller settled mostly on K={m['draft_tokens']}"
     per_domain = {}
@@ -195,7 +205,9 @@ def build_report(run: BenchRun, meta: dict | None = None) -> dict:
         meta=meta,
         settings=run.settings,
         domains=doms,
-        prompts=[dict(id=p.id, domain=p.domain, preview=p.preview(), line=p.line) for p in run.prompts],
+        prompts=[
+            dict(id=p.id, domain=p.domain, preview=p.preview(), line=p.line) for p in run.prompts
+        ],
         modes=[
             dict(
                 label=s.label,

@@ -67,7 +67,9 @@ class BenchRun:
     unavailable: dict[str, str] = field(default_factory=dict)  # label -> reason
     errors: dict[str, str] = field(default_factory=dict)  # label -> first error
     mismatches: list[Mismatch] = field(default_factory=list)
-    equality: dict = field(default_factory=dict)  # {"checked": bool, "reason": str, "comparisons": int}
+    equality: dict = field(
+        default_factory=dict
+    )  # {"checked": bool, "reason": str, "comparisons": int}
 
     def status(self, label: str) -> str:
         if label in self.unavailable:
@@ -113,7 +115,11 @@ def run_benchmark(
         raise ValueError("no prompts to benchmark")
     if not specs or not specs[0].is_reference:
         raise ValueError("the first mode spec must be the plain reference")
-    for name, v, lo in (("repeats", repeats, 1), ("warmup", warmup, 0), ("max_tokens", max_tokens, 1)):
+    for name, v, lo in (
+        ("repeats", repeats, 1),
+        ("warmup", warmup, 0),
+        ("max_tokens", max_tokens, 1),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
     progress = on_progress or (lambda n, desc: None)
@@ -122,7 +128,12 @@ def run_benchmark(
         specs=specs,
         prompts=prompts,
         settings=dict(
-            max_tokens=max_tokens, repeats=repeats, warmup=warmup, temperature=temperature, seed=seed, chat=chat
+            max_tokens=max_tokens,
+            repeats=repeats,
+            warmup=warmup,
+            temperature=temperature,
+            seed=seed,
+            chat=chat,
         ),
     )
     registered = set(available_modes()) | {"auto"}
@@ -194,7 +205,16 @@ def run_benchmark(
                         drop(spec, e, n_measured - (r * len(prompts) + i))
                         continue
                     run.records.append(
-                        RunRecord(spec.label, i, p.domain, r, list(res.tokens), res.finish_reason, wall, res.stats.as_dict())
+                        RunRecord(
+                            spec.label,
+                            i,
+                            p.domain,
+                            r,
+                            list(res.tokens),
+                            res.finish_reason,
+                            wall,
+                            res.stats.as_dict(),
+                        )
                     )
                     progress(1, f"{p.domain} {spec.label}")
 
@@ -211,7 +231,7 @@ def run_benchmark(
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
-    for j, (x, y) in enumerate(zip(a, b)):
+    for j, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return j
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -221,10 +241,16 @@ def check_equality(run: BenchRun, greedy: bool) -> None:
     """Compare every record's tokens with plain's first run of the same prompt (greedy only)."""
     ref = run.specs[0].label
     if not greedy:
-        run.equality = dict(checked=False, reason="sampling (temperature > 0): outputs legitimately differ", comparisons=0)
+        run.equality = dict(
+            checked=False,
+            reason="sampling (temperature > 0): outputs legitimately differ",
+            comparisons=0,
+        )
         return
     if ref in run.errors:
-        run.equality = dict(checked=False, reason=f"the plain reference failed: {run.errors[ref]}", comparisons=0)
+        run.equality = dict(
+            checked=False, reason=f"the plain reference failed: {run.errors[ref]}", comparisons=0
+        )
         return
     expected: dict[int, list[int]] = {}
     for rec in run.records:
@@ -251,4 +277,8 @@ def check_equality(run: BenchRun, greedy: bool) -> None:
                     got_len=len(rec.tokens),
                 )
             )
-    run.equality = dict(checked=True, reason="greedy: every mode must reproduce plain token for token", comparisons=n)
+    run.equality = dict(
+        checked=True,
+        reason="greedy: every mode must reproduce plain token for token",
+        comparisons=n,
+    )

@@ -54,7 +54,9 @@ def parse_mode_spec(text: str) -> ModeSpec:
     parts = [p.strip() for p in text.strip().split(":")]
     name = parts[0]
     if not name:
-        raise ValueError(f"empty mode name in mode spec {text!r}; expected NAME or NAME:KEY=VALUE:...")
+        raise ValueError(
+            f"empty mode name in mode spec {text!r}; expected NAME or NAME:KEY=VALUE:..."
+        )
     draft_tokens: int | str = "auto"
     drafter = None
     options: dict[str, Any] = {}
@@ -71,7 +73,9 @@ def parse_mode_spec(text: str) -> ModeSpec:
         else:
             options[key] = value
     label = ":".join([name] + [p for p in parts[1:]])
-    spec = ModeSpec(label=label, mode=name, draft_tokens=draft_tokens, options=options, drafter=drafter)
+    spec = ModeSpec(
+        label=label, mode=name, draft_tokens=draft_tokens, options=options, drafter=drafter
+    )
     # Validate the knobs now (before a model is loaded): GenerateOptions checks draft_tokens.
     from edgespec.engine import make_options
 
