@@ -135,7 +135,7 @@ class LookaheadMode:
                 stats.record_draft(depth, len(path))
             if ctl.fell_back and not fell_back_noted:
                 fell_back_noted = True
-                stats.notes.append("lookahead: the Jacobi window did not pay here; using pooled n-grams only")
+                stats.notes.append("lookahead: the Jacobi window did not pay here; mostly pooled n-grams or plain steps")
             for n, lpv in zip(path, lps):
                 yield Token(tree.tokens[n], lpv, "lookahead")
             yield Token(nxt, lps[-1], "verifier")
