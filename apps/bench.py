@@ -79,6 +79,7 @@ def reproduce_command(args) -> str:
     for flag, value, default in (
         ("--model", args.model, None),
         ("--drafter", args.drafter, None),
+        ("--memory-budget", getattr(args, "memory_budget", None), None),
         ("--prompts", args.prompts, None),
         ("--modes", args.modes, None),
         ("--domains", args.domains, None),

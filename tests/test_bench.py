@@ -227,7 +227,7 @@ def test_speedup_and_recommendation_from_known_timings():
     prompts = tiny_prompts()[:2]
     specs = [
         ModeSpec("plain", "plain"),
-        ModeSpec("fast", "fast"),
+        ModeSpec("fast", "fast", options={"window": 3, "adaptive": False}),
         ModeSpec("faster_but_wrong", "fw"),
     ]
     run = BenchRun(specs, prompts, dict(max_tokens=4, repeats=2, warmup=0, temperature=0.0))
@@ -243,7 +243,8 @@ def test_speedup_and_recommendation_from_known_timings():
     assert report["results"]["fast"]["all"]["speedup"] == pytest.approx(2.0)
     assert report["results"]["faster_but_wrong"]["all"]["speedup"] == pytest.approx(4.0)
     rec = report["recommendation"]
-    assert rec["label"] == "fast" and rec["cli"] == "--mode fast"
+    assert rec["label"] == "fast"
+    assert rec["cli"] == "--mode fast --mode-option window=3 --mode-option adaptive=false"
     # With no correct mode beating plain, plain is recommended.
     run.records = [r for r in run.records if r.label != "fast"]
     assert build_report(run)["recommendation"]["label"] == "plain"

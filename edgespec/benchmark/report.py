@@ -178,7 +178,13 @@ def recommend(report: dict, drafter: str | None = None) -> dict:
         observed_draft_tokens=m.get("draft_tokens"),
         speedup=speedup,
         reason=reason,
-        cli=" ".join(cli + ([f"(mode options: {settings})"] if settings else [])),
+        cli=" ".join(
+            cli
+            + [
+                f"--mode-option {k}={str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in settings.items()
+            ]
+        ),
         per_domain=per_domain,
     )
 
