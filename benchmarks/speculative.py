@@ -83,10 +83,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="bundle (default: the default model, dense fp32 on CPU)")
     ap.add_argument("--drafter", default=None, help="drafter spec (default: shipped distilled, else 'self')")
+    ap.add_argument("--keep-layers", default=None, help="self-speculation with these layers (comma-separated), no search")
     ap.add_argument("--per-domain", type=int, default=2, help="prompts per domain (code, chat, summarization, translation)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--k", default="1,2,4", help="comma-separated fixed K values to run")
-    ap.add_argument("--pipeline", choices=["on", "off"], default="off", help="pipelined drafting for the speculative runs")
+    ap.add_argument(
+        "--pipeline",
+        choices=["on", "off", "both"],
+        default="both",
+        help="pipelined drafting for the speculative runs; 'both' adds pipelined runs of the first K",
+    )
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's speculative generation")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "speculative.json"), help="JSON results path")
     args = ap.parse_args(argv)
@@ -99,11 +105,20 @@ def main(argv=None) -> int:
     engine = edgespec.load(bundle, drafter="none", progress=False)
     spec = args.drafter or (str(shipped_drafter_path(engine)) if shipped_drafter_path(engine) else "self")
     t0 = time.perf_counter()
-    drafter = attach_drafter(engine, spec)
+    if args.keep_layers:
+        from edgespec.drafters.self_spec import SelfSpecDrafter
+
+        spec = "self (--keep-layers)"
+        engine.drafter = SelfSpecDrafter(engine.model, [int(i) for i in args.keep_layers.split(",")])
+        drafter = engine.drafter
+    else:
+        drafter = attach_drafter(engine, spec)
     print(f"drafter {drafter.name} ({spec}) ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     ks = [int(k) for k in args.k.split(",") if k]
     pipe = args.pipeline == "on"
     methods = ["plain"] + [f"spec K={k}" for k in ks] + ["spec auto"]
+    if args.pipeline == "both":
+        methods += [f"spec K={ks[0]} pipe"]
     lm = None
     if not args.no_mlx_lm:
         from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -128,9 +143,9 @@ def main(argv=None) -> int:
                 toks, tps, fd = run_mlx_lm(lm[0], lm[1], lm[2], ids, args.max_tokens, k)
                 row = dict(tokens_per_s=tps, accepted=fd, drafted=None, passes=None, n=len(toks))
             else:
-                kw = dict(mode="plain") if m == "plain" else dict(mode="speculative", pipeline=pipe)
+                kw = dict(mode="plain") if m == "plain" else dict(mode="speculative", pipeline=pipe or m.endswith("pipe"))
                 if m.startswith("spec"):
-                    kw["draft_tokens"] = "auto" if m.endswith("auto") else int(m.split("=")[1])
+                    kw["draft_tokens"] = "auto" if m.endswith("auto") else int(m.split("=")[1].split()[0])
                 res = engine.generate(ids, max_tokens=args.max_tokens, **kw)
                 st = res.stats
                 toks = res.tokens
@@ -171,11 +186,11 @@ def main(argv=None) -> int:
         lines.append(f"{m:<12} {tps:7.1f} {tps / plain_tps:7.2f}x {acc:>7} {tpp:>8} {int(a['same'])}/{int(a['count'])}")
     lines.append("(* mlx-lm: share of output tokens that came from the draft)")
     lines.append("")
-    lines.append("acceptance per domain (" + ", ".join(m for m in methods if m.startswith("spec K")) + ")")
+    lines.append("acceptance per domain (" + ", ".join(m for m in methods if m.startswith("spec K") and not m.endswith("pipe")) + ")")
     for d in DOMAINS:
         cells = []
         for m in methods:
-            if not m.startswith("spec K"):
+            if not m.startswith("spec K") or m.endswith("pipe"):
                 continue
             sel = [r for r in rows if r["method"] == m and r["domain"] == d]
             dr = sum(r["drafted"] for r in sel)
