@@ -38,6 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=600, help="training steps")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, warmup then cosine)")
+    p.add_argument("--warmup", type=int, default=20, help="learning-rate warmup steps")
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data order")
     p.add_argument("--max-new", type=int, default=96, help="tokens the verifier generates per prompt")
     p.add_argument("--topk", type=int, default=8, help="verifier log-probs recorded per position")
@@ -65,7 +66,7 @@ def run(args) -> int:
         layers=args.layers, hidden=args.hidden, vocab=args.vocab, init_layers=args.init_layers,
         max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch,
         max_shards=args.max_shards, evaluate=not args.no_eval,
-        train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           checkpoint_every=args.checkpoint_every),
     )
     from tqdm import tqdm
