@@ -15,6 +15,7 @@ package atomically. coremltools is imported only here (conversion time).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from edgespec.converters.coreml_program import DrafterShape, build_function, rope_tables
+from edgespec.drafters.coreml import METADATA_KEY
 from edgespec.errors import ModelLoadError
 
 COMPRESS_CHOICES = ("none", "int8", "int4", "palette4")
@@ -143,6 +145,7 @@ def export_drafter(
     prefill_chunk: int = 64,
     decode_tokens: tuple[int, ...] = (1,),
     compress: str = "none",
+    vocab_hash: str | None = None,
     progress=None,
 ) -> dict[str, Any]:
     """Write `out` (.mlpackage) atomically; returns the manifest's `coreml` entry.
@@ -184,9 +187,15 @@ def export_drafter(
                 convert_to="mlprogram",
                 minimum_deployment_target=ct.target.iOS18,
                 compute_precision=ct.precision.FLOAT32,
+                # The hand-built graph is already in its final form; the default
+                # ~90 graph passes would only cost minutes on a big vocabulary.
+                pass_pipeline=ct.PassPipeline.EMPTY,
                 skip_model_load=True,
             )
             if compress != "none":
+                # coremltools compresses single-function models only; the result is
+                # deterministic per weight, so save_multifunction still dedups the
+                # functions' copies into one.
                 if progress:
                     progress(f"compressing {name} ({compress})")
                 config, fn = _compression_config(compress)
@@ -197,24 +206,31 @@ def export_drafter(
         desc.default_function_name = "decode"
         if progress:
             progress("assembling multifunction package")
+        combined = work / "combined.mlpackage"
+        ct.utils.save_multifunction(desc, str(combined))
+        info = {
+            "package": out.name,
+            "package_format": PACKAGE_FORMAT,
+            "context_length": context_length,
+            "prefill_chunk": prefill_chunk,
+            "decode_tokens": list(decode_tokens),
+            "functions": list(specs),
+            "compression": compress,
+            "precision": "float16",
+            "deployment_target": "iOS18/macOS15",
+            "vocab_size": shape.vocab,
+            "vocab_hash": vocab_hash,
+            "num_layers": shape.n_layers,
+        }
+        # The package describes itself, so a bare .mlpackage can be checked at load time too.
+        package = ct.models.MLModel(str(combined), skip_model_load=True)
+        package.user_defined_metadata[METADATA_KEY] = json.dumps(info, sort_keys=True)
         staged = work / "out.mlpackage"
-        ct.utils.save_multifunction(desc, str(staged))
+        package.save(str(staged))
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             raise FileExistsError(f"{out} already exists")
         os.replace(staged, out)  # atomic: `out` appears complete or not at all
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {
-        "package": out.name,
-        "package_format": PACKAGE_FORMAT,
-        "context_length": context_length,
-        "prefill_chunk": prefill_chunk,
-        "decode_tokens": list(decode_tokens),
-        "functions": list(specs),
-        "compression": compress,
-        "precision": "float16",
-        "deployment_target": "iOS18/macOS15",
-        "vocab_size": shape.vocab,
-        "num_layers": shape.n_layers,
-    }
+    return info

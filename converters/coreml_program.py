@@ -69,7 +69,9 @@ def rope_tables(head_dim: int, context: int, inv_freq: np.ndarray, scale: float)
     """cos, sin tables (D/2, C) for positions 0..C-1: angle[i, p] = p * scale * inv_freq[i]."""
     pos = np.arange(context, dtype=np.float64) * scale
     ang = inv_freq.astype(np.float64)[:, None] * pos[None, :]  # (D/2, C)
-    return np.cos(ang).astype(np.float16), np.sin(ang).astype(np.float16)
+    # Kept fp32 in the weight file (tiny: D/2 x C) and cast after the gather, so the
+    # tables add no rounding beyond the fp16 activations they multiply.
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 def _rms_norm(mb, x, weight: np.ndarray, eps: float, name: str):
@@ -129,8 +131,10 @@ def build_function(mb, types, shape: DrafterShape, w: dict[str, np.ndarray], T: 
         )
         future = mb.cast(x=mb.greater(x=diff, y=np.int32(0)), dtype="fp16", name="mask_future")
         mask = mb.mul(x=future, y=np.float16(MASK_VALUE), name="mask")  # (T, C)
-        cos = mb.gather(x=w["rope_cos"], indices=qpos, axis=1, name="rope_cos")  # (D/2, T)
-        sin = mb.gather(x=w["rope_sin"], indices=qpos, axis=1, name="rope_sin")
+        cos = mb.gather(x=w["rope_cos"], indices=qpos, axis=1, name="rope_cos32")  # (D/2, T)
+        sin = mb.gather(x=w["rope_sin"], indices=qpos, axis=1, name="rope_sin32")
+        cos = mb.cast(x=cos, dtype="fp16", name="rope_cos")
+        sin = mb.cast(x=sin, dtype="fp16", name="rope_sin")
 
         kc = mb.read_state(input=key_cache, name="key_cache_in")  # (L, Hk, D, C)
         vc = mb.read_state(input=value_cache, name="value_cache_in")

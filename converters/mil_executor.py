@@ -174,3 +174,23 @@ class MILExecutor:
         if var.val is not None and var.op is not None and var.op.op_type == "const":
             return np.asarray(var.val)
         raise MILExecutorError(f"value of {var.name} is not available (op order or unsupported producer)")
+
+
+class ExecutorBackend:
+    """CoreMLDrafter backend that runs the package with this executor (Linux tests)."""
+
+    def __init__(self, executor: MILExecutor):
+        self.executor = executor
+        self.calls: list[tuple[str, int]] = []  # (function, position) log, for tests
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.executor.make_state()
+
+    def call(self, function: str, ids: np.ndarray, position: int) -> np.ndarray:
+        """ids (1, T) int32 -> logits (T_out, V) float32."""
+        from edgespec.drafters.coreml import logits_rows
+
+        self.calls.append((function, position))
+        out = self.executor.run(function, {"input_ids": ids, "position": np.array([position], np.int32)}, self.state)
+        return logits_rows(out["logits"])
