@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 HELP = "convert a Hugging Face folder or GGUF file into an edgespec bundle"
 DESCRIPTION = (
     "Convert SRC (a Hugging Face model folder or a GGUF file) into an edgespec bundle at OUT: "
@@ -26,6 +28,32 @@ def add_arguments(p) -> None:
         help="dtype of dense weights (default: float32 on the CPU, float16 on Metal)",
     )
     p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="group size for --quantize 4/8")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        metavar="DRAFTER_SRC",
+        help="also bundle a drafter (HF folder, GGUF, bundle or MLX folder with the verifier's vocabulary): "
+        "OUT/drafter/ in MLX and OUT/drafter.mlpackage for the Neural Engine",
+    )
+    p.add_argument(
+        "--drafter-compress",
+        choices=["none", "int8", "int4", "palette4"],
+        default="none",
+        help="compress the Core ML drafter's linear layers: int8 per channel, int4 per block of 32, "
+        "or a 4-bit k-means palette (none = fp16)",
+    )
+    p.add_argument(
+        "--coreml",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="export the drafter to Core ML (drafter.mlpackage, macOS 15+); --no-coreml writes MLX only",
+    )
+    p.add_argument(
+        "--drafter-context", type=int, default=1024, help="Core ML drafter KV buffer length in tokens"
+    )
+    p.add_argument(
+        "--drafter-chunk", type=int, default=64, help="Core ML drafter prefill chunk in tokens"
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -41,7 +69,19 @@ def run(args) -> int:
         group_size=args.group_size,
         force=args.force,
         progress=not args.quiet,
+        drafter=args.drafter,
+        drafter_options={
+            "coreml": args.coreml,
+            "compress": args.drafter_compress,
+            "context_length": args.drafter_context,
+            "prefill_chunk": args.drafter_chunk,
+        },
     )
     size = sum(f["size"] for f in manifest["files"].values())
     print(f"wrote {args.out} ({size / 1e6:.1f} MB, vocab {manifest['vocab_hash']})")
+    coreml = (manifest.get("drafter") or {}).get("coreml")
+    if coreml:
+        pkg = sum(f["size"] for n, f in manifest["files"].items() if n.startswith(coreml["package"] + "/"))
+        print(f"  drafter: {coreml['package']} ({pkg / 1e6:.1f} MB, {coreml['compression']}, "
+              f"context {coreml['context_length']}, functions {', '.join(coreml['functions'])})")
     return 0

@@ -69,8 +69,15 @@ def convert(
     group_size: int = 64,
     force: bool = False,
     progress: bool = True,
+    drafter: str | Path | None = None,
+    drafter_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Convert and write a bundle; returns its manifest."""
+    """Convert and write a bundle; returns its manifest.
+
+    drafter: optional drafter checkpoint (HF folder, GGUF, bundle or MLX folder) written to
+    drafter/ and, unless drafter_options["coreml"] is False, drafter.mlpackage (see
+    converters/drafter_export.write_drafter for the other options).
+    """
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if not src.exists():
         raise ModelLoadError(f"{src}: no such file or folder")
@@ -98,6 +105,12 @@ def convert(
             "vocab_hash": tokenizer.vocab_hash(),
             "verifier": {**entry, "dtype": dtype},
         }
+        if drafter is not None:
+            from edgespec.converters.drafter_export import write_drafter
+
+            manifest["drafter"] = write_drafter(
+                tmp, drafter, model.args.vocab_size, manifest["vocab_hash"], DTYPES[dtype], **(drafter_options or {})
+            )
         with progress_bar(total=None, desc="checksums", unit="file", enable=progress) as bar:
             finish_manifest(tmp, manifest, progress=lambda _: bar.update(1))
     from edgespec.bundle import read_manifest
