@@ -1,0 +1,118 @@
+"""`edgespec convert --drafter`: the Core ML drafter inside a bundle, vocabulary checks,
+tampering, interrupts, and the fallback to the MLX drafter off macOS."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("coremltools")
+
+from conftest import write_tiny_hf_folder  # noqa: E402
+
+from edgespec.errors import ModelLoadError, VocabularyMismatchError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    from edgespec.cli import main
+
+    root = tmp_path_factory.mktemp("cmlbundle")
+    verifier = write_tiny_hf_folder(root / "verifier", seed=0)
+    drafter = write_tiny_hf_folder(root / "drafter-src", seed=1, num_hidden_layers=1)
+    out = root / "bundle"
+    argv = ["convert", str(verifier), str(out), "--drafter", str(drafter), "--quantize", "none",
+            "--dtype", "float32", "--drafter-context", "32", "--drafter-chunk", "8", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+def test_bundle_records_drafter_and_package_files(bundle):
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    d = manifest["drafter"]
+    assert d["config"] == "drafter/config.json" and d["num_layers"] == 1
+    assert d["vocab_hash"] == manifest["vocab_hash"]
+    c = d["coreml"]
+    assert c["package"] == "drafter.mlpackage" and c["context_length"] == 32 and c["prefill_chunk"] == 8
+    assert c["compression"] == "none" and c["vocab_hash"] == manifest["vocab_hash"]
+    assert set(c["functions"]) == {"prefill", "decode", "decode_2"}
+    pkg_files = [n for n in manifest["files"] if n.startswith("drafter.mlpackage/")]
+    assert "drafter.mlpackage/Manifest.json" in pkg_files
+    assert any(n.endswith("weights/weight.bin") for n in pkg_files)
+    assert "drafter/model.safetensors" in manifest["files"]
+    assert not [p for p in bundle.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_off_macos_the_mlx_copy_drafts_and_says_why(bundle):
+    import edgespec
+    from edgespec.drafters.coreml import CoreMLDrafter, CoreMLUnavailable
+    from edgespec.drafters.mlx_drafter import MLXDrafter
+
+    engine = edgespec.load(bundle, progress=False)
+    assert isinstance(engine.drafter, MLXDrafter)
+    assert any("macOS 15" in n for n in getattr(engine, "drafter_notes", []))
+    with pytest.raises(CoreMLUnavailable, match="needs macOS 15 or later .*MLX drafter is used instead"):
+        CoreMLDrafter.load(bundle / "drafter.mlpackage", engine)
+    with pytest.raises(ValueError, match="compute_units must be one of"):
+        CoreMLDrafter.load(bundle / "drafter.mlpackage", engine, compute_units="GPU")
+
+
+def test_load_refuses_other_vocabulary(bundle):
+    from conftest import make_tiny_engine
+
+    from edgespec.drafters.coreml import CoreMLDrafter
+
+    other = make_tiny_engine(vocab_size=48)
+    with pytest.raises(VocabularyMismatchError, match="Core ML drafter has a vocabulary of 64 tokens, the verifier 48"):
+        CoreMLDrafter.load(bundle / "drafter.mlpackage", other)
+
+
+def test_edited_package_in_bundle_is_refused(bundle, tmp_path):
+    import shutil
+
+    import edgespec
+
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    w = copy / "drafter.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+    data = bytearray(w.read_bytes())
+    data[-10] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="weight.bin: checksum differs"):
+        edgespec.load(copy, progress=False)
+    w.write_bytes(bytes(data[:-100]))
+    with pytest.raises(ModelLoadError, match="weight.bin: size .* truncated"):
+        edgespec.load(copy, progress=False)
+
+
+def test_convert_refuses_drafter_with_other_vocabulary(tmp_path):
+    from edgespec.converters.convert import convert
+
+    verifier = write_tiny_hf_folder(tmp_path / "v", seed=0)
+    drafter = write_tiny_hf_folder(tmp_path / "d", seed=1, vocab_size=32)
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 32 tokens, the verifier 64"):
+        convert(verifier, tmp_path / "out", quantize="none", dtype="float32", progress=False, drafter=drafter)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    with pytest.raises(ValueError, match="cannot be used with --no-coreml"):
+        convert(verifier, tmp_path / "out", quantize="none", dtype="float32", progress=False, drafter=verifier,
+                drafter_options={"coreml": False, "compress": "int8"})  # fmt: skip
+
+
+def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
+    from edgespec.converters import coreml_export
+    from edgespec.converters.convert import convert
+
+    verifier = write_tiny_hf_folder(tmp_path / "v", seed=0)
+    calls = []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(coreml_export, "build_function", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(verifier, tmp_path / "out", quantize="none", dtype="float32", progress=False, drafter=verifier)
+    assert calls and not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
