@@ -28,12 +28,27 @@ def hf_reference(real_gguf):
     for p in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=2
-            )
-        out[p] = (ids, gen[0, len(ids) :].tolist())
+        out[p] = (ids, _hf_greedy(model, ids, NEW_TOKENS))
     return out
+
+
+def _hf_greedy(model, ids, n):
+    """Argmax of transformers' own logits, step by step with its KV cache.
+
+    We drive the forward pass ourselves rather than `model.generate`: with
+    transformers 5.24, generate() picked a token on the third prompt that is not
+    the argmax of the same model's logits (checked with and without the cache).
+    """
+    import torch
+
+    toks = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            nxt = int(out.logits[0, -1].argmax())
+            toks.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+    return toks
 
 
 def _greedy(engine, ids, n):
