@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from edgespec.converters.coreml_program import DrafterShape, build_function, rope_tables
+
 from edgespec.drafters.coreml import METADATA_KEY
 from edgespec.errors import ModelLoadError
 
@@ -47,7 +47,12 @@ def _dense_params(model) -> dict[str, np.ndarray]:
                 out[f"{path}.bias"] = np.array(m.bias.astype(mx.float32))
     for name, v in tree_flatten(model.parameters()):
         stem = name.rsplit(".", 1)[0]
-        if f"{stem}.weight" in out and name.rsplit(".", 1)[1] in ("weight", "scales", "biases", "bias"):
+        if f"{stem}.weight" in out and name.rsplit(".", 1)[1] in (
+            "weight",
+            "scales",
+            "biases",
+            "bias",
+        ):
             continue
         out[name] = np.array(v.astype(mx.float32))
     return out
@@ -89,9 +94,15 @@ def prepare_weights(model, shape: DrafterShape) -> dict[str, np.ndarray]:
     rope = model.layers[0].self_attn.rope
     D = shape.head_dim
     if rope.dims != D:
-        raise ModelLoadError(f"partial rotary embeddings ({rope.dims} of {D} dims) are not supported by the Core ML export")
-    periods = np.array(rope._freqs) if rope._freqs is not None else rope.base ** (np.arange(0, D, 2) / D)
-    w["rope_cos"], w["rope_sin"] = rope_tables(D, shape.context, 1.0 / np.asarray(periods, np.float64), rope.scale)
+        raise ModelLoadError(
+            f"partial rotary embeddings ({rope.dims} of {D} dims) are not supported by the Core ML export"
+        )
+    periods = (
+        np.array(rope._freqs) if rope._freqs is not None else rope.base ** (np.arange(0, D, 2) / D)
+    )
+    w["rope_cos"], w["rope_sin"] = rope_tables(
+        D, shape.context, 1.0 / np.asarray(periods, np.float64), rope.scale
+    )
     perm = None
     if rope.traditional:
         perm = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])
@@ -116,21 +127,29 @@ def _compression_config(compress: str):
     import coremltools.optimize.coreml as cto
 
     if compress == "int8":
-        op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
+        op = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int8", granularity="per_channel"
+        )
     elif compress == "int4":
         op = cto.OpLinearQuantizerConfig(
             mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=32
         )
     elif compress == "palette4":
-        op = cto.OpPalettizerConfig(nbits=4, mode="kmeans", granularity="per_grouped_channel", group_size=16)
+        op = cto.OpPalettizerConfig(
+            nbits=4, mode="kmeans", granularity="per_grouped_channel", group_size=16
+        )
     else:
-        raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
+        raise ValueError(
+            f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}"
+        )
     return cto.OptimizationConfig(op_type_configs={"conv": op}), (
         cto.palettize_weights if compress == "palette4" else cto.linear_quantize_weights
     )
 
 
-def function_specs(prefill_chunk: int, decode_tokens: tuple[int, ...]) -> dict[str, tuple[int, bool]]:
+def function_specs(
+    prefill_chunk: int, decode_tokens: tuple[int, ...]
+) -> dict[str, tuple[int, bool]]:
     """name -> (T, last_only)."""
     specs = {"prefill": (prefill_chunk, True)}
     for k in decode_tokens:
@@ -157,7 +176,9 @@ def export_drafter(
     out = Path(out)
     compress = compress or "none"
     if compress not in COMPRESS_CHOICES:
-        raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
+        raise ValueError(
+            f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}"
+        )
     if not 1 <= prefill_chunk <= context_length <= MAX_CONTEXT:
         raise ValueError(
             f"need 1 <= prefill_chunk ({prefill_chunk}) <= context_length ({context_length}) <= {MAX_CONTEXT}"
@@ -173,7 +194,9 @@ def export_drafter(
     from coremltools.converters.mil.mil import types
 
     specs = function_specs(prefill_chunk, decode_tokens)
-    work = Path(tempfile.mkdtemp(prefix=".coreml-export-", dir=out.parent if out.parent.exists() else None))
+    work = Path(
+        tempfile.mkdtemp(prefix=".coreml-export-", dir=out.parent if out.parent.exists() else None)
+    )
     try:
         desc = ct.utils.MultiFunctionDescriptor()
         for name, (T, last_only) in specs.items():

@@ -65,7 +65,9 @@ class DrafterShape:
         return (self.n_layers, self.n_kv_heads, self.head_dim, self.context)
 
 
-def rope_tables(head_dim: int, context: int, inv_freq: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(
+    head_dim: int, context: int, inv_freq: np.ndarray, scale: float
+) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin tables (D/2, C) for positions 0..C-1: angle[i, p] = p * scale * inv_freq[i]."""
     pos = np.arange(context, dtype=np.float64) * scale
     ang = inv_freq.astype(np.float64)[:, None] * pos[None, :]  # (D/2, C)
@@ -100,13 +102,22 @@ def _rope(mb, x, cos, sin, half_axis: int, name: str):
     return mb.concat(values=[a, b], axis=half_axis, name=f"{name}_out")
 
 
-def build_function(mb, types, shape: DrafterShape, w: dict[str, np.ndarray], T: int, last_only: bool, opset):
+def build_function(
+    mb, types, shape: DrafterShape, w: dict[str, np.ndarray], T: int, last_only: bool, opset
+):
     """The MIL program of one function (T tokens per call).
 
     `w` holds fp16-ready numpy weights in HF names, with q_proj pre-scaled by
     1/sqrt(D) and rows arranged for rotate-half RoPE (see coreml_export.py).
     """
-    L, E, Hk, g, D, C = shape.n_layers, shape.hidden, shape.n_kv_heads, shape.groups, shape.head_dim, shape.context
+    L, E, Hk, g, D, C = (
+        shape.n_layers,
+        shape.hidden,
+        shape.n_kv_heads,
+        shape.groups,
+        shape.head_dim,
+        shape.context,
+    )
     H = shape.n_heads
     specs = [
         mb.TensorSpec(shape=(1, T), dtype=types.int32),
@@ -127,7 +138,9 @@ def build_function(mb, types, shape: DrafterShape, w: dict[str, np.ndarray], T: 
         # visible to query t iff j <= position + t.
         qpos = mb.add(x=position, y=np.arange(T, dtype=np.int32), name="qpos")  # (T,)
         diff = mb.sub(
-            x=np.arange(C, dtype=np.int32).reshape(1, C), y=mb.reshape(x=qpos, shape=[T, 1]), name="mask_diff"
+            x=np.arange(C, dtype=np.int32).reshape(1, C),
+            y=mb.reshape(x=qpos, shape=[T, 1]),
+            name="mask_diff",
         )
         future = mb.cast(x=mb.greater(x=diff, y=np.int32(0)), dtype="fp16", name="mask_future")
         mask = mb.mul(x=future, y=np.float16(MASK_VALUE), name="mask")  # (T, C)
@@ -142,17 +155,39 @@ def build_function(mb, types, shape: DrafterShape, w: dict[str, np.ndarray], T: 
             p = f"model.layers.{i}."
             n = f"l{i}"
             x = _rms_norm(mb, h, w[p + "input_layernorm.weight"], shape.eps, f"{n}_ln1")
-            q = _linear(mb, x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"), f"{n}_q")
-            k = _linear(mb, x, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"), f"{n}_k")
-            v = _linear(mb, x, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"), f"{n}_v")
+            q = _linear(
+                mb,
+                x,
+                w[p + "self_attn.q_proj.weight"],
+                w.get(p + "self_attn.q_proj.bias"),
+                f"{n}_q",
+            )
+            k = _linear(
+                mb,
+                x,
+                w[p + "self_attn.k_proj.weight"],
+                w.get(p + "self_attn.k_proj.bias"),
+                f"{n}_k",
+            )
+            v = _linear(
+                mb,
+                x,
+                w[p + "self_attn.v_proj.weight"],
+                w.get(p + "self_attn.v_proj.bias"),
+                f"{n}_v",
+            )
             q = _rope(mb, mb.reshape(x=q, shape=[Hk, g, D, T]), cos, sin, 2, f"{n}_qrope")
             k = _rope(mb, mb.reshape(x=k, shape=[1, Hk, D, T]), cos, sin, 2, f"{n}_krope")
             v = mb.reshape(x=v, shape=[1, Hk, D, T], name=f"{n}_v4")
 
             # Write the new keys/values into slots [position, position + T) of layer i.
-            begin = mb.concat(values=[np.array([i, 0, 0], np.int32), position], axis=0, name=f"{n}_begin")
+            begin = mb.concat(
+                values=[np.array([i, 0, 0], np.int32), position], axis=0, name=f"{n}_begin"
+            )
             end = mb.concat(
-                values=[np.array([i + 1, Hk, D], np.int32), mb.add(x=position, y=np.int32(T))], axis=0, name=f"{n}_end"
+                values=[np.array([i + 1, Hk, D], np.int32), mb.add(x=position, y=np.int32(T))],
+                axis=0,
+                name=f"{n}_end",
             )
             kc = mb.slice_update(x=kc, update=k, begin=begin, end=end, name=f"{n}_kc")
             vc = mb.slice_update(x=vc, update=v, begin=begin, end=end, name=f"{n}_vc")
@@ -168,13 +203,23 @@ def build_function(mb, types, shape: DrafterShape, w: dict[str, np.ndarray], T: 
             a = mb.softmax(x=s, axis=-1, name=f"{n}_probs")
             o = mb.matmul(x=V, y=a, transpose_y=True, name=f"{n}_attn")  # (Hk, g, D, T)
             o = mb.reshape(x=o, shape=[1, H * D, 1, T])
-            h = mb.add(x=h, y=_linear(mb, o, w[p + "self_attn.o_proj.weight"], None, f"{n}_o"), name=f"{n}_res1")
+            h = mb.add(
+                x=h,
+                y=_linear(mb, o, w[p + "self_attn.o_proj.weight"], None, f"{n}_o"),
+                name=f"{n}_res1",
+            )
 
             x = _rms_norm(mb, h, w[p + "post_attention_layernorm.weight"], shape.eps, f"{n}_ln2")
-            gate = _linear(mb, x, w[p + "mlp.gate_proj.weight"], w.get(p + "mlp.gate_proj.bias"), f"{n}_gate")
-            up = _linear(mb, x, w[p + "mlp.up_proj.weight"], w.get(p + "mlp.up_proj.bias"), f"{n}_up")
+            gate = _linear(
+                mb, x, w[p + "mlp.gate_proj.weight"], w.get(p + "mlp.gate_proj.bias"), f"{n}_gate"
+            )
+            up = _linear(
+                mb, x, w[p + "mlp.up_proj.weight"], w.get(p + "mlp.up_proj.bias"), f"{n}_up"
+            )
             act = mb.mul(x=mb.silu(x=gate), y=up, name=f"{n}_act")
-            down = _linear(mb, act, w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"), f"{n}_down")
+            down = _linear(
+                mb, act, w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"), f"{n}_down"
+            )
             h = mb.add(x=h, y=down, name=f"{n}_res2")
         mb.coreml_update_state(state=key_cache, value=kc, name="key_cache_out")
         mb.coreml_update_state(state=value_cache, value=vc, name="value_cache_out")

@@ -19,7 +19,11 @@ def load_drafter_source(src: Path):
     src = Path(src).expanduser()
     if not src.exists():
         raise ModelLoadError(f"drafter {src}: no such file or folder")
-    bare = src.is_dir() and (src / "model.safetensors").is_file() and not (src / "tokenizer.json").is_file()
+    bare = (
+        src.is_dir()
+        and (src / "model.safetensors").is_file()
+        and not (src / "tokenizer.json").is_file()
+    )
     if bare and not is_gguf(src):  # e.g. an existing bundle's drafter/ folder: weights only
         return LoadedModel(load_model_folder(src), None, src)
     return load(src)
@@ -44,15 +48,19 @@ def write_drafter(
     drafter has two unseen tokens (its last draft and the verifier's bonus).
     """
     import mlx.core as mx
-
     from edgespec.converters.bundle import write_model_files
     from edgespec.converters.coreml_export import COMPRESS_CHOICES, _dense_params, export_drafter
+
     from edgespec.drafters.mlx_drafter import check_vocabulary
 
     if compress not in COMPRESS_CHOICES:
-        raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
+        raise ValueError(
+            f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}"
+        )
     if compress != "none" and not coreml:
-        raise ValueError("--drafter-compress applies to the Core ML package; it cannot be used with --no-coreml")
+        raise ValueError(
+            "--drafter-compress applies to the Core ML package; it cannot be used with --no-coreml"
+        )
     loaded = load_drafter_source(Path(src))
     model = loaded.model
     d_hash = loaded.tokenizer.vocab_hash() if loaded.tokenizer is not None else None

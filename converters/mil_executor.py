@@ -42,7 +42,9 @@ def load_program(path: str | Path):
         spec = model.get_spec()
         prog = load(spec, spec.specificationVersion, model.weights_dir)
     except Exception as e:  # protobuf / blob reader errors have no common base class
-        raise ModelLoadError(f"{path}: cannot read the Core ML package ({type(e).__name__}: {e}); re-export it") from None
+        raise ModelLoadError(
+            f"{path}: cannot read the Core ML package ({type(e).__name__}: {e}); re-export it"
+        ) from None
     return spec, prog
 
 
@@ -56,9 +58,11 @@ def _dtype_name(var) -> str:
 def _blocks(small: np.ndarray, full_shape) -> np.ndarray:
     """Repeat a per-block parameter (each axis divides `full_shape`) up to `full_shape`."""
     out = small
-    for axis, (n, m) in enumerate(zip(full_shape, small.shape)):
+    for axis, (n, m) in enumerate(zip(full_shape, small.shape, strict=True)):
         if n % m:
-            raise MILExecutorError(f"block parameter shape {small.shape} does not tile {tuple(full_shape)}")
+            raise MILExecutorError(
+                f"block parameter shape {small.shape} does not tile {tuple(full_shape)}"
+            )
         if n != m:
             out = np.repeat(out, n // m, axis=axis)
     return out
@@ -98,7 +102,19 @@ class MILExecutor:
             return value.astype(np.float16 if self.fp16 else np.float32)
         if name == "fp32":
             return value.astype(np.float32)
-        if name in ("int32", "int16", "int8", "uint8", "uint16", "int4", "uint4", "uint1", "uint2", "uint3", "uint6"):
+        if name in (
+            "int32",
+            "int16",
+            "int8",
+            "uint8",
+            "uint16",
+            "int4",
+            "uint4",
+            "uint1",
+            "uint2",
+            "uint3",
+            "uint6",
+        ):
             return value.astype(np.int32)
         if name == "bool":
             return value.astype(bool)
@@ -110,20 +126,28 @@ class MILExecutor:
 
         fn = self._function(function)
         return {
-            name: (tuple(var.shape), _dtype_name(var)) for name, var in fn.inputs.items() if types.is_state(var.sym_type)
+            name: (tuple(var.shape), _dtype_name(var))
+            for name, var in fn.inputs.items()
+            if types.is_state(var.sym_type)
         }
 
     def make_state(self, function: str = "decode") -> dict[str, np.ndarray]:
         dt = np.float16 if self.fp16 else np.float32
-        return {name: np.zeros(shape, dt) for name, (shape, _) in self.state_specs(function).items()}
+        return {
+            name: np.zeros(shape, dt) for name, (shape, _) in self.state_specs(function).items()
+        }
 
     def _function(self, name: str):
         if name not in self.functions:
-            raise MILExecutorError(f"no function {name!r} in {self.path.name}; it has {', '.join(self.functions)}")
+            raise MILExecutorError(
+                f"no function {name!r} in {self.path.name}; it has {', '.join(self.functions)}"
+            )
         return self.functions[name]
 
     # ---- running ------------------------------------------------------------
-    def run(self, function: str, inputs: dict[str, np.ndarray], state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(
+        self, function: str, inputs: dict[str, np.ndarray], state: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """Execute `function`; `state` arrays are replaced by their updated values. Returns outputs by name."""
         fn = self._function(function)
         states = self.state_specs(function)
@@ -135,13 +159,17 @@ class MILExecutor:
                 raise MILExecutorError(f"function {function!r} needs input {name!r}")
             x = np.asarray(inputs[name])
             if tuple(x.shape) != tuple(var.shape):
-                raise MILExecutorError(f"input {name!r} must have shape {tuple(var.shape)}, got {x.shape}")
+                raise MILExecutorError(
+                    f"input {name!r} must have shape {tuple(var.shape)}, got {x.shape}"
+                )
             env[name] = self._store(x, var)
         for op in fn.operations:
             outs = self._eval(op, env, state)
             if len(outs) != len(op.outputs):
-                raise MILExecutorError(f"{op.op_type} {op.name}: produced {len(outs)} outputs, expected {len(op.outputs)}")
-            for var, val in zip(op.outputs, outs):
+                raise MILExecutorError(
+                    f"{op.op_type} {op.name}: produced {len(outs)} outputs, expected {len(op.outputs)}"
+                )
+            for var, val in zip(op.outputs, outs, strict=True):
                 val = self._store(val, var)
                 if var.shape is not None and all(isinstance(d, int) for d in var.shape):
                     if tuple(val.shape) != tuple(var.shape):
@@ -156,7 +184,9 @@ class MILExecutor:
 
         impl = OPS.get(op.op_type)
         if impl is None:
-            raise MILExecutorError(f"unsupported MIL op {op.op_type!r} (op {op.name}); the executor knows {', '.join(sorted(OPS))}")
+            raise MILExecutorError(
+                f"unsupported MIL op {op.op_type!r} (op {op.name}); the executor knows {', '.join(sorted(OPS))}"
+            )
 
         def get(name, default=None):
             v = op.inputs.get(name)
@@ -173,7 +203,9 @@ class MILExecutor:
             return env[var.name]
         if var.val is not None and var.op is not None and var.op.op_type == "const":
             return np.asarray(var.val)
-        raise MILExecutorError(f"value of {var.name} is not available (op order or unsupported producer)")
+        raise MILExecutorError(
+            f"value of {var.name} is not available (op order or unsupported producer)"
+        )
 
 
 class ExecutorBackend:
@@ -192,5 +224,7 @@ class ExecutorBackend:
         from edgespec.drafters.coreml import logits_rows
 
         self.calls.append((function, position))
-        out = self.executor.run(function, {"input_ids": ids, "position": np.array([position], np.int32)}, self.state)
+        out = self.executor.run(
+            function, {"input_ids": ids, "position": np.array([position], np.int32)}, self.state
+        )
         return logits_rows(out["logits"])

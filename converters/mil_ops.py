@@ -10,7 +10,6 @@ result to the op's declared dtype. Anything outside what the export emits
 from __future__ import annotations
 
 import numpy as np
-
 from edgespec.converters.mil_executor import MILExecutorError, _blocks, _slice
 
 
@@ -29,7 +28,13 @@ def _const(op, get, state, ex):
 
 def _cast(op, get, state, ex):
     dtype = str(get("dtype"))
-    table = {"fp16": np.float32, "fp32": np.float32, "int32": np.int32, "int16": np.int32, "bool": bool}
+    table = {
+        "fp16": np.float32,
+        "fp32": np.float32,
+        "int32": np.int32,
+        "int16": np.int32,
+        "bool": bool,
+    }
     if dtype not in table:
         raise MILExecutorError(f"cast to {dtype} is not supported ({op.name})")
     x = _f(get("x"))
@@ -62,7 +67,9 @@ def _conv(op, get, state, ex):
     """Only what the export emits: 1x1 kernel, stride 1, no padding, one group = a linear layer."""
     x, w, b = _f(get("x")), _f(get("weight")), get("bias")
     if w.ndim != 4 or w.shape[2:] != (1, 1) or int(get("groups", 1)) != 1:
-        raise MILExecutorError(f"conv {op.name}: only 1x1, groups=1 convs (linear layers) are supported")
+        raise MILExecutorError(
+            f"conv {op.name}: only 1x1, groups=1 convs (linear layers) are supported"
+        )
     for key in ("strides", "dilations"):
         v = get(key)
         if v is not None and any(int(s) != 1 for s in np.atleast_1d(v)):
@@ -95,7 +102,15 @@ def _concat(op, get, state, ex):
 
 def _slice_by_index(op, get, state, ex):
     x = get("x")
-    idx = _slice(x.shape, get("begin"), get("end"), get("stride"), get("begin_mask"), get("end_mask"), get("squeeze_mask"))
+    idx = _slice(
+        x.shape,
+        get("begin"),
+        get("end"),
+        get("stride"),
+        get("begin_mask"),
+        get("end_mask"),
+        get("squeeze_mask"),
+    )
     return [x[idx]]
 
 
@@ -142,7 +157,9 @@ def _update_state(op, get, state, ex):
     name = op.inputs["state"].name
     value = get("value")
     if name not in state or state[name].shape != value.shape:
-        raise MILExecutorError(f"coreml_update_state {op.name}: bad state {name!r} or shape {value.shape}")
+        raise MILExecutorError(
+            f"coreml_update_state {op.name}: bad state {name!r} or shape {value.shape}"
+        )
     state[name] = value.astype(state[name].dtype)  # fp16 storage under emulation
     return [value]
 
@@ -161,11 +178,15 @@ def _lut_to_dense(op, get, state, ex):
     """iOS18 palettized weight: indices (shape S) pick entries of a per-block lut (S', P, 1)."""
     idx, lut = np.asarray(get("indices")).astype(np.int64), _f(get("lut"))
     if lut.ndim != idx.ndim + 2 or lut.shape[-1] != 1:
-        raise MILExecutorError(f"constexpr_lut_to_dense {op.name}: only scalar (vector size 1) palettes are supported")
+        raise MILExecutorError(
+            f"constexpr_lut_to_dense {op.name}: only scalar (vector size 1) palettes are supported"
+        )
     table = lut[..., 0]  # (groups per axis..., P)
-    for axis, (n, m) in enumerate(zip(idx.shape, table.shape[:-1])):
+    for axis, (n, m) in enumerate(zip(idx.shape, table.shape[:-1], strict=True)):
         if n % m:
-            raise MILExecutorError(f"constexpr_lut_to_dense {op.name}: lut grouping does not tile the weight")
+            raise MILExecutorError(
+                f"constexpr_lut_to_dense {op.name}: lut grouping does not tile the weight"
+            )
         if n != m:
             table = np.repeat(table, n // m, axis=axis)
     return [np.take_along_axis(table, idx[..., None], axis=-1)[..., 0]]
@@ -176,7 +197,9 @@ OPS = {
     "identity": lambda op, get, s, ex: [get("x")],
     "reshape": lambda op, get, s, ex: [np.reshape(get("x"), [int(d) for d in get("shape")])],
     "transpose": lambda op, get, s, ex: [np.transpose(get("x"), [int(d) for d in get("perm")])],
-    "expand_dims": lambda op, get, s, ex: [np.expand_dims(get("x"), tuple(int(a) for a in get("axes")))],
+    "expand_dims": lambda op, get, s, ex: [
+        np.expand_dims(get("x"), tuple(int(a) for a in get("axes")))
+    ],
     "squeeze": lambda op, get, s, ex: [np.squeeze(get("x"), tuple(int(a) for a in get("axes")))],
     "add": _binary(np.add),
     "sub": _binary(np.subtract),

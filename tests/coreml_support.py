@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_map
 
 from edgespec.drafters.base import ModelDrafter
@@ -40,7 +40,11 @@ def executor_logits(executor, tokens: list[int], prefill: int) -> np.ndarray:
 
     state = executor.make_state()
     rows = []
-    out = executor.run("prefill", {"input_ids": np.array([tokens[:prefill]], np.int32), "position": np.array([0], np.int32)}, state)
+    out = executor.run(
+        "prefill",
+        {"input_ids": np.array([tokens[:prefill]], np.int32), "position": np.array([0], np.int32)},
+        state,
+    )
     rows.append(logits_rows(out["logits"])[-1])
     for i in range(prefill, len(tokens)):
         ids = np.array([[tokens[i]]], np.int32)
@@ -54,7 +58,9 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def drafting_script(drafter, prompt: list[int], rounds: list[tuple[int, int | None]]) -> list[list[int]]:
+def drafting_script(
+    drafter, prompt: list[int], rounds: list[tuple[int, int | None]]
+) -> list[list[int]]:
     """Run begin + rounds of (k, n_accepted) greedily; the correction token is the drafted one + 1 (a
     rejection) or, when n_accepted == k, a bonus token 1. Returns each round's draft tokens."""
     sampler = Sampler(SamplingParams())

@@ -34,14 +34,20 @@ def test_bundle_records_drafter_and_package_files(bundle):
     assert d["config"] == "drafter/config.json" and d["num_layers"] == 1
     assert d["vocab_hash"] == manifest["vocab_hash"]
     c = d["coreml"]
-    assert c["package"] == "drafter.mlpackage" and c["context_length"] == 32 and c["prefill_chunk"] == 8
+    assert (
+        c["package"] == "drafter.mlpackage"
+        and c["context_length"] == 32
+        and c["prefill_chunk"] == 8
+    )
     assert c["compression"] == "none" and c["vocab_hash"] == manifest["vocab_hash"]
     assert set(c["functions"]) == {"prefill", "decode", "decode_2"}
     pkg_files = [n for n in manifest["files"] if n.startswith("drafter.mlpackage/")]
     assert "drafter.mlpackage/Manifest.json" in pkg_files
     assert any(n.endswith("weights/weight.bin") for n in pkg_files)
     assert "drafter/model.safetensors" in manifest["files"]
-    assert not [p for p in bundle.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
+    assert not [
+        p for p in bundle.parent.iterdir() if p.name.startswith(".")
+    ]  # no temp folders left
 
 
 def test_off_macos_the_mlx_copy_drafts_and_says_why(bundle):
@@ -52,7 +58,9 @@ def test_off_macos_the_mlx_copy_drafts_and_says_why(bundle):
     engine = edgespec.load(bundle, progress=False)
     assert isinstance(engine.drafter, MLXDrafter)
     assert any("macOS 15" in n for n in getattr(engine, "drafter_notes", []))
-    with pytest.raises(CoreMLUnavailable, match="needs macOS 15 or later .*MLX drafter is used instead"):
+    with pytest.raises(
+        CoreMLUnavailable, match="needs macOS 15 or later .*MLX drafter is used instead"
+    ):
         CoreMLDrafter.load(bundle / "drafter.mlpackage", engine)
     with pytest.raises(ValueError, match="compute_units must be one of"):
         CoreMLDrafter.load(bundle / "drafter.mlpackage", engine, compute_units="GPU")
@@ -64,7 +72,10 @@ def test_load_refuses_other_vocabulary(bundle):
     from edgespec.drafters.coreml import CoreMLDrafter
 
     other = make_tiny_engine(vocab_size=48)
-    with pytest.raises(VocabularyMismatchError, match="Core ML drafter has a vocabulary of 64 tokens, the verifier 48"):
+    with pytest.raises(
+        VocabularyMismatchError,
+        match="Core ML drafter has a vocabulary of 64 tokens, the verifier 48",
+    ):
         CoreMLDrafter.load(bundle / "drafter.mlpackage", other)
 
 
@@ -92,7 +103,14 @@ def test_convert_refuses_drafter_with_other_vocabulary(tmp_path):
     verifier = write_tiny_hf_folder(tmp_path / "v", seed=0)
     drafter = write_tiny_hf_folder(tmp_path / "d", seed=1, vocab_size=32)
     with pytest.raises(VocabularyMismatchError, match="vocabulary of 32 tokens, the verifier 64"):
-        convert(verifier, tmp_path / "out", quantize="none", dtype="float32", progress=False, drafter=drafter)
+        convert(
+            verifier,
+            tmp_path / "out",
+            quantize="none",
+            dtype="float32",
+            progress=False,
+            drafter=drafter,
+        )
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
     with pytest.raises(ValueError, match="cannot be used with --no-coreml"):
@@ -113,6 +131,13 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(coreml_export, "build_function", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert(verifier, tmp_path / "out", quantize="none", dtype="float32", progress=False, drafter=verifier)
+        convert(
+            verifier,
+            tmp_path / "out",
+            quantize="none",
+            dtype="float32",
+            progress=False,
+            drafter=verifier,
+        )
     assert calls and not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

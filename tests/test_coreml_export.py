@@ -33,14 +33,19 @@ def tiny_package(tmp_path_factory):
     model = make_tiny_model(seed=3, scale=2.0)
     path = tmp_path_factory.mktemp("coreml") / "drafter.mlpackage"
     info = export_drafter(
-        model, path, context_length=CONTEXT, prefill_chunk=CHUNK, decode_tokens=(1, 2, 4), vocab_hash="tinyhash"
+        model,
+        path,
+        context_length=CONTEXT,
+        prefill_chunk=CHUNK,
+        decode_tokens=(1, 2, 4),
+        vocab_hash="tinyhash",
     )
     return model, path, info
 
 
 def test_spec_functions_inputs_outputs_states(tiny_package):
     import coremltools as ct
-
+    from coremltools.converters.mil.mil.types import builtin_to_string
     from edgespec.converters.mil_executor import load_program
 
     model, path, info = tiny_package
@@ -52,7 +57,12 @@ def test_spec_functions_inputs_outputs_states(tiny_package):
     assert spec.description.defaultFunctionName == "decode"
     FT = ct.proto.FeatureTypes_pb2.ArrayFeatureType
     cache = [a.num_hidden_layers, a.num_key_value_heads, a.head_dim, CONTEXT]
-    for name, T, t_out in (("prefill", CHUNK, 1), ("decode", 1, 1), ("decode_2", 2, 2), ("decode_4", 4, 4)):
+    for name, T, t_out in (
+        ("prefill", CHUNK, 1),
+        ("decode", 1, 1),
+        ("decode_2", 2, 2),
+        ("decode_4", 4, 4),
+    ):
         f = fns[name]
         ins = {i.name: i.type.multiArrayType for i in f.input}
         assert list(ins) == ["input_ids", "position"]
@@ -72,9 +82,15 @@ def test_spec_functions_inputs_outputs_states(tiny_package):
         # The fp16 trap: RMSNorm's mean of squares must stay fp32.
         means = [op for op in fn.operations if op.op_type == "reduce_mean"]
         assert len(means) == 2 * model.args.num_hidden_layers + 1
-        assert all(str(op.outputs[0].dtype.__name__).endswith("fp32") or "32" in repr(op.outputs[0].dtype) for op in means)
-    meta = json.loads(ct.models.MLModel(str(path), skip_model_load=True).user_defined_metadata["edgespec.coreml"])
-    assert meta["vocab_hash"] == "tinyhash" and meta["context_length"] == CONTEXT and meta["prefill_chunk"] == CHUNK
+        assert all(builtin_to_string(op.outputs[0].dtype) == "fp32" for op in means)
+    meta = json.loads(
+        ct.models.MLModel(str(path), skip_model_load=True).user_defined_metadata["edgespec.coreml"]
+    )
+    assert (
+        meta["vocab_hash"] == "tinyhash"
+        and meta["context_length"] == CONTEXT
+        and meta["prefill_chunk"] == CHUNK
+    )
 
 
 @pytest.mark.parametrize("fp16,tol", [(False, 1e-4), (True, 1e-2)])
@@ -146,13 +162,16 @@ def test_context_end_drafts_fewer_then_none(tiny_package):
     d = executor_drafter(path, info, fp16=False)
     s = Sampler(SamplingParams())
     d.begin([3] * (CONTEXT - 2))
-    assert len(d.draft(8, s).tokens) == 3  # slots for the last prompt token and 2 drafts; the 3rd needs none
+    assert (
+        len(d.draft(8, s).tokens) == 3
+    )  # slots for the last prompt token and 2 drafts; the 3rd needs none
     d.accept(3, 1)
     assert d.draft(4, s).tokens == []  # 50 committed tokens > 48 slots
 
 
 def test_export_refuses_unsupported_architecture(tmp_path):
     from edgespec.converters.coreml_export import export_drafter
+
     from edgespec.errors import ModelLoadError
 
     class NotLlama:
@@ -161,7 +180,9 @@ def test_export_refuses_unsupported_architecture(tmp_path):
     with pytest.raises(ModelLoadError, match="only edgespec's Llama-family"):
         export_drafter(NotLlama(), tmp_path / "x.mlpackage")
     with pytest.raises(ValueError, match="prefill_chunk"):
-        export_drafter(make_tiny_model(), tmp_path / "x.mlpackage", context_length=8, prefill_chunk=16)
+        export_drafter(
+            make_tiny_model(), tmp_path / "x.mlpackage", context_length=8, prefill_chunk=16
+        )
     with pytest.raises(ValueError, match="int8, int4, palette4"):
         export_drafter(make_tiny_model(), tmp_path / "x.mlpackage", compress="int2")
     assert not (tmp_path / "x.mlpackage").exists()
@@ -182,6 +203,7 @@ def test_damaged_packages_give_clear_errors(tiny_package, tmp_path):
     import shutil
 
     from edgespec.converters.mil_executor import MILExecutor
+
     from edgespec.errors import ModelLoadError
 
     _, path, _ = tiny_package

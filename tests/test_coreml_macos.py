@@ -17,20 +17,21 @@ PROMPT = [5, 9, 17, 3, 22, 41, 8, 8, 30, 2, 11, 60, 7]
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
     from conftest import make_tiny_model
-
     from edgespec.converters.coreml_export import export_drafter
 
     model = make_tiny_model(seed=3, scale=2.0)
     path = tmp_path_factory.mktemp("cmlmac") / "drafter.mlpackage"
-    info = export_drafter(model, path, context_length=CONTEXT, prefill_chunk=CHUNK, decode_tokens=(1, 2))
+    info = export_drafter(
+        model, path, context_length=CONTEXT, prefill_chunk=CHUNK, decode_tokens=(1, 2)
+    )
     return model, path, info
 
 
 def test_predict_with_state_matches_executor(package):
     """Core ML's own run of prefill + 8 decode steps agrees with the numpy executor (fp16)."""
     from coreml_support import executor_logits
-
     from edgespec.converters.mil_executor import MILExecutor
+
     from edgespec.drafters.coreml import CoreMLBackend
 
     _, path, info = package
@@ -53,7 +54,9 @@ def test_coreml_drafter_drafts_like_mlx_drafter(package):
     model, path, info = package
     rounds = [(4, 1), (4, None), (3, 0), (5, 2)]
     drafter = CoreMLDrafter(CoreMLBackend(path, info["functions"], "CPU_AND_NE"), info)
-    assert drafting_script(drafter, PROMPT, rounds) == drafting_script(mlx_drafter(model), PROMPT, rounds)
+    assert drafting_script(drafter, PROMPT, rounds) == drafting_script(
+        mlx_drafter(model), PROMPT, rounds
+    )
 
 
 def test_compute_plan_puts_matmuls_on_the_neural_engine(package):
@@ -69,8 +72,13 @@ def test_compute_plan_puts_matmuls_on_the_neural_engine(package):
         if op.operator_name in ("ios18.conv", "ios18.matmul"):
             usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
             total += 1
-            on_ne += usage is not None and "NeuralEngine" in type(usage.preferred_compute_device).__name__
-    assert total > 0 and on_ne / total >= 0.5, f"{on_ne} of {total} conv/matmul ops on the Neural Engine"
+            on_ne += (
+                usage is not None
+                and "NeuralEngine" in type(usage.preferred_compute_device).__name__
+            )
+    assert total > 0 and on_ne / total >= 0.5, (
+        f"{on_ne} of {total} conv/matmul ops on the Neural Engine"
+    )
 
 
 def test_decode_latency_is_measured(package, record_property):

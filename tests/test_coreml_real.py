@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 
 pytest.importorskip("coremltools")
 
-from coreml_support import drafting_script, executor_drafter, executor_logits, mlx_drafter  # noqa: E402
-from coreml_support import fp16_weights, reference_logits, rel_err  # noqa: E402
+from coreml_support import (  # noqa: E402  # noqa: E402
+    drafting_script,
+    executor_drafter,
+    executor_logits,
+    fp16_weights,
+    mlx_drafter,
+    reference_logits,
+    rel_err,
+)
 
 pytestmark = pytest.mark.real_model
 
@@ -80,22 +86,23 @@ def test_real_slice_drafts_like_the_mlx_drafter(real_slice, packages):
     path, info = packages["none"]
     rounds = [(4, 1), (4, None), (3, 0), (5, 2)]
     prompt = tokens[:20]
-    assert drafting_script(executor_drafter(path, info, fp16=True), prompt, rounds) == drafting_script(
-        mlx_drafter(make()), prompt, rounds
-    )
+    assert drafting_script(
+        executor_drafter(path, info, fp16=True), prompt, rounds
+    ) == drafting_script(mlx_drafter(make()), prompt, rounds)
 
 
 @pytest.mark.parametrize("compress", ["int8", "int4", "palette4"])
 def test_compressed_keep_greedy_agreement(real_slice, packages, compress):
-    from edgespec.converters.mil_executor import MILExecutor
-    from edgespec.converters.mil_executor import load_program
+    from edgespec.converters.mil_executor import MILExecutor, load_program
 
     make, _, tokens = real_slice
     path, info = packages[compress]
     assert info["compression"] == compress
     _, prog = load_program(path)
     kinds = {op.op_type for op in prog.functions["decode"].operations}
-    assert ("constexpr_lut_to_dense" if compress == "palette4" else "constexpr_blockwise_shift_scale") in kinds
+    assert (
+        "constexpr_lut_to_dense" if compress == "palette4" else "constexpr_blockwise_shift_scale"
+    ) in kinds
     ref = reference_logits(make(), tokens)[CHUNK - 1 :]
     got = executor_logits(MILExecutor(path, fp16=False), tokens, CHUNK)
     agree = float((got.argmax(-1) == ref.argmax(-1)).mean())

@@ -62,11 +62,15 @@ class CoreMLBackend:
         try:
             import coremltools as ct
         except ImportError:
-            raise CoreMLUnavailable("coremltools is not installed; the MLX drafter is used instead") from None
+            raise CoreMLUnavailable(
+                "coremltools is not installed; the MLX drafter is used instead"
+            ) from None
         cu = getattr(ct.ComputeUnit, compute_units)
         # One MLModel per function of the same package; Core ML shares the weights,
         # and a state made by one function is accepted by the others (same state spec).
-        self.models = {f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions}
+        self.models = {
+            f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions
+        }
         self.reset()
 
     def reset(self) -> None:
@@ -75,7 +79,8 @@ class CoreMLBackend:
     def call(self, function: str, ids: np.ndarray, position: int) -> np.ndarray:
         """ids (1, T) int32 -> logits (T_out, V) float32."""
         out = self.models[function].predict(
-            {"input_ids": ids.astype(np.int32), "position": np.array([position], np.int32)}, state=self.state
+            {"input_ids": ids.astype(np.int32), "position": np.array([position], np.int32)},
+            state=self.state,
         )
         return logits_rows(out["logits"])
 
@@ -104,7 +109,9 @@ def read_package_info(path: Path) -> dict[str, Any]:
         meta = ct.models.MLModel(str(path), skip_model_load=True).user_defined_metadata
         return json.loads(meta.get(METADATA_KEY, "{}"))
     except Exception as e:  # damaged protobuf: no common exception base
-        raise ModelLoadError(f"{path}: cannot read the Core ML package ({type(e).__name__}: {e}); re-export it") from None
+        raise ModelLoadError(
+            f"{path}: cannot read the Core ML package ({type(e).__name__}: {e}); re-export it"
+        ) from None
 
 
 class CoreMLDrafter:
@@ -130,7 +137,9 @@ class CoreMLDrafter:
 
         path = Path(path).expanduser()
         if compute_units not in COMPUTE_UNITS:
-            raise ValueError(f"compute_units must be one of {', '.join(COMPUTE_UNITS)}, got {compute_units!r}")
+            raise ValueError(
+                f"compute_units must be one of {', '.join(COMPUTE_UNITS)}, got {compute_units!r}"
+            )
         if not (path / "Manifest.json").is_file():
             raise ModelLoadError(f"{path}: not a Core ML .mlpackage (no Manifest.json)")
         info = read_package_info(path)
@@ -146,9 +155,15 @@ class CoreMLDrafter:
             )
         require_coreml()
         if not info:
-            raise ModelLoadError(f"{path}: no edgespec export info in the package; re-export it with `edgespec convert`")
+            raise ModelLoadError(
+                f"{path}: no edgespec export info in the package; re-export it with `edgespec convert`"
+            )
         backend = CoreMLBackend(path, list(info["functions"]), compute_units)
-        return cls(backend, info, device="ane" if "NE" in compute_units or compute_units == "ALL" else "cpu")
+        return cls(
+            backend,
+            info,
+            device="ane" if "NE" in compute_units or compute_units == "ALL" else "cpu",
+        )
 
     # ---- buffer bookkeeping ----------------------------------------------------
     def _feed(self, tokens: list[int]) -> np.ndarray:
@@ -163,7 +178,9 @@ class CoreMLDrafter:
         end, i, P = len(seq), len(self.fed), self.chunk
         kmax = self.multi[-1] if self.multi else 1
         if end > self.context:
-            raise ValueError(f"sequence of {end} tokens exceeds the drafter's context of {self.context}")
+            raise ValueError(
+                f"sequence of {end} tokens exceeds the drafter's context of {self.context}"
+            )
         logits = None
         while i < end:
             left = end - i
