@@ -1,12 +1,14 @@
 """Plain vs lookahead vs prompt lookup, side by side in one run, on the default model.
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0  # Linux CPU
-    python benchmarks/lookahead.py [--max-tokens 96] [--window 4 --ngram 4 --guesses 4]
+    python benchmarks/lookahead.py [--max-tokens 96] [--repeats 2] [--window 4 --ngram 4 --guesses 4]
                                    [--memory-context 2048] [--json out.json]
 
 Greedy decoding; every mode's output is checked equal to plain's. Reports tokens/s,
 tokens per verifier pass and peak memory per prompt and mode, then the peak memory of
-plain vs lookahead at a long (default 2k-token) context.
+plain vs lookahead at a long (default 2k-token) context. Modes run interleaved,
+`--repeats` rounds, and each keeps its best tokens/s: on a shared machine the best
+round is the one least disturbed by other processes.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--guesses", type=int, default=None, help="lookahead pooled candidates G per step")
     p.add_argument("--span", type=int, default=None, help="length of candidates copied from the text")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to compare")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per prompt; best tokens/s kept")
     p.add_argument("--prompts", default="", help="comma-separated prompt-name prefixes to run (default all)")
     p.add_argument("--memory-context", type=int, default=2048, help="context for the peak-memory check (0 = skip)")
     p.add_argument("--json", default=None, help="write the raw results to this file")
@@ -109,12 +112,17 @@ def main(argv=None) -> int:
         if wanted and not any(name.startswith(w) for w in wanted):
             continue
         messages = [{"role": "user", "content": prompt}]
-        ref = None
+        ref, best, equal = None, {}, {}
+        for _ in range(max(args.repeats, 1)):
+            for mode in modes:
+                toks, r = run_one(engine, messages, mode, args.max_tokens, extra)
+                ref = toks if ref is None else ref
+                equal[mode] = equal.get(mode, True) and toks == ref
+                if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
+                    best[mode] = r
         for mode in modes:
-            toks, r = run_one(engine, messages, mode, args.max_tokens, extra)
-            if ref is None:
-                ref = toks
-            r["equal_to_plain"] = toks == ref
+            r = best[mode]
+            r["equal_to_plain"] = equal[mode]
             results[f"{name} | {mode}"] = r
             rows.append((name, mode, r))
             print(f"{name:22s} {mode:14s} {r['tok_s']:6.2f} tok/s  {r['tok_per_pass']:.2f} tok/pass  "

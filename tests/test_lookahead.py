@@ -109,6 +109,10 @@ def test_controller_falls_back_and_probes():
         ctl.record(k, {"full": 1, "lean": 3, "plain": 2}[k], 1.0)
     assert kinds.count("lean") >= 6 and "full" in kinds and "plain" in kinds and ctl.fell_back
     assert StepController(adaptive=False).choose() == "full"
+    no_window = StepController(kinds=("lean", "plain"))
+    assert no_window.choose() == "lean"
+    no_window.record("lean", 1, 1.0)
+    assert no_window.choose() == "plain"
 
 
 def test_engine_mode_and_options():
@@ -119,7 +123,7 @@ def test_engine_mode_and_options():
     assert res.tokens == ref.tokens and res.stats.mode == "lookahead"
     assert res.stats.verifier_passes < ref.stats.verifier_passes
     assert parse_options({"window": "5"})["window"] == 5
-    for bad in ({"window": 0}, {"ngram": 1}, {"guesses": -1}, {"span": "x"}, {"window": True}):
+    for bad in ({"window": -1}, {"ngram": 1}, {"guesses": -1}, {"span": "x"}, {"window": True}):
         with pytest.raises(ValueError, match="lookahead option"):
             parse_options(bad)
 

@@ -16,25 +16,30 @@ KINDS = ("full", "lean", "plain")
 
 
 class StepController:
-    def __init__(self, adaptive: bool = True, probe_every: int = 12, alpha: float = 0.3, warmup: int = 3):
+    def __init__(
+        self, adaptive: bool = True, probe_every: int = 12, alpha: float = 0.3, warmup: int = 3, kinds=KINDS
+    ):
+        """kinds: the step kinds allowed (first = the one used when not adaptive)."""
+        self.kinds = tuple(kinds)
         self.adaptive = adaptive
         self.probe_every = probe_every
         self.alpha = alpha
         self.warmup = warmup
         self.rate: dict[str, float | None] = dict.fromkeys(KINDS)
         self.count = dict.fromkeys(KINDS, 0)
-        self.since = dict.fromkeys(KINDS, 0)  # steps since the kind last ran
+        self.since = dict.fromkeys(KINDS, 0)  # steps since the kind last ran (of the allowed ones)
 
     def choose(self) -> str:
+        kinds = self.kinds
         if not self.adaptive:
-            return "full"
-        if self.count["full"] < self.warmup:
+            return kinds[0]
+        if "full" in kinds and self.count["full"] < self.warmup:
             return "full"  # let the window fill and its n-grams reach the pool first
-        for k in KINDS:
+        for k in kinds:
             if self.rate[k] is None:
                 return k
-        best = max(KINDS, key=lambda k: self.rate[k])
-        stale = [k for k in KINDS if k != best and self.since[k] >= self.probe_every]
+        best = max(kinds, key=lambda k: self.rate[k])
+        stale = [k for k in kinds if k != best and self.since[k] >= self.probe_every]
         return max(stale, key=lambda k: self.since[k]) if stale else best
 
     def record(self, kind: str, tokens: int, seconds: float) -> None:
@@ -48,4 +53,4 @@ class StepController:
     @property
     def fell_back(self) -> bool:
         """True once steps without the window outnumber full steps."""
-        return self.count["lean"] + self.count["plain"] > self.count["full"]
+        return "full" in self.kinds and self.count["lean"] + self.count["plain"] > self.count["full"]
