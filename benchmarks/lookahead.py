@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-CODE = '''def load_rows(path):
+CODE = """def load_rows(path):
     rows = []
     f = open(path)
     for line in f.readlines():
@@ -37,7 +37,7 @@ def adults(rows):
         if r["age"] >= 18:
             out.append(r)
     return out
-'''
+"""
 
 TEXT = (
     "The town council met on Tuesday to discuss the future of the old railway station. "
@@ -50,9 +50,21 @@ TEXT = (
 )
 
 PROMPTS = [
-    ("copy: edit text", "copy", f"Rewrite the following text exactly, but replace every 'town' with 'city':\n\n{TEXT}"),
-    ("copy: refactor code", "copy", f"Refactor this Python code to use a with-statement for the file, and keep everything else the same. Return the full code.\n\n{CODE}"),
-    ("copy: summarize", "copy", f"Summarize the following text, quoting its key sentences:\n\n{TEXT}"),
+    (
+        "copy: edit text",
+        "copy",
+        f"Rewrite the following text exactly, but replace every 'town' with 'city':\n\n{TEXT}",
+    ),
+    (
+        "copy: refactor code",
+        "copy",
+        f"Refactor this Python code to use a with-statement for the file, and keep everything else the same. Return the full code.\n\n{CODE}",
+    ),
+    (
+        "copy: summarize",
+        "copy",
+        f"Summarize the following text, quoting its key sentences:\n\n{TEXT}",
+    ),
     ("chat: tips", "chat", "What are three easy ways to save energy at home?"),
     ("chat: story", "chat", "Tell me a short story about a cat who learns to swim."),
 ]
@@ -61,7 +73,12 @@ MODES = ["plain", "lookahead", "prompt_lookup"]
 
 
 def run_one(engine, messages, mode, max_tokens, extra):
-    res = engine.generate(messages=messages, max_tokens=max_tokens, mode=mode, **(extra if mode == "lookahead" else {}))
+    res = engine.generate(
+        messages=messages,
+        max_tokens=max_tokens,
+        mode=mode,
+        **(extra if mode == "lookahead" else {}),
+    )
     s = res.stats
     return res.tokens, {
         "tokens": s.generated_tokens,
@@ -78,7 +95,9 @@ def memory_check(engine, context: int, extra) -> dict:
     ids = engine.tokenizer.encode(filler)[: context - 40]
     out = {}
     for mode in ("plain", "lookahead"):
-        res = engine.generate(ids, max_tokens=32, mode=mode, **(extra if mode == "lookahead" else {}))
+        res = engine.generate(
+            ids, max_tokens=32, mode=mode, **(extra if mode == "lookahead" else {})
+        )
         out[mode] = res.stats.peak_memory_bytes
     out["extra_pct"] = 100.0 * (out["lookahead"] - out["plain"]) / max(out["plain"], 1)
     out["prompt_tokens"] = len(ids)
@@ -86,29 +105,52 @@ def memory_check(engine, context: int, extra) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt and mode")
-    p.add_argument("--window", type=int, default=None, help="lookahead window W (default: the mode's)")
+    p.add_argument(
+        "--max-tokens", type=int, default=96, help="tokens generated per prompt and mode"
+    )
+    p.add_argument(
+        "--window", type=int, default=None, help="lookahead window W (default: the mode's)"
+    )
     p.add_argument("--ngram", type=int, default=None, help="lookahead n-gram size N")
-    p.add_argument("--guesses", type=int, default=None, help="lookahead pooled candidates G per step")
-    p.add_argument("--span", type=int, default=None, help="length of candidates copied from the text")
+    p.add_argument(
+        "--guesses", type=int, default=None, help="lookahead pooled candidates G per step"
+    )
+    p.add_argument(
+        "--span", type=int, default=None, help="length of candidates copied from the text"
+    )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to compare")
-    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per prompt; best tokens/s kept")
-    p.add_argument("--prompts", default="", help="comma-separated prompt-name prefixes to run (default all)")
-    p.add_argument("--memory-context", type=int, default=2048, help="context for the peak-memory check (0 = skip)")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="interleaved rounds per prompt; best tokens/s kept"
+    )
+    p.add_argument(
+        "--prompts", default="", help="comma-separated prompt-name prefixes to run (default all)"
+    )
+    p.add_argument(
+        "--memory-context",
+        type=int,
+        default=2048,
+        help="context for the peak-memory check (0 = skip)",
+    )
     p.add_argument("--json", default=None, help="write the raw results to this file")
     args = p.parse_args(argv)
 
     import edgespec
 
     engine = edgespec.load(args.model, drafter="none", progress=False)
-    extra = {k: getattr(args, k) for k in ("window", "ngram", "guesses", "span") if getattr(args, k) is not None}
+    extra = {
+        k: getattr(args, k)
+        for k in ("window", "ngram", "guesses", "span")
+        if getattr(args, k) is not None
+    }
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     wanted = [w.strip() for w in args.prompts.split(",") if w.strip()]
     engine.generate("Hello", max_tokens=4, mode="plain")  # warm up
     rows, results = [], {}
-    for name, kind, prompt in PROMPTS:
+    for name, _kind, prompt in PROMPTS:
         if wanted and not any(name.startswith(w) for w in wanted):
             continue
         messages = [{"role": "user", "content": prompt}]
@@ -133,13 +175,22 @@ def main(argv=None) -> int:
     base = {name: r["tok_s"] for name, mode, r in rows if mode == modes[0]}
     for name, mode, r in rows:
         speed = r["tok_s"] / base[name] if base.get(name) else 0.0
-        print(f"| {name} | {mode} | {r['tok_s']:.2f} | {speed:.2f} | {r['tok_per_pass']:.2f} | {r['peak_mb']:.0f} | {r['equal_to_plain']} |")
+        print(
+            f"| {name} | {mode} | {r['tok_s']:.2f} | {speed:.2f} | {r['tok_per_pass']:.2f} | {r['peak_mb']:.0f} | {r['equal_to_plain']} |"
+        )
     for kind in ("copy", "chat"):
         names = [n for n, k, _ in PROMPTS if k == kind and n in base]
         for mode in modes[1:]:
-            sp = [results[f"{n} | {mode}"]["tok_s"] / base[n] for n in names if f"{n} | {mode}" in results and base[n]]
+            sp = [
+                results[f"{n} | {mode}"]["tok_s"] / base[n]
+                for n in names
+                if f"{n} | {mode}" in results and base[n]
+            ]
             if sp:
-                print(f"\n{kind}: {mode} mean speed-up x{sum(sp) / len(sp):.2f} (min x{min(sp):.2f})", end="")
+                print(
+                    f"\n{kind}: {mode} mean speed-up x{sum(sp) / len(sp):.2f} (min x{min(sp):.2f})",
+                    end="",
+                )
     print()
     if args.memory_context:
         t0 = time.perf_counter()

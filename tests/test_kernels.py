@@ -15,6 +15,7 @@ from edgespec.kernels import (
     TREE_MASK,
     check_parents,
     commit_kv,
+    emulate,
     kv_gather,
     kv_gather_reference,
     tree_accept,
@@ -22,10 +23,11 @@ from edgespec.kernels import (
     tree_mask,
     tree_mask_reference,
 )
-from edgespec.kernels import emulate
 from edgespec.kernels.spec import metal
 
-needs_cxx = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler to emulate Metal kernels")
+needs_cxx = pytest.mark.skipif(
+    emulate.compiler() is None, reason="no C++ compiler to emulate Metal kernels"
+)
 
 
 def random_tree(rng: random.Random, T: int, shape: str = "random") -> list[int]:
@@ -44,7 +46,9 @@ def emu(tmp_path_factory):
     return {
         "mask": emulate.EmulatedKernel(TREE_MASK, [np.int32, np.int32], [np.bool_, np.int32], d),
         "accept": emulate.EmulatedKernel(TREE_ACCEPT, [np.int32] * 4, [np.int32], d),
-        "gather": emulate.EmulatedKernel(KV_GATHER, [np.float32, np.int32, np.int32], [np.float32], d),
+        "gather": emulate.EmulatedKernel(
+            KV_GATHER, [np.float32, np.int32, np.int32], [np.float32], d
+        ),
     }
 
 
@@ -58,7 +62,9 @@ def test_tree_mask_emulated_equals_reference(emu, T, P, shape):
     rng = random.Random(T * 1000 + P)
     parents = random_tree(rng, T, shape)
     # Outputs start as garbage-like 1s/-7s: every entry must be written by the kernel.
-    mask, pos = emu["mask"]([np.array(parents), np.array([T, P])], (P + T, T, 1), [(T, P + T), (T,)], init=1)
+    mask, pos = emu["mask"](
+        [np.array(parents), np.array([T, P])], (P + T, T, 1), [(T, P + T), (T,)], init=1
+    )
     ref_mask, ref_pos = tree_mask_reference(mx.array(parents, dtype=mx.int32), P)
     np.testing.assert_array_equal(mask, np.array(ref_mask))
     np.testing.assert_array_equal(pos, np.array(ref_pos))
@@ -79,8 +85,12 @@ def test_tree_accept_emulated_equals_reference(emu, T, vocab):
         parents = random_tree(rng, T)
         tokens = np.array([rng.randrange(vocab) for _ in range(T)], np.int32)
         pred = np.array([rng.randrange(vocab) for _ in range(T)], np.int32)
-        (res,) = emu["accept"]([tokens, np.array(parents), pred, np.array([T])], (1, 1, 1), [(3,)], init=-9)
-        ref = tree_accept_reference(mx.array(tokens), mx.array(parents, dtype=mx.int32), mx.array(pred))
+        (res,) = emu["accept"](
+            [tokens, np.array(parents), pred, np.array([T])], (1, 1, 1), [(3,)], init=-9
+        )
+        ref = tree_accept_reference(
+            mx.array(tokens), mx.array(parents, dtype=mx.int32), mx.array(pred)
+        )
         np.testing.assert_array_equal(res, np.array(ref))
 
 
@@ -90,20 +100,29 @@ def test_tree_accept_finds_the_deepest_matching_path():
     tokens = [9, 11, 12, 99, 21, 22]
     pred = [11, 12, 13, 0, 22, 23]  # argmax after each node
     pred[0] = 21  # the verifier's choice after x0 is 21: branch 1 fails at once
-    best, depth, bonus = tree_accept_reference(mx.array(tokens), mx.array(parents), mx.array(pred)).tolist()
+    best, depth, bonus = tree_accept_reference(
+        mx.array(tokens), mx.array(parents), mx.array(pred)
+    ).tolist()
     assert (best, depth, bonus) == (5, 2, 23)
     pred[0] = 11
-    best, depth, bonus = tree_accept_reference(mx.array(tokens), mx.array(parents), mx.array(pred)).tolist()
+    best, depth, bonus = tree_accept_reference(
+        mx.array(tokens), mx.array(parents), mx.array(pred)
+    ).tolist()
     assert (best, depth, bonus) == (2, 2, 13)
 
 
 @needs_cxx
-@pytest.mark.parametrize("shape,idx", [((1, 1, 1, 1), [0]), ((1, 3, 20, 8), [3, 5, 9]), ((2, 2, 300, 64), [0, 7, 8, 299])])
+@pytest.mark.parametrize(
+    "shape,idx",
+    [((1, 1, 1, 1), [0]), ((1, 3, 20, 8), [3, 5, 9]), ((2, 2, 300, 64), [0, 7, 8, 299])],
+)
 def test_kv_gather_emulated_equals_reference(emu, shape, idx):
     src = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     B, H, C, D = shape
     n = len(idx)
-    (out,) = emu["gather"]([src, np.array(idx), np.array([C, D, n])], (D, n, B * H), [(B, H, n, D)], init=np.nan)
+    (out,) = emu["gather"](
+        [src, np.array(idx), np.array([C, D, n])], (D, n, B * H), [(B, H, n, D)], init=np.nan
+    )
     np.testing.assert_array_equal(out, np.array(kv_gather_reference(mx.array(src), mx.array(idx))))
 
 
@@ -160,7 +179,9 @@ def test_metal_tree_kernels_equal_reference(T, P):
     assert mx.array_equal(mask, rm) and mx.array_equal(pos, rp)
     tokens = mx.random.randint(0, 3, (T,)).astype(mx.int32)
     pred = mx.random.randint(0, 3, (T,)).astype(mx.int32)
-    assert mx.array_equal(tree_accept(tokens, parents, pred), tree_accept_reference(tokens, parents, pred))
+    assert mx.array_equal(
+        tree_accept(tokens, parents, pred), tree_accept_reference(tokens, parents, pred)
+    )
 
 
 @pytest.mark.metal

@@ -17,9 +17,9 @@ from edgespec.modes.lookahead import LookaheadMode, parse_options
 from edgespec.sampling import Sampler, SamplingParams
 
 
-def run(mode, prompt, n, params=SamplingParams()):
+def run(mode, prompt, n, params=None):
     stats = GenerationStats()
-    it = mode.steps(prompt, Sampler(params), stats)
+    it = mode.steps(prompt, Sampler(params or SamplingParams()), stats)
     out = [t.id for t in itertools.islice(it, n)]
     it.close()
     return out, stats
@@ -49,7 +49,7 @@ def plain_refs(peaky):
 @pytest.mark.parametrize("W,N,G", [(4, 4, 4), (1, 2, 1), (6, 3, 8), (3, 5, 0), (0, 2, 5)])
 def test_greedy_equals_plain_on_20_prompts(peaky, plain_refs, W, N, G):
     passes = 0
-    for prompt, ref in zip(prompts(20), plain_refs):
+    for prompt, ref in zip(prompts(20), plain_refs, strict=False):
         got, stats = run(LookaheadMode(peaky, W, N, G, adaptive=False), prompt, 24)
         assert got == ref, (prompt, W, N, G)
         passes += stats.verifier_passes
@@ -59,7 +59,10 @@ def test_greedy_equals_plain_on_20_prompts(peaky, plain_refs, W, N, G):
 def test_greedy_equals_plain_with_adaptive_fallback():
     model = make_tiny_model(3)  # flat distributions: guesses rarely hit, the controller goes lean
     for prompt in prompts(4, seed=3):
-        assert run(LookaheadMode(model, adaptive=True), prompt, 30)[0] == run(PlainMode(model), prompt, 30)[0]
+        assert (
+            run(LookaheadMode(model, adaptive=True), prompt, 30)[0]
+            == run(PlainMode(model), prompt, 30)[0]
+        )
 
 
 def test_window_tree_has_the_lookahead_mask():
@@ -76,7 +79,11 @@ def test_window_tree_has_the_lookahead_mask():
     for j in range(L):
         for i in range(W):
             n = tree.window[j][i]
-            seen = {0} | {tree.window[0][c] for c in range(i + 1)} | {tree.window[r][i] for r in range(1, j + 1)}
+            seen = (
+                {0}
+                | {tree.window[0][c] for c in range(i + 1)}
+                | {tree.window[r][i] for r in range(1, j + 1)}
+            )
             assert set(np.nonzero(mask[n, p:])[0]) == seen
             assert pos[n] == p + 1 + i + j
     with pytest.raises(RuntimeError):
@@ -85,7 +92,19 @@ def test_window_tree_has_the_lookahead_mask():
 
 def test_pool_ranks_longer_context_matches_first():
     pool = NgramPool(span=2, jacobi_len=2)
-    seq = [1, 2, 9, 8, 5, 2, 7, 7, 3, 1, 2]  # last token 2: earlier 2s at 1 (after 1) and 5 (after 5)
+    seq = [
+        1,
+        2,
+        9,
+        8,
+        5,
+        2,
+        7,
+        7,
+        3,
+        1,
+        2,
+    ]  # last token 2: earlier 2s at 1 (after 1) and 5 (after 5)
     pool.add_text(seq)
     assert pool.text_candidates(seq, 5) == [[9, 8], [7, 7]]  # context "1 2" matches at position 1
     pool.add_jacobi(2, [4, 4])
@@ -135,7 +154,11 @@ def test_cli_mode_options_reach_the_mode():
 
     p = argparse.ArgumentParser()
     add_decoding_arguments(p)
-    opts = options_from_args(p.parse_args(["--mode", "lookahead", "--mode-option", "window=3", "--mode-option", "adaptive=0"]))
+    opts = options_from_args(
+        p.parse_args(
+            ["--mode", "lookahead", "--mode-option", "window=3", "--mode-option", "adaptive=0"]
+        )
+    )
     assert parse_options(opts.mode_options) == {**parse_options({}), "window": 3, "adaptive": False}
     for bad in (["--mode-option", "window"], ["--mode-option", "top_k=2"]):
         with pytest.raises(ValueError, match="--mode-option"):

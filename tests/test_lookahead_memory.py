@@ -35,7 +35,9 @@ def test_engine_prefers_lookahead_when_drafter_does_not_fit():
     engine = make_tiny_engine(0)
     engine.drafter = FakeModelDrafter(make_tiny_model(1, num_hidden_layers=1))
     w, kv = drafter_bytes(engine.drafter, engine.model, engine.context_length)
-    assert w == tree_bytes(engine.drafter.model) > 0 and kv == kv_bytes(engine.drafter.model.args, engine.context_length)
+    assert w == tree_bytes(engine.drafter.model) > 0 and kv == kv_bytes(
+        engine.drafter.model.args, engine.context_length
+    )
     need = tree_bytes(engine.model) + kv_bytes(engine.model.args, engine.context_length) + w + kv
     engine.memory_budget = need - 1
     assert not drafter_fits(engine, engine.memory_budget)
@@ -49,7 +51,9 @@ def test_weight_free_drafter_always_fits():
     engine = make_tiny_engine(0)
     engine.drafter = PromptLookupDrafter()
     assert drafter_bytes(engine.drafter, engine.model, 4096) == (0, 0)
-    assert drafter_fits(engine, tree_bytes(engine.model) + kv_bytes(engine.model.args, engine.context_length))
+    assert drafter_fits(
+        engine, tree_bytes(engine.model) + kv_bytes(engine.model.args, engine.context_length)
+    )
 
 
 def test_cli_option_sets_the_budget():

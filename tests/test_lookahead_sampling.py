@@ -38,7 +38,11 @@ def wrong_walk(tree, logits, sampler):
                 node = child
                 break
         else:
-            tok = int(np.searchsorted(np.cumsum(p), float(sampler.uniform().item()) * p.sum(), side="right"))
+            tok = int(
+                np.searchsorted(
+                    np.cumsum(p), float(sampler.uniform().item()) * p.sum(), side="right"
+                )
+            )
             lps.append(float(lp[tok]))
             return path, tok, lps
 
@@ -69,7 +73,10 @@ def synthetic_case():
 
 def walk_law(tree, logits, params):
     """Exact law of (first token, second token or None if the walk stopped)."""
-    lp = [np.exp(np.array(logprobs_from_logits(logits[n], params), dtype=np.float64)) for n in range(len(tree))]
+    lp = [
+        np.exp(np.array(logprobs_from_logits(logits[n], params), dtype=np.float64))
+        for n in range(len(tree))
+    ]
     law = {}
     for x, px in enumerate(lp[0]):
         if px == 0:

@@ -21,7 +21,9 @@ class PromptLookupDrafter:
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
         if not 1 <= ngram_min <= ngram_max <= 16:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max <= 16, got {ngram_min}, {ngram_max}")
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max <= 16, got {ngram_min}, {ngram_max}"
+            )
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.seq: list[int] = []

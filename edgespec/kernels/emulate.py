@@ -43,9 +43,15 @@ def compiler() -> str | None:
 
 def signature(spec: KernelSpec, in_types: list[str], out_types: list[str]) -> str:
     """The kernel function header, in the form mx.fast.metal_kernel generates."""
-    params = [f"  const device {t}* {n} [[buffer({i})]]" for i, (n, t) in enumerate(zip(spec.inputs, in_types))]
+    params = [
+        f"  const device {t}* {n} [[buffer({i})]]"
+        for i, (n, t) in enumerate(zip(spec.inputs, in_types, strict=False))
+    ]
     k = len(params)
-    params += [f"  device {t}* {n} [[buffer({k + i})]]" for i, (n, t) in enumerate(zip(spec.outputs, out_types))]
+    params += [
+        f"  device {t}* {n} [[buffer({k + i})]]"
+        for i, (n, t) in enumerate(zip(spec.outputs, out_types, strict=False))
+    ]
     params.append("  uint3 thread_position_in_grid [[thread_position_in_grid]]")
     return f"[[kernel]] void custom_kernel_{spec.name}(\n" + ",\n".join(params) + ")"
 
@@ -80,7 +86,9 @@ class EmulatedKernel:
     def __init__(self, spec: KernelSpec, in_dtypes, out_dtypes, workdir: str | Path | None = None):
         cxx = compiler()
         if cxx is None:
-            raise RuntimeError("no C++ compiler (g++ or clang++) on PATH: cannot emulate Metal kernels")
+            raise RuntimeError(
+                "no C++ compiler (g++ or clang++) on PATH: cannot emulate Metal kernels"
+            )
         self.spec = spec
         self.in_dtypes = [np.dtype(d) for d in in_dtypes]
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
@@ -96,14 +104,25 @@ class EmulatedKernel:
                    "-o", str(lib), str(src)]  # fmt: skip
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"emulated Metal kernel {spec.name} failed to compile:\n{r.stderr[-3000:]}")
+                raise RuntimeError(
+                    f"emulated Metal kernel {spec.name} failed to compile:\n{r.stderr[-3000:]}"
+                )
         self._fn = ctypes.CDLL(str(lib)).run_grid
-        self._fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
+        self._fn.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+        ]
 
     def __call__(self, inputs, grid, output_shapes, init=0) -> list[np.ndarray]:
         """Run every grid position; outputs start filled with `init` (GPU memory is not)."""
-        ins = [np.ascontiguousarray(a, dtype=d) for a, d in zip(inputs, self.in_dtypes)]
-        outs = [np.full(s, init, dtype=d) for s, d in zip(output_shapes, self.out_dtypes)]
+        ins = [
+            np.ascontiguousarray(a, dtype=d) for a, d in zip(inputs, self.in_dtypes, strict=False)
+        ]
+        outs = [
+            np.full(s, init, dtype=d) for s, d in zip(output_shapes, self.out_dtypes, strict=False)
+        ]
         bufs = (ctypes.c_void_p * (len(ins) + len(outs)))(*[a.ctypes.data for a in ins + outs])
         self._fn(bufs, *[int(g) for g in grid])
         return outs

@@ -104,7 +104,9 @@ def check_parents(parents: list[int]) -> None:
         raise ValueError("tree parents must start with -1 (node 0 is the root)")
     for t, p in enumerate(parents[1:], start=1):
         if not 0 <= p < t:
-            raise ValueError(f"node {t} has parent {p}; each parent must be an earlier node (0 <= parent < node)")
+            raise ValueError(
+                f"node {t} has parent {p}; each parent must be an earlier node (0 <= parent < node)"
+            )
 
 
 def _reach(parents: mx.array) -> mx.array:

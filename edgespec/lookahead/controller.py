@@ -17,7 +17,12 @@ KINDS = ("full", "lean", "plain")
 
 class StepController:
     def __init__(
-        self, adaptive: bool = True, probe_every: int = 12, alpha: float = 0.3, warmup: int = 3, kinds=KINDS
+        self,
+        adaptive: bool = True,
+        probe_every: int = 12,
+        alpha: float = 0.3,
+        warmup: int = 3,
+        kinds=KINDS,
     ):
         """kinds: the step kinds allowed (first = the one used when not adaptive)."""
         self.kinds = tuple(kinds)
@@ -53,4 +58,6 @@ class StepController:
     @property
     def fell_back(self) -> bool:
         """True once steps without the window outnumber full steps."""
-        return "full" in self.kinds and self.count["lean"] + self.count["plain"] > self.count["full"]
+        return (
+            "full" in self.kinds and self.count["lean"] + self.count["plain"] > self.count["full"]
+        )

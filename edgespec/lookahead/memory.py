@@ -37,7 +37,9 @@ def tree_bytes(module) -> int:
 
 def kv_bytes(args, context: int, itemsize: int = 4) -> int:
     """K and V of every layer for `context` positions: 2 * L * Hk * D * context * itemsize."""
-    return 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * context * itemsize
+    return (
+        2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * context * itemsize
+    )
 
 
 def drafter_bytes(drafter, verifier, context: int) -> tuple[int, int]:

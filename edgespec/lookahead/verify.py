@@ -33,7 +33,9 @@ from edgespec.lookahead.tree import StepTree
 def greedy_pass(tree: StepTree, logits: mx.array) -> tuple[mx.array, mx.array]:
     """Queue argmax per node (T,) and the tree's [best, depth, bonus] (3,) (lazy arrays)."""
     pred = mx.argmax(logits, axis=-1).astype(mx.int32)
-    result = tree_accept(mx.array(tree.tokens, dtype=mx.int32), mx.array(tree.parents, dtype=mx.int32), pred)
+    result = tree_accept(
+        mx.array(tree.tokens, dtype=mx.int32), mx.array(tree.parents, dtype=mx.int32), pred
+    )
     return pred, result
 
 

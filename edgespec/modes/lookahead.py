@@ -52,7 +52,9 @@ def parse_options(mode_options: dict) -> dict:
         if isinstance(v, str) and v.strip().isdigit():
             v = int(v)
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ValueError(f"lookahead option {key!r} must be an integer in {lo}..{hi}, got {v!r}")
+            raise ValueError(
+                f"lookahead option {key!r} must be an integer in {lo}..{hi}, got {v!r}"
+            )
         out[key] = v
     if mode_options.get("adaptive") is not None:
         out["adaptive"] = bool(mode_options["adaptive"])
@@ -62,7 +64,15 @@ def parse_options(mode_options: dict) -> dict:
 class LookaheadMode:
     name = "lookahead"
 
-    def __init__(self, model, window: int = 2, ngram: int = 3, guesses: int = 2, span: int = 8, adaptive: bool = True):
+    def __init__(
+        self,
+        model,
+        window: int = 2,
+        ngram: int = 3,
+        guesses: int = 2,
+        span: int = 8,
+        adaptive: bool = True,
+    ):
         self.model = model
         self.W, self.N, self.G = window, ngram, guesses
         self.span = max(span, ngram - 1)
@@ -91,7 +101,9 @@ class LookaheadMode:
         pool = NgramPool(self.span, N - 1)
         pool.add_text(seq)
         levels = self._init_window(prompt) if W > 0 else []
-        ctl = StepController(adaptive=self.adaptive, kinds=("full", "lean", "plain") if W > 0 else ("lean", "plain"))
+        ctl = StepController(
+            adaptive=self.adaptive, kinds=("full", "lean", "plain") if W > 0 else ("lean", "plain")
+        )
         fell_back_noted = False
         while True:
             kind = ctl.choose()
@@ -145,12 +157,16 @@ class LookaheadMode:
                 stats.record_draft(depth, len(path))
             if ctl.fell_back and not fell_back_noted:
                 fell_back_noted = True
-                stats.notes.append("lookahead: the Jacobi window did not pay here; mostly pooled n-grams or plain steps")
-            for n, lpv in zip(path, lps):
+                stats.notes.append(
+                    "lookahead: the Jacobi window did not pay here; mostly pooled n-grams or plain steps"
+                )
+            for n, lpv in zip(path, lps, strict=False):
                 yield Token(tree.tokens[n], lpv, "lookahead")
             yield Token(nxt, lps[-1], "verifier")
 
 
-@register_mode("lookahead", "weight-free lookahead decoding: Jacobi window + n-gram pool in one verifier pass")
+@register_mode(
+    "lookahead", "weight-free lookahead decoding: Jacobi window + n-gram pool in one verifier pass"
+)
 def make_lookahead(engine, options):
     return LookaheadMode(engine.model, **parse_options(options.mode_options))

@@ -17,7 +17,10 @@ def _int_option(opts: dict, key: str, default: int) -> int:
     return v
 
 
-@register_mode("prompt_lookup", "speculative decoding with n-grams copied from the context (no drafter weights)")
+@register_mode(
+    "prompt_lookup",
+    "speculative decoding with n-grams copied from the context (no drafter weights)",
+)
 def make_prompt_lookup(engine, options):
     from edgespec.modes.speculative import SpeculativeMode, engine_costs
 
