@@ -30,7 +30,7 @@ TOPICS = [
     "Give a synonym for happy.",
     "Finish this: once upon a time",
 ]
-MAX_TOKENS = 12
+MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
