@@ -265,7 +265,10 @@ class SpeculativeMode:
             for c in cache:
                 c.trim(k - n)  # the cache holds [last] + k drafts; keep [last] + n
             out = draft.tokens[:n] + [nxt]
-            lps = p[mx.arange(n + 1), mx.array(out)].tolist()
+            if sampler.params.greedy:
+                lps = [0.0] * (n + 1)  # one-hot p: every emitted token has log-prob 0
+            else:
+                lps = p[mx.arange(n + 1), mx.array(out)].tolist()
             stats.verify_s += time.perf_counter() - tv
             stats.verifier_passes += 1
             stats.record_draft(k, n)
