@@ -122,29 +122,19 @@ def prepare_weights(model, shape: DrafterShape) -> dict[str, np.ndarray]:
     return w
 
 
-def _compression_config(compress: str):
-    """Compress the 1x1 convs (= linear layers) only; embedding, tied head, norms and RoPE stay fp16."""
-    import coremltools.optimize.coreml as cto
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    if compress == "int8":
-        op = cto.OpLinearQuantizerConfig(
-            mode="linear_symmetric", dtype="int8", granularity="per_channel"
-        )
-    elif compress == "int4":
-        op = cto.OpLinearQuantizerConfig(
-            mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=32
-        )
-    elif compress == "palette4":
-        op = cto.OpPalettizerConfig(
-            nbits=4, mode="kmeans", granularity="per_grouped_channel", group_size=16
-        )
-    else:
-        raise ValueError(
-            f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}"
-        )
-    return cto.OptimizationConfig(op_type_configs={"conv": op}), (
-        cto.palettize_weights if compress == "palette4" else cto.linear_quantize_weights
-    )
+
+def compress_weights(w: dict[str, np.ndarray], shape: DrafterShape, compress: str) -> None:
+    """Replace every linear weight (not embedding, tied head, norms, RoPE) by its compressed form."""
+    from edgespec.converters.coreml_compress import compress_linear
+
+    if compress == "none":
+        return
+    for name in list(w):
+        stem = name.rsplit(".", 2)
+        if name.endswith(".weight") and (stem[-2] in LINEAR_NAMES or name == "lm_head.weight"):
+            w[name] = compress_linear(w[name], compress)
 
 
 def function_specs(
@@ -188,6 +178,10 @@ def export_drafter(
         raise ValueError(f"decode token counts must be in 1..{context_length}, got {decode_tokens}")
     shape = drafter_shape(model, context_length)
     weights = prepare_weights(model, shape)
+    if progress and compress != "none":
+        progress(f"compressing linear layers ({compress})")
+    # Once per weight: every function then refers to identical blobs, stored once.
+    compress_weights(weights, shape, compress)
 
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
@@ -215,14 +209,6 @@ def export_drafter(
                 pass_pipeline=ct.PassPipeline.EMPTY,
                 skip_model_load=True,
             )
-            if compress != "none":
-                # coremltools compresses single-function models only; the result is
-                # deterministic per weight, so save_multifunction still dedups the
-                # functions' copies into one.
-                if progress:
-                    progress(f"compressing {name} ({compress})")
-                config, fn = _compression_config(compress)
-                mlmodel = fn(mlmodel, config)
             path = work / f"{name}.mlpackage"
             mlmodel.save(str(path))
             desc.add_function(str(path), src_function_name="main", target_function_name=name)

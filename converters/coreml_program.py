@@ -86,12 +86,20 @@ def _rms_norm(mb, x, weight: np.ndarray, eps: float, name: str):
     return mb.mul(x=y, y=weight.astype(np.float16).reshape(1, -1, 1, 1), name=f"{name}_out")
 
 
-def _linear(mb, x, w: np.ndarray, b: np.ndarray | None, name: str):
-    """1x1 conv on (1, in, 1, T) -> (1, out, 1, T); w (out, in)."""
+def _linear(mb, x, w, b: np.ndarray | None, name: str):
+    """1x1 conv on (1, in, 1, T) -> (1, out, 1, T); w (out, in), or a compressed dict
+    (coreml_compress.compress_linear) rebuilt by a constexpr op."""
     kw = {}
     if b is not None:
         kw["bias"] = b.astype(np.float16)
-    return mb.conv(x=x, weight=w.astype(np.float16)[:, :, None, None], name=name, **kw)
+    if isinstance(w, dict):
+        from coremltools.converters.mil.mil import types
+        from edgespec.converters.coreml_compress import emit_weight
+
+        weight = emit_weight(mb, types, w, f"{name}_weight")
+    else:
+        weight = w.astype(np.float16)[:, :, None, None]
+    return mb.conv(x=x, weight=weight, name=name, **kw)
 
 
 def _rope(mb, x, cos, sin, half_axis: int, name: str):
