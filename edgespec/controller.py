@@ -47,34 +47,34 @@ def calibrate(model, drafter, kmax: int = 8, context: int = 64, reps: int = 3) -
     ids = [(7 * i + 3) % V for i in range(context)]
     cache = model.make_cache()
     mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
-    verify = []
-    for T in range(1, kmax + 2):
-        x = mx.array(ids[:T], dtype=mx.int32)[None]
-        times = []
-        for r in range(reps + 1):
-            t0 = time.perf_counter()
-            mx.eval(model(x, cache))
-            dt = time.perf_counter() - t0
-            for c in cache:
-                c.trim(T)
-            if r:  # first run warms up
-                times.append(dt)
-        verify.append(_best(times))
-    # Keep the curve monotone: noise must not make a longer pass look cheaper.
-    for i in range(1, len(verify)):
-        verify[i] = max(verify[i], verify[i - 1])
     sampler = Sampler(SamplingParams(temperature=0.0))
     drafter.begin(ids)
     k = max(2, min(kmax, 4))
-    times = []
+    verify = [[] for _ in range(kmax + 1)]
+    draft = []
+    # Interleave drafter and verifier timings in every repeat, so a load spike
+    # hits both alike; the first repeat only warms up.
     for r in range(reps + 1):
         t0 = time.perf_counter()
         drafter.draft(k, sampler)
         dt = time.perf_counter() - t0
         drafter.accept(0, ids[-1])
         if r:
-            times.append(dt / k)
-    return CostModel(verify, _best(times))
+            draft.append(dt / k)
+        for T in range(1, kmax + 2):
+            x = mx.array(ids[:T], dtype=mx.int32)[None]
+            t0 = time.perf_counter()
+            mx.eval(model(x, cache))
+            dt = time.perf_counter() - t0
+            for c in cache:
+                c.trim(T)
+            if r:
+                verify[T - 1].append(dt)
+    verify = [_best(v) for v in verify]
+    # Keep the curve monotone: noise must not make a longer pass look cheaper.
+    for i in range(1, len(verify)):
+        verify[i] = max(verify[i], verify[i - 1])
+    return CostModel(verify, _best(draft))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
