@@ -128,6 +128,16 @@ def test_controller_falls_back_and_probes():
         ctl.record(k, {"full": 1, "lean": 3, "plain": 2}[k], 1.0)
     assert kinds.count("lean") >= 6 and "full" in kinds and "plain" in kinds and ctl.fell_back
     assert StepController(adaptive=False).choose() == "full"
+    # A kind that keeps losing its probes is probed ever more rarely.
+    slow = StepController(probe_every=2, warmup=1, probe_max=16)
+    full_steps = []
+    for step in range(80):
+        k = slow.choose()
+        if k == "full":
+            full_steps.append(step)
+        slow.record(k, {"full": 1, "lean": 2, "plain": 3}[k], 1.0)
+    gaps = [b - a for a, b in zip(full_steps, full_steps[1:], strict=False)]
+    assert gaps[-1] > gaps[0] and max(gaps) <= 16 + 2
     no_window = StepController(kinds=("lean", "plain"))
     assert no_window.choose() == "lean"
     no_window.record("lean", 1, 1.0)

@@ -6,7 +6,8 @@
 Each kind's speed is an exponential moving average of tokens committed per
 second of step time; the fastest runs, and every other kind is re-measured
 after `probe_every` steps without it, so a change of regime (chat turning into
-copying) is noticed. A lean step with no candidates is a plain step and is
+copying) is noticed. A probe that loses doubles that kind's wait (up to
+`probe_max`), so a window that never pays costs ever less; a win resets it. A lean step with no candidates is a plain step and is
 recorded as one.
 """
 
@@ -23,11 +24,14 @@ class StepController:
         alpha: float = 0.3,
         warmup: int = 3,
         kinds=KINDS,
+        probe_max: int = 96,
     ):
         """kinds: the step kinds allowed (first = the one used when not adaptive)."""
         self.kinds = tuple(kinds)
         self.adaptive = adaptive
         self.probe_every = probe_every
+        self.probe_max = probe_max
+        self.wait = dict.fromkeys(KINDS, probe_every)  # steps a losing kind waits before a probe
         self.alpha = alpha
         self.warmup = warmup
         self.rate: dict[str, float | None] = dict.fromkeys(KINDS)
@@ -44,13 +48,17 @@ class StepController:
             if self.rate[k] is None:
                 return k
         best = max(kinds, key=lambda k: self.rate[k])
-        stale = [k for k in kinds if k != best and self.since[k] >= self.probe_every]
+        stale = [k for k in kinds if k != best and self.since[k] >= self.wait[k]]
         return max(stale, key=lambda k: self.since[k]) if stale else best
 
     def record(self, kind: str, tokens: int, seconds: float) -> None:
         r = tokens / max(seconds, 1e-9)
         old = self.rate[kind]
         self.rate[kind] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+        if self.adaptive and old is not None and self.count[kind] >= 1:
+            others = [self.rate[k] for k in self.kinds if k != kind and self.rate[k] is not None]
+            won = not others or self.rate[kind] >= max(others)
+            self.wait[kind] = self.probe_every if won else min(2 * self.wait[kind], self.probe_max)
         self.count[kind] += 1
         for k in self.since:
             self.since[k] = 0 if k == kind else self.since[k] + 1
