@@ -39,6 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, warmup then cosine)")
     p.add_argument("--warmup", type=int, default=20, help="learning-rate warmup steps")
+    p.add_argument("--freeze-embedding", action="store_true", help="keep the verifier's embedding/head rows "
+                   "fixed and train only the layers (fewer free parameters for small data)")
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data order")
     p.add_argument("--max-new", type=int, default=96, help="tokens the verifier generates per prompt")
     p.add_argument("--topk", type=int, default=8, help="verifier log-probs recorded per position")
@@ -67,6 +69,7 @@ def run(args) -> int:
         max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch,
         max_shards=args.max_shards, evaluate=not args.no_eval,
         train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, seed=args.seed,
+                          freeze_embedding=args.freeze_embedding,
                           checkpoint_every=args.checkpoint_every),
     )
     from tqdm import tqdm

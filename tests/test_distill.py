@@ -157,3 +157,12 @@ def test_fast_acceptance_equals_drafting_loop(toy):
     fast = acceptance_fast(student, vmap, exs, k=3)
     assert slow == fast
     assert 0 < slow["all"]["accepted"] < slow["all"]["drafted"]
+
+
+def test_freeze_embedding_keeps_rows(toy):
+    _, exs, vmap = toy
+    student, _ = _student(toy)
+    before = mx.array(student.model.embed_tokens.weight)
+    losses = train(student, prepare(exs, vmap, 128), TrainConfig(steps=8, batch_size=4, lr=3e-3, warmup=2, freeze_embedding=True))
+    assert mx.array_equal(before, student.model.embed_tokens.weight)
+    assert losses[-1] < losses[0]

@@ -11,7 +11,6 @@ from edgespec.drafters import DATA, attach_drafter, shipped_drafter_path
 from edgespec.drafters.distilled import DistilledDrafter
 
 SHIPPED = DATA / "smollm2-135m-instruct"
-pytestmark = pytest.mark.skipif(not SHIPPED.is_dir(), reason="shipped drafter not trained yet (edgespec distill)")
 
 
 def test_shipped_folder_is_complete_and_small():

@@ -39,6 +39,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 25
     max_len: int = 512  # tokens per sequence (longer ones are cut)
+    freeze_embedding: bool = False  # keep the verifier's (tied) embedding/head rows fixed
 
 
 @dataclass
@@ -141,6 +142,8 @@ def train(
     `progress(step, steps, loss)` after every step. `stop_after` ends early after that
     many steps of this call (tests use it to simulate an interruption). Returns the losses.
     """
+    if cfg.freeze_embedding:
+        model.model.embed_tokens.freeze()
     opt = make_optimizer(cfg)
     step = 0
     ckpt = Path(checkpoint) if checkpoint else None
