@@ -4,8 +4,13 @@ Each linear weight w (O, I) becomes the inputs of an iOS18 constexpr op that the
 Core ML runtime decompresses at load (or streams, on the ANE):
 
     int8      per output channel, symmetric:  w ~ scale[o] * q,  q in [-127, 127]
-    int4      per block of 32 inputs, symmetric: w ~ scale[o, b] * q,  q in [-7, 7]
-    palette4  16-entry k-means palette shared by each group of 16 output channels
+    int4      per block of 32 inputs, asymmetric (like GGUF Q4_1):
+              w ~ scale[o, b] * (q - offset[o, b]),  q in [0, 15]
+    palette4  16-entry k-means palette per output channel
+
+Measured on the first 2 layers of SmolLM2-135M (greedy agreement with fp32 over
+71 tokens of text): int4 symmetric 0.92 vs asymmetric 1.00; a palette per 16
+channels 0.56 vs per channel 0.86 (outlier rows need their own entries).
 
 Doing it here (instead of coremltools' optimize API, which handles one function
 at a time and needs scikit-learn for k-means) compresses each weight once, so
@@ -17,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 INT4_BLOCK = 32
-PALETTE_GROUP = 16
+PALETTE_GROUP = 1
 PALETTE_ITERS = 12
 
 
@@ -33,6 +38,19 @@ def quantize_symmetric(
     scale = np.where(scale == 0, 1.0, scale).astype(np.float16).astype(np.float32)  # stored as fp16
     q = np.clip(np.rint(blocks / scale[..., None]), -qmax, qmax).astype(np.int8)
     return q.reshape(n_out, n_in), scale
+
+
+def quantize_asymmetric(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, ...]:
+    """w (O, I) -> (q uint8 in [0, 2**bits - 1], scale, offset (O, I // block) float32), block-wise."""
+    n_out, n_in = w.shape
+    block = n_in if n_in % block else block
+    b = w.reshape(n_out, n_in // block, block)
+    lo, hi = b.min(axis=-1), b.max(axis=-1)
+    scale = (hi - lo) / (2**bits - 1)
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float16).astype(np.float32)
+    offset = (-lo / scale).astype(np.float16).astype(np.float32)  # w = scale * (q - offset)
+    q = np.clip(np.rint(b / scale[..., None] + offset[..., None]), 0, 2**bits - 1).astype(np.uint8)
+    return q.reshape(n_out, n_in), scale, offset
 
 
 def palettize(
@@ -87,6 +105,11 @@ def emit_weight(mb, types, packed: dict[str, np.ndarray], name: str):
         idx = packed["indices"].astype(types.np_uint4_dtype)
         return mb.constexpr_lut_to_dense(indices=idx, lut=packed["lut"], name=name)
     data = packed["data"]
-    if packed["bits"] == 4:
-        data = data.astype(types.np_int4_dtype)
+    if "offset" in packed:  # int4 asymmetric: unsigned 4-bit codes with an fp16 offset
+        return mb.constexpr_blockwise_shift_scale(
+            data=data.astype(types.np_uint4_dtype),
+            scale=packed["scale"],
+            offset=packed["offset"],
+            name=name,
+        )
     return mb.constexpr_blockwise_shift_scale(data=data, scale=packed["scale"], name=name)

@@ -31,26 +31,24 @@ def reference_logits(model, tokens: list[int]) -> np.ndarray:
     return np.array(model(mx.array([tokens], dtype=mx.int32))[0].astype(mx.float32))
 
 
-def executor_logits(executor, tokens: list[int], prefill: int) -> np.ndarray:
-    """Prefill the first `prefill` tokens (one chunk), then decode the rest one by one.
+def executor_logits(executor, tokens: list[int], prefill: int, step: int = 1) -> np.ndarray:
+    """Prefill the first `prefill` tokens (one chunk), then decode the rest `step` at a time
+    (function decode / decode_{step}).
 
-    Returns (1 + len(tokens) - prefill, V) rows: the prefill's last-slot logits, then one per decode step.
+    Returns (1 + len(tokens) - prefill, V) rows: the prefill's last-slot logits, then one per token.
     """
     from edgespec.drafters.coreml import logits_rows
 
     state = executor.make_state()
-    rows = []
-    out = executor.run(
-        "prefill",
-        {"input_ids": np.array([tokens[:prefill]], np.int32), "position": np.array([0], np.int32)},
-        state,
-    )
-    rows.append(logits_rows(out["logits"])[-1])
-    for i in range(prefill, len(tokens)):
-        ids = np.array([[tokens[i]]], np.int32)
-        out = executor.run("decode", {"input_ids": ids, "position": np.array([i], np.int32)}, state)
-        rows.append(logits_rows(out["logits"])[-1])
-    return np.stack(rows)
+    ids = np.array([tokens[:prefill]], np.int32)
+    out = executor.run("prefill", {"input_ids": ids, "position": np.array([0], np.int32)}, state)
+    rows = [logits_rows(out["logits"])]
+    fn = "decode" if step == 1 else f"decode_{step}"
+    for i in range(prefill, len(tokens), step):
+        ids = np.array([tokens[i : i + step]], np.int32)
+        out = executor.run(fn, {"input_ids": ids, "position": np.array([i], np.int32)}, state)
+        rows.append(logits_rows(out["logits"]))
+    return np.concatenate(rows)
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:

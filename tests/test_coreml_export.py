@@ -245,10 +245,15 @@ def test_compressed_weights_decode_exactly(tmp_path, compress):
     packed = compress_linear(w, compress)
     (got,) = ex._eval(ops["l1_down_weight"], {}, {})
     if compress == "palette4":
-        lut = np.repeat(packed["lut"][:, 0, 0, 0, :, 0].astype(np.float32), 16, axis=0)
+        lut = packed["lut"][:, 0, 0, 0, :, 0].astype(np.float32)
+        lut = np.repeat(lut, w.shape[0] // lut.shape[0], axis=0)
         want = np.take_along_axis(lut, packed["indices"][:, :, 0, 0].astype(np.int64), axis=1)
     else:
         scale = packed["scale"][:, :, 0, 0].astype(np.float32)
-        want = packed["data"][:, :, 0, 0] * np.repeat(scale, w.shape[1] // scale.shape[1], axis=1)
+        data = packed["data"][:, :, 0, 0].astype(np.float32)
+        if "offset" in packed:
+            off = packed["offset"][:, :, 0, 0].astype(np.float32)
+            data = data - np.repeat(off, w.shape[1] // off.shape[1], axis=1)
+        want = data * np.repeat(scale, w.shape[1] // scale.shape[1], axis=1)
     np.testing.assert_array_equal(got[:, :, 0, 0], want)
     assert np.abs(want - w).max() < 0.5 * np.abs(w).max()  # a real approximation, not garbage
