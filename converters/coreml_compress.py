@@ -82,13 +82,15 @@ def palettize(
 
 def compress_linear(w: np.ndarray, method: str) -> dict[str, np.ndarray]:
     """The constexpr inputs for one conv weight (O, I) -> shapes for the (O, I, 1, 1) kernel."""
-    if method in ("int8", "int4"):
-        bits, block = (8, None) if method == "int8" else (4, INT4_BLOCK)
-        q, scale = quantize_symmetric(w, bits, block)
+    if method == "int8":
+        q, scale = quantize_symmetric(w, 8, None)
+        return {"data": q[:, :, None, None], "scale": scale[:, :, None, None].astype(np.float16)}
+    if method == "int4":
+        q, scale, offset = quantize_asymmetric(w, 4, INT4_BLOCK)
         return {
-            "bits": bits,
             "data": q[:, :, None, None],
             "scale": scale[:, :, None, None].astype(np.float16),
+            "offset": offset[:, :, None, None].astype(np.float16),
         }
     if method == "palette4":
         idx, lut = palettize(w, 4)
