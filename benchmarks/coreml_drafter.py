@@ -14,11 +14,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-TEXT = (
-    "The Neural Engine in Apple silicon runs small transformer models at low power. A drafter proposes "
-    "several tokens, and the larger model checks them all in one pass, keeping only those it agrees with."
-)
-
 
 def main() -> int:
     p = argparse.ArgumentParser(
@@ -39,7 +34,7 @@ def main() -> int:
     from coreml_support import executor_logits, fp16_weights, reference_logits, rel_err
     from edgespec.converters.coreml_export import export_drafter
     from edgespec.converters.mil_executor import MILExecutor
-    from test_coreml_real import truncated_real
+    from test_coreml_real import TEXT, truncated_real
 
     from edgespec.default_model import default_bundle_path
 
