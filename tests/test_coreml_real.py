@@ -29,10 +29,10 @@ TEXT = (
     "drafted token is verified by the target model before it is emitted to the user."
 )
 # Greedy agreement with the uncompressed fp32 slice over the text. A 2-layer slice has tiny
-# top-1 margins (its head expects layer 30's residual), so this is harsh: int8 meets the issue's
-# 0.95; 4-bit variants measured 0.88 (int4) and >= 0.8 (palette4) here and are held to that
-# until a distilled drafter (real margins) replaces the slice.
-MIN_AGREEMENT = {"int8": 0.95, "int4": 0.85, "palette4": 0.8}
+# top-1 margins (its head expects layer 30's residual), so this is harsh: int8 and asymmetric
+# int4 meet the issue's 0.95 (both measured 1.0 over 49 positions); the 4-bit palette measured
+# 0.86 and is held to 0.8 until a distilled drafter (real margins) replaces the slice.
+MIN_AGREEMENT = {"int8": 0.95, "int4": 0.95, "palette4": 0.8}
 
 
 def truncated_real(bundle, n_layers: int):
