@@ -136,3 +136,10 @@ def write_tiny_bundle(folder: Path, seed: int = 0, **overrides) -> Path:
     src = write_tiny_hf_folder(folder.parent / f".{folder.name}-hf", seed, **overrides)
     convert(src, folder, quantize="none", dtype="float32", progress=False)
     return folder
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the pipelined drafter's worker thread while the interpreter is still whole."""
+    from edgespec.modes.speculative import _Worker
+
+    _Worker._shutdown()

@@ -30,17 +30,19 @@ TOPICS = [
     "Give a synonym for happy.",
     "Finish this: once upon a time",
 ]
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def setup(real_engine):
-    found = skip_set_for(real_engine.loaded, search=False)
-    # Without a cached search result use a fixed subset: exactness does not depend on it.
-    keep = found["keep"] if found else [i for i in range(30) if i % 3 != 1]
-    drafter = SelfSpecDrafter(real_engine.model, keep)
+    from edgespec.drafters import load_drafter
+
     prompts = [real_engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TOPICS]
     plain = [real_engine.generate(p, max_tokens=MAX_TOKENS, mode="plain").tokens for p in prompts]
+    # The shipped distilled drafter: a real separate drafter model, and cheap (about 6% of a
+    # verifier step), which keeps 20 prompts x 8 values of K affordable in CI.
+    drafter = load_drafter(real_engine, None)
+    assert drafter is not None, "the shipped drafter for SmolLM2-135M-Instruct was not found"
     yield real_engine, drafter, prompts, plain
     real_engine.drafter = None
 
@@ -56,3 +58,17 @@ def test_real_greedy_equals_plain(setup, k):
         assert res.tokens == ref, f"K={k} pipeline={pipeline} prompt {TOPICS[i]!r}"
         drafted += res.stats.drafted
     assert drafted > 0
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_real_self_speculation_equals_plain(setup, k):
+    """The zero-weight drafter (a subset of the verifier's own layers) on a few prompts."""
+    engine, _, prompts, plain = setup
+    found = skip_set_for(engine.loaded, search=False)
+    # Without a cached search result use a fixed subset: exactness does not depend on it.
+    keep = found["keep"] if found else [i for i in range(30) if i % 3 != 1]
+    engine.drafter = SelfSpecDrafter(engine.model, keep)
+    for i in range(0, len(prompts), 5):
+        res = engine.generate(prompts[i], max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k, pipeline=bool(i % 2))
+        assert res.tokens == plain[i], f"K={k} prompt {TOPICS[i]!r}"
+        assert res.stats.drafted > 0

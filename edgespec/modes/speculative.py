@@ -52,6 +52,20 @@ class _Worker:
         with _Worker._guard:
             if _Worker._pool is None:
                 _Worker._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-drafter")
+                # Runs at interpreter shutdown before concurrent.futures joins its threads.
+                threading._register_atexit(_Worker._shutdown)
+
+    @staticmethod
+    def _shutdown():
+        # Drain the worker's MLX stream and stop the thread before the interpreter
+        # finalizes: an MLX stream thread that still holds Python-owned buffers would
+        # otherwise try to take the GIL during finalization, and the forced unwind of
+        # that thread through MLX's C++ frames aborts the process (seen as exit 134).
+        pool, _Worker._pool = _Worker._pool, None
+        if pool is not None:
+            pool.submit(mx.synchronize).result()
+            pool.shutdown(wait=True)
+        mx.synchronize()
 
     @staticmethod
     def _run(fn, args):
