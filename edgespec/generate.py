@@ -129,6 +129,10 @@ class PlainMode:
         logits = prefill(model, cache, prompt)
 
         def pick(logits):
+            if sampler.params.greedy:
+                # The greedy distribution is one-hot: log-prob 0 at the argmax. Skipping
+                # the (V,) transform keeps the per-token graph as small as possible.
+                return mx.argmax(logits, axis=-1), mx.array(0.0)
             lp = sampler.logprobs(logits)
             tok = sampler.sample(lp)
             return tok, lp[tok]
