@@ -142,7 +142,7 @@ def _broken(engine, options):
 
 
 @pytest.fixture
-def test_modes(monkeypatch):
+def extra_modes(monkeypatch):
     """Register test-only modes; monkeypatch removes them after the test."""
     for name, factory in (
         ("corrupt", lambda e, o: CorruptMode(e.model)),
@@ -163,7 +163,7 @@ def tiny_prompts():
     )
 
 
-def test_report_has_every_mode_and_domain_and_flags_corrupted_mode(test_modes):
+def test_report_has_every_mode_and_domain_and_flags_corrupted_mode(extra_modes):
     engine = make_tiny_engine(scale=3.0)
     specs = parse_mode_specs("drafting_plain,corrupt,broken,nosuch", available_modes())
     calls = []
@@ -307,7 +307,7 @@ def test_interrupted_run_still_reports_what_finished(monkeypatch):
 
 
 # ---------------------------------------------------------------- CLI
-def test_cli_writes_report_and_exits_nonzero_on_mismatch(test_modes, tmp_path, monkeypatch, capsys):
+def test_cli_writes_report_and_exits_nonzero_on_mismatch(extra_modes, tmp_path, monkeypatch, capsys):
     import edgespec.apps.common as common
 
     from edgespec.cli import main

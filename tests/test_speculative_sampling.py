@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny_model
-from scipy.stats import chi2
+from stats_support import chisq_pvalue
 
 import edgespec.modes.speculative as spec_mod
 from edgespec.drafters.mlx_drafter import MLXDrafter
@@ -44,17 +44,6 @@ def exact_distribution(model, params) -> np.ndarray:
         p3 = np.exp(np.array(logprobs_from_logits(model(rows)[:, -1], params)))
         probs[a] = base[a] * p2[:, None] * p3
     return probs.reshape(-1)
-
-
-def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    n = counts.sum()
-    exp = probs * n
-    small = exp < 5
-    obs_c = np.append(counts[~small], counts[small].sum())
-    exp_c = np.append(exp[~small], exp[small].sum())
-    keep = exp_c > 0
-    stat = float(((obs_c[keep] - exp_c[keep]) ** 2 / exp_c[keep]).sum())
-    return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
 def sample_counts(verifier, drafter, params, pipeline=False) -> np.ndarray:
