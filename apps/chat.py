@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from edgespec.apps.common import add_decoding_arguments, add_model_arguments, options_from_args, print_notes
+from edgespec.apps.common import (
+    add_decoding_arguments,
+    add_model_arguments,
+    options_from_args,
+    print_notes,
+)
 
 HELP = "chat with a model in the terminal (streams replies; /reset, /stats, /quit)"
 DESCRIPTION = (

@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
-from edgespec.apps.common import add_decoding_arguments, add_model_arguments, options_from_args, print_notes
+from edgespec.apps.common import (
+    add_decoding_arguments,
+    add_model_arguments,
+    options_from_args,
+    print_notes,
+)
 
 HELP = "generate a reply to one prompt and exit"
 

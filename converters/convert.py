@@ -7,9 +7,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from edgespec.converters.bundle import atomic_folder, finish_manifest, write_model_files
 from mlx.utils import tree_flatten
 
-from edgespec.converters.bundle import atomic_folder, finish_manifest, write_model_files
 from edgespec.errors import ModelLoadError
 from edgespec.loader import build_model, is_gguf
 from edgespec.progress import progress_bar

@@ -210,7 +210,7 @@ def build_tokenizer(reader, path: Path):
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     special = [
         AddedToken(t, special=True, normalized=False)
-        for t, ty in zip(tokens, types)
+        for t, ty in zip(tokens, types, strict=True)
         if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
     ]
     tok.add_special_tokens(special)

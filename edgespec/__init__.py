@@ -12,7 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgespec.engine import Engine, GenerationResult, make_options
-from edgespec.errors import ContextLengthError, EdgespecError, ModelLoadError, VocabularyMismatchError
+from edgespec.errors import (
+    ContextLengthError,
+    EdgespecError,
+    ModelLoadError,
+    VocabularyMismatchError,
+)
 from edgespec.options import GenerateOptions
 from edgespec.sampling import SamplingParams
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from edgespec.models.llama import Model, ModelArgs
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models as tk_models
 from tokenizers import decoders, pre_tokenizers
+from tokenizers import models as tk_models
 
 from edgespec.engine import Engine
 from edgespec.loader import LoadedModel
-from edgespec.models.llama import Model, ModelArgs
 from edgespec.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ def test_trim_then_continue_equals_fresh_prefill(n_trim):
     out, _ = run_tokens(model, cont, cache)
     fresh, fresh_cache = run_tokens(model, kept + cont)
     np.testing.assert_allclose(np.array(out[0]), np.array(fresh[0, -3:]), atol=1e-4)
-    for a, b in zip(cache, fresh_cache):
+    for a, b in zip(cache, fresh_cache, strict=True):
         np.testing.assert_allclose(np.array(a.state[0]), np.array(b.state[0]), atol=1e-5)
 
 

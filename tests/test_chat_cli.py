@@ -6,10 +6,9 @@ import sys
 
 import pytest
 from conftest import make_tiny_engine, write_tiny_bundle
-
 from edgespec.apps.chat import ChatSession
-from edgespec.engine import make_options
 
+from edgespec.engine import make_options
 
 SEED = 3
 

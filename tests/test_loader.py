@@ -1,8 +1,6 @@
 """Loading and converting: round trips, clear errors on bad inputs, atomic writes."""
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
@@ -10,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny_model, write_tiny_bundle, write_tiny_hf_folder
-
 from edgespec.converters.convert import convert
+
 from edgespec.errors import ModelLoadError
 from edgespec.loader import load
 
@@ -164,7 +162,6 @@ def test_cli_reports_bad_model_without_traceback(tmp_path):
 def test_gguf_native_quantization_is_exact(real_gguf):
     """Q4_1/Q8_0 blocks kept as MLX affine quantization dequantize to exactly the GGUF values."""
     import gguf
-
     from edgespec.converters.gguf import _open, dequantized, native_quantized
 
     reader = _open(real_gguf)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 from conftest import make_tiny_engine
-
 from edgespec.apps.server.scheduler import Job, QueueFull, Scheduler
+
 from edgespec.engine import make_options
 
 
