@@ -44,6 +44,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data order")
     p.add_argument("--max-new", type=int, default=96, help="tokens the verifier generates per prompt")
     p.add_argument("--topk", type=int, default=8, help="verifier log-probs recorded per position")
+    p.add_argument("--samples", type=int, default=1, help="answers per training prompt: the greedy one plus "
+                   "SAMPLES-1 sampled near-greedy ones (more, varied training text from the same prompts)")
+    p.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of those extra answers "
+                   "(low: mostly the verifier's argmax, occasionally a branch)")
     p.add_argument("--gen-batch", type=int, default=48, help="prompts the verifier answers per batch")
     p.add_argument("--max-shards", type=int, default=None, help="data budget: answer only the first N batches of "
                    "prompts (each prefix of the plan is balanced across domains; default: all)")
@@ -68,6 +72,7 @@ def run(args) -> int:
         layers=args.layers, hidden=args.hidden, vocab=args.vocab, init_layers=args.init_layers,
         max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch,
         max_shards=args.max_shards, evaluate=not args.no_eval,
+        samples=args.samples, sample_temperature=args.sample_temperature,
         train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           freeze_embedding=args.freeze_embedding,
                           checkpoint_every=args.checkpoint_every),

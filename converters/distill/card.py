@@ -26,6 +26,13 @@ def model_card(info: dict[str, Any]) -> str:
         else "Not measured."
     )
     acc = info.get("acceptance")
+    n_seq = info.get("n_sequences", info["n_prompts"])
+    answers = (
+        f"The verifier answered each greedily and {info['samples'] - 1} more time(s) sampling at temperature "
+        f"{info['sample_temperature']} (near-greedy branches; {n_seq} sequences, up to {info['max_new']} new tokens)"
+        if info.get("samples", 1) > 1
+        else f"The verifier answered each greedily (up to {info['max_new']} new tokens)"
+    )
     return f"""# Distilled drafter for {info['verifier_name']}
 
 A small Llama-family drafter trained by `edgespec distill` to imitate its verifier
@@ -44,8 +51,8 @@ which keeps rejection sampling exact (the verifier's residual covers those token
 - Size choice: {info.get('size_reason', '')}
 
 ## Training data
-- Prompts: {info['n_prompts']} ({info['domains']}) from `{info['prompts']}`.
-- The verifier answered each greedily (up to {info['max_new']} new tokens); at each generated
+- Prompts: {info['n_prompts']} (sequences per domain: {info['domains']}) from `{info['prompts']}`.
+- {answers}; at each generated
   position its top-{info['topk']} log-probabilities were recorded: {info['n_targets']} target positions.
 - Reduced vocabulary coverage of the verifier's greedy tokens: {info['coverage_train']:.1%} (training data),
   {info.get('coverage_heldout', float('nan')):.1%} (held-out).

@@ -37,6 +37,8 @@ class DistillConfig:
     topk: int = 8
     gen_batch: int = 48
     max_shards: int | None = None  # data budget: first shards of the (domain-balanced) plan
+    samples: int = 1  # answers per training prompt: greedy + samples-1 near-greedy (see data.py)
+    sample_temperature: float = 0.7
     k: int = 4  # draft length for the acceptance measurement
     evaluate: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -80,7 +82,7 @@ def distill(
     t0 = time.time()
     D.build_dataset(loaded, items, work / "data", cfg.max_new, cfg.topk, cfg.gen_batch,
                     progress=lambda d, n: note("data", d, n, "prompts answered by the verifier"),
-                    max_shards=cfg.max_shards)
+                    max_shards=cfg.max_shards, samples=cfg.samples, sample_temperature=cfg.sample_temperature)
     _, examples = D.load_dataset(work / "data")
     held_examples = []
     heldout_path = Path(heldout) if heldout else builtin_path(BUILTIN_HELDOUT)
@@ -113,7 +115,10 @@ def distill(
         "intermediate": scfg["intermediate_size"],
         "params": _params(student),
         "init_layers": cfg.init_layers or f"0..{scfg['num_hidden_layers'] - 1}",
-        "n_prompts": len(examples),
+        "n_prompts": len({(e.domain, e.tokens[: e.start].tobytes()) for e in examples}),
+        "n_sequences": len(examples),
+        "samples": cfg.samples,
+        "sample_temperature": cfg.sample_temperature if cfg.samples > 1 else None,
         "domains": ", ".join(f"{d} {n}" for d, n in sorted(_count(e.domain for e in examples).items())),
         "prompts": str(prompts or "built-in edgespec/data/distill_prompts.jsonl"),
         "heldout": str(heldout or "built-in edgespec/data/distill_prompts_heldout.jsonl"),
