@@ -161,7 +161,8 @@ def run(args) -> int:
     path = getattr(engine.loaded, "path", None)
     meta = dict(
         command=reproduce_command(args),
-        model=str(path) if path else (args.model or "default"),
+        # As the user named it: a resolved default path would only describe this machine.
+        model=args.model or (f"default ({os.path.basename(str(path))})" if path else "default"),
         model_name=os.path.basename(str(path)) if path else "model",
         drafter=args.drafter,  # the --drafter spec (for the recommended command line)
         drafter_name=getattr(engine.drafter, "name", None),
