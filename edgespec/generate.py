@@ -44,6 +44,7 @@ class GenerationStats:
     draft_tokens: int | None = None  # K in use (speculative), last value
     accepted_by_position: list[int] = field(default_factory=list)  # accepted count per draft index
     drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # tree modes: kept drafts per source
     notes: list[str] = field(default_factory=list)
     peak_memory_bytes: int = 0
 

@@ -36,4 +36,4 @@ def make_mode(name: str, engine, options):
 
 
 # Built-in modes (each module calls register_mode at import).
-from edgespec.modes import lookahead, plain, prompt_lookup, speculative  # noqa: E402,F401
+from edgespec.modes import cascade, lookahead, plain, prompt_lookup, speculative, tree  # noqa: E402,F401

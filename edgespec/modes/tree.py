@@ -1,0 +1,303 @@
+"""Tree speculation as a step generator: many candidate continuations, one verifier pass.
+
+Per pass a `SourceTree` rooted at the last committed token x0 is built from
+up to four sources, merged into one trie (shared prefixes fed once):
+- "drafter": branches grown by an MLX drafter (static or dynamic shape, see
+  edgespec.tree.drafting), one drafter pass per level;
+- "prompt_lookup": the continuation of the longest earlier match of the context's suffix;
+- "pool": the lookahead n-gram pool's candidates keyed by x0;
+- a Jacobi window (option window > 0), whose trajectories feed the pool (as in lookahead).
+The verifier scores every node in ONE pass under the tree mask with tree
+positions (`tree_mask` kernel); greedy keeps the deepest node whose path the
+verifier agrees with (`tree_accept` kernel), sampling walks the tree with
+recursive rejection over point-mass candidates (lookahead.verify.sample_walk;
+why this scheme: docs/tree.md). The accepted path's KV entries are packed into
+place (`commit_kv` kernel) in the verifier's cache and the drafter's, the
+rest dropped. A StepController runs the fastest of: full trees, trees from the
+weight-free sources only, plain steps; a TreeBudget sizes dynamic trees from
+the measured verify cost.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from edgespec.drafters.prompt_lookup import PromptLookupDrafter
+from edgespec.errors import EdgespecError
+from edgespec.generate import GenerationStats, Token, prefill
+from edgespec.kernels import commit_kv, tree_mask
+from edgespec.lookahead import NgramPool, StepController, greedy_pass, sample_walk
+from edgespec.modes import register_mode
+from edgespec.sampling import Sampler
+from edgespec.tree.candidates import SourceTree
+from edgespec.tree.controller import TreeBudget, calibrate_tree
+from edgespec.tree.drafting import TreeDrafter, TreePlan
+
+SOURCES = ("drafter", "prompt_lookup", "pool")
+MAX_TREE = 64  # tree tokens per pass at most (verify cost is calibrated up to this)
+
+# Option name -> (help, default, validator). The CLI's --mode-option help lists these.
+OPTION_HELP = {
+    "shape": "static (fixed branching per depth) or dynamic (grown where the drafter is unsure)",
+    "branching": "static: children per node at each depth, e.g. 3x2x1x1",
+    "depth": "dynamic: drafter levels per pass (1..12)",
+    "width": "dynamic: nodes expanded per level (1..16)",
+    "topk": "dynamic: children per expanded node (1..8)",
+    "budget": "dynamic: tree tokens per pass, 'auto' (from the measured verify cost) or 2..64",
+    "sources": "candidate sources joined by '+': drafter, prompt_lookup, pool (default drafter)",
+    "window": "Jacobi window columns feeding the pool (0 = none, up to 8)",
+    "guesses": "pool candidates per pass (0..16)",
+    "adaptive": "1: the controller may fall back to weight-free or plain steps; 0: always full trees",
+}
+
+
+def _int(opts, key, default, lo, hi, what="tree"):
+    v = opts.get(key)
+    if v is None:
+        return default
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"{what} option {key!r} must be an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _bool(opts, key, default):
+    v = opts.get(key)
+    if v is None:
+        return default
+    if isinstance(v, str):
+        if v.lower() not in ("0", "1", "true", "false", "yes", "no"):
+            raise ValueError(f"tree option {key!r} must be 0/1 or true/false, got {v!r}")
+        return v.lower() in ("1", "true", "yes")
+    return bool(v)
+
+
+def parse_options(opts: dict, shape: str | None = None, sources=None) -> dict:
+    """Tree settings from GenerateOptions.mode_options, validated (defaults: dynamic, drafter)."""
+    unknown = set(opts) - set(OPTION_HELP) - {"pipeline"}
+    if unknown:
+        raise ValueError(
+            f"unknown tree option(s) {sorted(unknown)}; valid: {', '.join(OPTION_HELP)}"
+        )
+    shape = opts.get("shape", shape or "dynamic")
+    if shape not in ("static", "dynamic"):
+        raise ValueError(f"tree option 'shape' must be static or dynamic, got {shape!r}")
+    br = opts.get("branching", "3x2x1x1")
+    try:
+        branching = tuple(int(b) for b in str(br).replace(",", "x").replace("-", "x").split("x"))
+    except ValueError:
+        branching = ()
+    if not branching or len(branching) > 12 or not all(1 <= b <= 8 for b in branching):
+        raise ValueError(
+            f"tree option 'branching' must look like 3x2x1 (1..12 depths of 1..8), got {br!r}"
+        )
+    plan = TreePlan(
+        shape=shape,
+        branching=branching,
+        depth=_int(opts, "depth", 5, 1, 12),
+        width=_int(opts, "width", 3, 1, 16),
+        topk=_int(opts, "topk", 3, 1, 8),
+    )
+    if shape == "static" and plan.max_nodes() > MAX_TREE:
+        raise ValueError(
+            f"branching {br!r} makes {plan.max_nodes()} tree tokens; at most {MAX_TREE}"
+        )
+    budget = opts.get("budget", "auto")
+    budget = None if budget == "auto" else _int(opts, "budget", None, 2, MAX_TREE)
+    src = opts.get("sources", sources or "drafter")
+    src = tuple(s.strip() for s in (src.split("+") if isinstance(src, str) else src) if s.strip())
+    src = tuple("prompt_lookup" if s == "lookup" else s for s in src)
+    bad = [s for s in src if s not in SOURCES]
+    if bad or not src:
+        raise ValueError(
+            f"tree option 'sources' takes {', '.join(SOURCES)} joined by '+', got {opts.get('sources')!r}"
+        )
+    return {
+        "plan": plan,
+        "budget": budget,
+        "sources": src,
+        "window": _int(opts, "window", 0, 0, 8),
+        "guesses": _int(opts, "guesses", 2, 0, 16),
+        "adaptive": _bool(opts, "adaptive", True),
+    }
+
+
+class TreeMode:
+    def __init__(
+        self,
+        model,
+        drafter=None,
+        plan: TreePlan | None = None,
+        budget: int | None = None,
+        sources=("drafter",),
+        window: int = 0,
+        guesses: int = 2,
+        adaptive: bool = True,
+        costs=None,
+        ngram: int = 3,
+        span: int = 8,
+        name: str = "tree",
+    ):
+        self.model = model
+        self.plan = plan or TreePlan()
+        self.sources = tuple(sources)
+        if "drafter" in self.sources and drafter is None:
+            raise EdgespecError(
+                "tree source 'drafter' needs a drafter: load one, or use sources=prompt_lookup+pool"
+            )
+        self.drafter = TreeDrafter(drafter) if "drafter" in self.sources else None
+        self.W, self.N, self.G, self.span = window, ngram, guesses, span
+        self.adaptive = adaptive
+        self.name = name
+        fixed = budget if self.plan.shape == "dynamic" else None
+        if self.plan.shape == "dynamic" and fixed is None and costs is None:
+            costs = calibrate_tree(model, MAX_TREE)
+        self.budget = TreeBudget(
+            costs, fixed=fixed or (None if costs else MAX_TREE), max_tokens=MAX_TREE
+        )
+
+    def _kinds(self) -> tuple[str, ...]:
+        weight_free = [s for s in self.sources if s != "drafter"] or self.W
+        kinds = ["full"] + (["lean"] if weight_free and self.drafter else []) + ["plain"]
+        return tuple(kinds)
+
+    def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
+        model, greedy, plan = self.model, sampler.params.greedy, self.plan
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        lp = sampler.logprobs(prefill(model, cache, prompt))
+        tok = sampler.sample(lp)
+        mx.eval(tok, lp)
+        x0 = int(tok.item())
+        td = self.drafter
+        if td is not None:
+            td.begin(prompt)
+        stats.prefill_s += time.perf_counter() - t0
+        yield Token(x0, float(lp[x0].item()), "verifier")
+
+        seq = list(prompt) + [x0]
+        lookup = PromptLookupDrafter(3, 1) if "prompt_lookup" in self.sources else None
+        if lookup is not None:
+            lookup.begin(seq)
+        pool = NgramPool(self.span, self.N - 1) if ("pool" in self.sources or self.W) else None
+        if pool is not None:
+            pool.add_text(seq)
+        rng = random.Random(len(prompt))
+        levels = (
+            [[rng.choice(prompt) for _ in range(self.W)] for _ in range(self.N - 1)]
+            if self.W
+            else []
+        )
+        ctl = StepController(adaptive=self.adaptive, kinds=self._kinds())
+        fell_back_noted = False
+        while True:
+            kind = ctl.choose()
+            t_step = time.perf_counter()
+            tree = SourceTree.rooted(x0)
+            draft_s = 0.0
+            if kind == "full" and td is not None:
+                td.grow(seq, tree, plan, self.budget.pick if plan.shape == "dynamic" else None)
+                draft_s = time.perf_counter() - t_step
+                stats.draft_s += draft_s
+            if kind != "plain":
+                if lookup is not None:
+                    lookup.sync(seq)
+                    tree.add_path(lookup.lookup(self.span), "prompt_lookup")
+                if pool is not None and "pool" in self.sources:
+                    for cand in pool.candidates(seq, self.G):
+                        tree.add_path(cand, "pool")
+            if kind == "full" and self.W:
+                tree.add_window(levels)
+            if kind != "plain" and len(tree) == 1:
+                kind = "plain" if kind == "lean" else kind
+            p = cache[0].offset
+            T = len(tree)
+            tv = time.perf_counter()
+            inputs = mx.array(tree.tokens, dtype=mx.int32)[None]
+            if T == 1:
+                out = model(inputs, cache)[0]  # exactly a plain step
+            else:
+                mask, positions = tree_mask(mx.array(tree.parents, dtype=mx.int32), p)
+                out = model(inputs, cache, mask=mask, positions=positions)[0]  # (T, V)
+            want_pred = kind == "full" and self.W
+            if greedy:
+                pred, result = greedy_pass(tree, out)
+                mx.eval(pred, result)
+                best, _, nxt = (int(v) for v in result.tolist())
+                path = tree.path_to(best)
+                lps = [0.0] * (len(path) + 1)
+                pred_l = pred.tolist() if want_pred else None
+            else:
+                path, nxt, lps = sample_walk(tree, out, sampler)
+                pred_l = mx.argmax(out, axis=-1).tolist() if want_pred else None
+            commit_kv(cache, p, [0] + path)
+            stats.verify_s += time.perf_counter() - tv
+            if td is not None and kind == "full":
+                td.commit(path, tree)
+                if plan.shape == "dynamic":
+                    self.budget.record(len(path), draft_s)
+            new = [tree.tokens[n] for n in path] + [nxt]
+            seq.extend(new)
+            if pool is not None:
+                pool.add_text(seq)
+            if want_pred:
+                top = [pred_l[n] for n in tree.window[-1]]
+                for i in range(self.W):
+                    column = [lv[i] for lv in levels] + [top[i]]
+                    pool.add_jacobi(column[0], column[1:])
+                levels = levels[1:] + [top]
+            x0 = nxt
+            ctl.record(kind, len(new), time.perf_counter() - t_step)
+            stats.verifier_passes += 1
+            if T > 1:
+                stats.record_draft(tree.depth(), len(path))
+                stats.draft_tokens = T - 1
+            for n in path:
+                src = tree.sources[n]
+                stats.accepted_by_source[src] = stats.accepted_by_source.get(src, 0) + 1
+            if ctl.fell_back and not fell_back_noted:
+                fell_back_noted = True
+                stats.notes.append(
+                    f"{self.name}: drafting trees did not pay here; mostly cheaper steps"
+                )
+            for n, lpv in zip(path, lps, strict=False):
+                yield Token(tree.tokens[n], lpv, tree.sources[n])
+            yield Token(nxt, lps[-1], "verifier")
+
+
+_COSTS_ATTR = "_tree_costs"
+
+
+def engine_tree_costs(engine):
+    """Verify costs of tree passes for this engine's verifier, measured once per engine."""
+    if _COSTS_ATTR not in engine.__dict__:
+        engine.__dict__[_COSTS_ATTR] = calibrate_tree(engine.model, MAX_TREE)
+    return engine.__dict__[_COSTS_ATTR]
+
+
+def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
+    o = parse_options(options.mode_options, shape, sources)
+    drafter = engine.drafter if "drafter" in o["sources"] else None
+    if "drafter" in o["sources"] and (drafter is None or getattr(drafter, "model", None) is None):
+        raise EdgespecError(
+            f"mode {name!r} with source 'drafter' needs an MLX drafter: load with drafter='self' "
+            "(skip layers of the verifier) or a drafter folder/bundle, or set "
+            "--mode-option sources=prompt_lookup+pool"
+        )
+    costs = (
+        engine_tree_costs(engine) if o["plan"].shape == "dynamic" and o["budget"] is None else None
+    )
+    return TreeMode(engine.model, drafter, costs=costs, name=name, **o)
+
+
+@register_mode(
+    "tree",
+    "tree speculation: drafter branches (static/dynamic), prompt-lookup and pool candidates in one verifier pass",
+)
+def make_tree(engine, options):
+    return make_tree_mode(engine, options)
