@@ -28,13 +28,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _tree_help() -> str:
+    from edgespec.modes.cascade import OPTION_HELP as CASCADE
+    from edgespec.modes.tree import OPTION_HELP as TREE
+
+    tree = "; ".join(f"{k} ({v})" for k, v in TREE.items())
+    cascade = "; ".join(f"{k} ({v})" for k, v in CASCADE.items())
+    return f"tree: {tree}. cascade: {cascade}"
+
+
 def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument(
         "--mode",
         default="auto",
         help="decoding mode: auto (pick the fastest that pays), plain, speculative, lookahead, "
-        "prompt_lookup; all give the verifier's own output",
+        "prompt_lookup, tree (many drafted/looked-up continuations verified in one pass), cascade "
+        "(tiny drafter -> verifier's own layers -> verifier); all give the verifier's own output",
     )
     g.add_argument(
         "--draft-tokens",
@@ -48,7 +58,7 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="setting of the decoding mode (repeatable), e.g. lookahead: window=4 ngram=4 "
-        "guesses=4 span=8 adaptive=0; prompt_lookup: ngram_max=3",
+        "guesses=4 span=8 adaptive=0; prompt_lookup: ngram_max=3; " + _tree_help(),
     )
     g.add_argument("--max-tokens", type=int, default=256, help="maximum tokens in a reply")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
