@@ -9,7 +9,7 @@ from edgespec.drafters.self_spec import SelfSpecDrafter
 
 pytestmark = pytest.mark.real_model
 
-PROMPTS = ["Write a Python function that adds two numbers.", "Name three colours of the rainbow."]
+PROMPTS = ["Write a Python function that adds two numbers."]  # one short prompt: CI time
 
 
 def test_tree_and_cascade_greedy_equal_plain(real_engine):
@@ -35,11 +35,11 @@ def test_tree_and_cascade_greedy_equal_plain(real_engine):
         for text in PROMPTS:
             msgs = [{"role": "user", "content": text}]
             engine.drafter = None
-            ref = engine.chat(msgs, max_tokens=20, mode="plain").tokens
+            ref = engine.chat(msgs, max_tokens=16, mode="plain").tokens
             for mode, drafter, opts in runs:
                 engine.drafter = drafter
-                res = engine.chat(msgs, max_tokens=20, mode=mode, draft_tokens=4, **opts)
+                res = engine.chat(msgs, max_tokens=16, mode=mode, draft_tokens=4, **opts)
                 assert res.tokens == ref, (mode, opts, text)
-                assert res.stats.verifier_passes < 20  # some candidates were accepted
+                assert res.stats.verifier_passes < 16  # some candidates were accepted
     finally:
         engine.drafter = saved
