@@ -1,7 +1,10 @@
 """Statistics shared by the distribution tests."""
 
+import mlx.core as mx
 import numpy as np
 from scipy.stats import chi2
+
+from edgespec.sampling import logprobs_from_logits
 
 
 def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -14,3 +17,20 @@ def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     keep = exp_c > 0
     stat = float(((obs_c[keep] - exp_c[keep]) ** 2 / exp_c[keep]).sum())
     return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+def continuation_law(model, prompt, params, n):
+    """Exact law {tokens: probability} of the first n sampled tokens under plain decoding (enumerated)."""
+    law = {}
+
+    def rec(prefix, prob):
+        if len(prefix) == n:
+            law[tuple(prefix)] = prob
+            return
+        logits = model(mx.array([prompt + prefix], dtype=mx.int32))[0, -1]
+        p = np.exp(np.array(logprobs_from_logits(logits, params), dtype=np.float64))
+        for t in np.nonzero(p > 0)[0]:
+            rec(prefix + [int(t)], prob * p[t])
+
+    rec([], 1.0)
+    return law

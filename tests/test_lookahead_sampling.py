@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import scipy.stats as sps
 from conftest import make_tiny_model
+from stats_support import continuation_law
 
 import edgespec.modes.lookahead as la_mode
 from edgespec.generate import GenerationStats
@@ -107,23 +108,6 @@ def test_recursive_rejection_walk_has_the_target_law(walk, ok):
 
 
 # ---------------------------------------------------------------- end to end, tiny model
-def continuation_law(model, prompt, params, n):
-    """Exact law of the first n sampled tokens under plain decoding (enumerated)."""
-    law = {}
-
-    def rec(prefix, prob):
-        if len(prefix) == n:
-            law[tuple(prefix)] = prob
-            return
-        logits = model(mx.array([prompt + prefix], dtype=mx.int32))[0, -1]
-        p = np.exp(np.array(logprobs_from_logits(logits, params), dtype=np.float64))
-        for t in np.nonzero(p > 0)[0]:
-            rec(prefix + [int(t)], prob * p[t])
-
-    rec([], 1.0)
-    return law
-
-
 @pytest.mark.parametrize("wrong", [False, True])
 def test_lookahead_sampling_matches_plain_law(monkeypatch, wrong):
     model = make_tiny_model(1, scale=1.5, vocab_size=8)

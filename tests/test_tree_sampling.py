@@ -14,8 +14,7 @@ import itertools
 import numpy as np
 import pytest
 from conftest import make_tiny_model
-from stats_support import chisq_pvalue
-from test_lookahead_sampling import continuation_law
+from stats_support import chisq_pvalue, continuation_law
 
 import edgespec.modes.tree as tree_mod
 from edgespec.drafters.self_spec import SelfSpecDrafter
