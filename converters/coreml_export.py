@@ -155,12 +155,19 @@ def export_drafter(
     decode_tokens: tuple[int, ...] = (1,),
     compress: str = "none",
     vocab_hash: str | None = None,
+    vocab_map=None,
     progress=None,
 ) -> dict[str, Any]:
     """Write `out` (.mlpackage) atomically; returns the manifest's `coreml` entry.
 
     model: edgespec Llama `Model` (MLX). context_length C: the fixed KV buffer;
     a sequence longer than C cannot be drafted for (the runtime stops drafting).
+    vocab_map: the drafter's `VocabMap` when it is a reduced-vocabulary distilled
+    one: the package then takes reduced ids and outputs N reduced logits (the
+    runtime maps ids in and expands q out); "vocab_size" stays the verifier's V
+    and "reduced_vocab" records the map (its ids are kept in the package's own
+    metadata, so a bare package is self-contained; the returned entry holds
+    only their size and digest).
     progress(str) is called with a short status per step.
     """
     out = Path(out)
@@ -177,6 +184,10 @@ def export_drafter(
     if any(k < 1 or k > context_length for k in decode_tokens):
         raise ValueError(f"decode token counts must be in 1..{context_length}, got {decode_tokens}")
     shape = drafter_shape(model, context_length)
+    if vocab_map is not None and vocab_map.size != shape.vocab:
+        raise ModelLoadError(
+            f"drafter model has {shape.vocab} output slots but its vocab map {vocab_map.size}"
+        )
     weights = prepare_weights(model, shape)
     if progress and compress != "none":
         progress(f"compressing linear layers ({compress})")
@@ -227,13 +238,17 @@ def export_drafter(
             "compression": compress,
             "precision": "float16",
             "deployment_target": "iOS18/macOS15",
-            "vocab_size": shape.vocab,
+            "vocab_size": shape.vocab if vocab_map is None else vocab_map.full_vocab_size,
             "vocab_hash": vocab_hash,
             "num_layers": shape.n_layers,
         }
+        meta = dict(info)
+        if vocab_map is not None:
+            info["reduced_vocab"] = {"size": vocab_map.size, "sha256": vocab_map.digest()}
+            meta["reduced_vocab"] = {**info["reduced_vocab"], "ids": vocab_map.ids.tolist()}
         # The package describes itself, so a bare .mlpackage can be checked at load time too.
         package = ct.models.MLModel(str(combined), skip_model_load=True)
-        package.user_defined_metadata[METADATA_KEY] = json.dumps(info, sort_keys=True)
+        package.user_defined_metadata[METADATA_KEY] = json.dumps(meta, sort_keys=True)
         staged = work / "out.mlpackage"
         package.save(str(staged))
         out.parent.mkdir(parents=True, exist_ok=True)

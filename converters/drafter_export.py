@@ -6,9 +6,11 @@ leaves nothing behind. The drafter must share the verifier's vocabulary.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from edgespec.drafters.distilled import VOCAB_MAP
 from edgespec.errors import ModelLoadError
 
 
@@ -63,8 +65,13 @@ def write_drafter(
         )
     loaded = load_drafter_source(Path(src))
     model = loaded.model
-    d_hash = loaded.tokenizer.vocab_hash() if loaded.tokenizer is not None else None
-    check_vocabulary(model.args.vocab_size, verifier_vocab, d_hash, verifier_hash)
+    vmap = distilled_vocab_map(Path(src), model)
+    if vmap is not None:  # reduced vocabulary: its map names the verifier's tokenizer
+        d_hash = json.loads((Path(src) / VOCAB_MAP).read_text()).get("vocab_hash")
+        check_vocabulary(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
+    else:
+        d_hash = loaded.tokenizer.vocab_hash() if loaded.tokenizer is not None else None
+        check_vocabulary(model.args.vocab_size, verifier_vocab, d_hash, verifier_hash)
     params = {k: mx.array(v).astype(dtype) for k, v in _dense_params(model).items()}
     entry = write_model_files(folder / "drafter", model.args.to_dict(), params, None)
     out = {
@@ -75,6 +82,14 @@ def write_drafter(
         "source": {"name": Path(src).name},
         "coreml": None,
     }
+    if vmap is not None:
+        # The MLX copy stays a distilled folder (drafters/__init__ loads it as one).
+        vmap.save(folder / "drafter", vocab_hash=verifier_hash)
+        out["reduced_vocab"] = {
+            "size": vmap.size,
+            "map": f"drafter/{VOCAB_MAP}",
+            "sha256": vmap.digest(),
+        }
     if coreml:
         try:
             import coremltools  # noqa: F401
@@ -91,6 +106,24 @@ def write_drafter(
             decode_tokens=decode_tokens,
             compress=compress,
             vocab_hash=verifier_hash,
+            vocab_map=vmap,
             progress=progress,
         )
     return out
+
+
+def distilled_vocab_map(src: Path, model):
+    """The VocabMap of a reduced-vocabulary distilled drafter folder, else None."""
+    from edgespec.drafters.distilled import VocabMap, is_distilled_folder
+
+    if not (src.is_dir() and is_distilled_folder(src)):
+        return None
+    try:
+        vmap = VocabMap.load(src)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    if vmap.size != model.args.vocab_size:
+        raise ModelLoadError(
+            f"{src}: the drafter model has {model.args.vocab_size} output slots but its vocab map {vmap.size}"
+        )
+    return vmap

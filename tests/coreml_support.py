@@ -19,6 +19,22 @@ ALLOWED_OPS = {
 }  # fmt: skip
 
 
+def export_package(folder, model, name: str = "drafter", **options):
+    """Export `model` to folder/<name>.mlpackage; -> (path, info). Options go to export_drafter."""
+    from edgespec.converters.coreml_export import export_drafter
+
+    path = folder / f"{name}.mlpackage"
+    return path, export_drafter(model, path, **options)
+
+
+def package_size(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def greedy_agreement(got: np.ndarray, ref: np.ndarray) -> float:
+    return float((got.argmax(-1) == ref.argmax(-1)).mean())
+
+
 def fp16_weights(model):
     """The same model with every weight rounded through fp16: what the package stores."""
     model.update(tree_map(lambda p: p.astype(mx.float16).astype(mx.float32), model.parameters()))
@@ -77,7 +93,8 @@ def mlx_drafter(model) -> ModelDrafter:
     return ModelDrafter(model)
 
 
-def executor_drafter(package, info: dict, fp16: bool) -> CoreMLDrafter:
+def executor_drafter(package, info: dict, fp16: bool, vocab_map=None) -> CoreMLDrafter:
     from edgespec.converters.mil_executor import ExecutorBackend, MILExecutor
 
-    return CoreMLDrafter(ExecutorBackend(MILExecutor(package, fp16=fp16)), info, device="cpu")
+    backend = ExecutorBackend(MILExecutor(package, fp16=fp16))
+    return CoreMLDrafter(backend, info, device="cpu", vocab_map=vocab_map)

@@ -16,6 +16,7 @@ from coreml_support import (  # noqa: E402
     drafting_script,
     executor_drafter,
     executor_logits,
+    export_package,
     fp16_weights,
     mlx_drafter,
     reference_logits,
@@ -28,18 +29,11 @@ PROMPT = [5, 9, 17, 3, 22, 41, 8, 8, 30, 2, 11, 60, 7]  # 13 tokens: one chunk +
 
 @pytest.fixture(scope="module")
 def tiny_package(tmp_path_factory):
-    from edgespec.converters.coreml_export import export_drafter
-
     model = make_tiny_model(seed=3, scale=2.0)
-    path = tmp_path_factory.mktemp("coreml") / "drafter.mlpackage"
-    info = export_drafter(
-        model,
-        path,
-        context_length=CONTEXT,
-        prefill_chunk=CHUNK,
-        decode_tokens=(1, 2, 4),
-        vocab_hash="tinyhash",
-    )
+    path, info = export_package(
+        tmp_path_factory.mktemp("coreml"), model, context_length=CONTEXT, prefill_chunk=CHUNK,
+        decode_tokens=(1, 2, 4), vocab_hash="tinyhash",
+    )  # fmt: skip
     return model, path, info
 
 
@@ -228,12 +222,11 @@ def test_compressed_weights_decode_exactly(tmp_path, compress):
     """The executor's constexpr decoding rebuilds exactly what the exporter packed, and only
     linear layers are compressed (embedding, tied head, norms and RoPE stay plain consts)."""
     from edgespec.converters.coreml_compress import compress_linear
-    from edgespec.converters.coreml_export import drafter_shape, export_drafter, prepare_weights
+    from edgespec.converters.coreml_export import drafter_shape, prepare_weights
     from edgespec.converters.mil_executor import MILExecutor
 
     model = make_tiny_model(seed=4, hidden_size=64, intermediate_size=128)
-    path = tmp_path / f"{compress}.mlpackage"
-    export_drafter(model, path, context_length=16, prefill_chunk=4, compress=compress)
+    path, _ = export_package(tmp_path, model, compress, context_length=16, prefill_chunk=4, compress=compress)
     ex = MILExecutor(path)
     ops = {
         op.name: op

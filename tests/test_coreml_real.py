@@ -9,12 +9,15 @@ import pytest
 
 pytest.importorskip("coremltools")
 
-from coreml_support import (  # noqa: E402  # noqa: E402
+from coreml_support import (  # noqa: E402
     drafting_script,
     executor_drafter,
     executor_logits,
+    export_package,
     fp16_weights,
+    greedy_agreement,
     mlx_drafter,
+    package_size,
     reference_logits,
     rel_err,
 )
@@ -57,22 +60,17 @@ def real_slice(real_bundle):
     return make, tok, tok.encode(TEXT, add_special_tokens=False)
 
 
-def _export(tmp, model, tok, compress):
-    from edgespec.converters.coreml_export import export_drafter
-
-    path = tmp / f"{compress}.mlpackage"
-    info = export_drafter(
-        model, path, context_length=CONTEXT, prefill_chunk=CHUNK, decode_tokens=(1, 2, STEP),
-        compress=compress, vocab_hash=tok.vocab_hash(),
-    )  # fmt: skip
-    return path, info
-
-
 @pytest.fixture(scope="module")
 def packages(real_slice, tmp_path_factory):
     make, tok, _ = real_slice
     tmp = tmp_path_factory.mktemp("cmlreal")
-    return {c: _export(tmp, make(), tok, c) for c in ("none", "int8", "int4", "palette4")}
+    return {
+        c: export_package(
+            tmp, make(), c, context_length=CONTEXT, prefill_chunk=CHUNK, decode_tokens=(1, 2, STEP),
+            compress=c, vocab_hash=tok.vocab_hash(),
+        )  # fmt: skip
+        for c in ("none", "int8", "int4", "palette4")
+    }
 
 
 @pytest.mark.parametrize("fp16,tol", [(False, 1e-4), (True, 1e-2)])
@@ -113,9 +111,8 @@ def test_compressed_keep_greedy_agreement(real_slice, packages, compress):
     tokens = tokens[: CHUNK + STEP * ((len(tokens) - CHUNK) // STEP)]
     ref = reference_logits(make(), tokens)[CHUNK - 1 :]
     got = executor_logits(MILExecutor(path, fp16=False), tokens, CHUNK, step=STEP)
-    agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    agree = greedy_agreement(got, ref)
     assert agree >= MIN_AGREEMENT[compress], (
         f"{compress}: greedy agreement {agree:.3f} on {len(ref)} positions"
     )
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    assert size < sum(f.stat().st_size for f in packages["none"][0].rglob("*") if f.is_file())
+    assert package_size(path) < package_size(packages["none"][0])

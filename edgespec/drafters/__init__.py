@@ -41,17 +41,14 @@ def _bundle_drafter(engine):
         return None
     folder = Path(path) / "drafter"
     if (Path(path) / "drafter.mlpackage").exists():
+        from edgespec.drafters.coreml import CoreMLDrafter, CoreMLUnavailable
+
         try:
-            from edgespec.drafters.coreml import CoreMLDrafter, CoreMLUnavailable
-        except ImportError:
-            CoreMLDrafter = None  # this build has no Core ML drafter
-        if CoreMLDrafter is not None:
-            try:
-                return CoreMLDrafter.load(Path(path) / "drafter.mlpackage", engine)
-            except CoreMLUnavailable as e:
-                note = f"Core ML drafter unavailable ({e}); using its MLX copy"
-                if folder.is_dir():
-                    engine.drafter_notes = getattr(engine, "drafter_notes", []) + [note]
+            return CoreMLDrafter.load(Path(path) / "drafter.mlpackage", engine)
+        except CoreMLUnavailable as e:
+            note = f"Core ML drafter unavailable ({e}); using its MLX copy"
+            if folder.is_dir():
+                engine.drafter_notes = getattr(engine, "drafter_notes", []) + [note]
     if folder.is_dir():
         return _model_drafter(folder, engine)
     return None
@@ -77,12 +74,8 @@ def load_drafter(engine, spec):
 
         return self_drafter(engine)
     if s == "prompt_lookup":
-        try:
-            from edgespec.drafters.prompt_lookup import PromptLookupDrafter
-        except ImportError:
-            from edgespec.errors import EdgespecError
+        from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 
-            raise EdgespecError("the prompt_lookup drafter is not part of this build") from None
         return PromptLookupDrafter()
     path = Path(s).expanduser()
     if not path.exists():

@@ -53,7 +53,39 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-class ModelDrafter:
+class CommittedSequence:
+    """accept() / sync() shared by the drafters that cache what they were fed.
+
+    State: `seq` the committed sequence, `fed` the tokens whose entries are in the
+    drafter's cache (a prefix of `seq`, plus draft tokens after a draft) and
+    `_last_draft`. Subclasses implement `_trim_to(n)`: keep only the first n fed
+    entries (drop KV positions, or just shorten `fed` for a fixed buffer).
+    """
+
+    seq: list[int]
+    fed: list[int]
+    _last_draft: list[int]
+
+    def _trim_to(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _rollback(self) -> None:
+        """Drop cached entries that are not on the committed path (the last token is fed later)."""
+        self._trim_to(common_prefix(self.fed, self.seq[:-1]))
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        if not 0 <= n_accepted <= len(self._last_draft):
+            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
+        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
+
+    def sync(self, committed: list[int]) -> None:
+        """Make `committed` the committed sequence; cached entries off that path are dropped."""
+        self.seq = list(committed)
+        self._last_draft = []
+        self._rollback()
+
+
+class ModelDrafter(CommittedSequence):
     """A drafter backed by an MLX causal LM with its own KV cache.
 
     State: `seq` is the committed sequence; the cache holds `cached` tokens,
@@ -109,7 +141,7 @@ class ModelDrafter:
         if k < 1:
             return Draft([], None)
         # Roll back anything not on the committed path, then feed the pending tokens.
-        self._trim_to(common_prefix(self.fed, self.seq[:-1]))
+        self._rollback()
         pending = self.seq[len(self.fed) :]
         # Build all k steps lazily (each step's sampled token feeds the next as an
         # array) and evaluate once: no host round trip between drafter steps.
@@ -129,17 +161,6 @@ class ModelDrafter:
         self.fed.extend(pending + tokens[:-1])
         self._last_draft = tokens
         return Draft(tokens, q)
-
-    def accept(self, n_accepted: int, next_token: int) -> None:
-        if not 0 <= n_accepted <= len(self._last_draft):
-            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
-        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
-
-    def sync(self, committed: list[int]) -> None:
-        """Make `committed` the committed sequence; cached entries off that path are dropped."""
-        self.seq = list(committed)
-        self._last_draft = []
-        self._trim_to(common_prefix(self.fed, self.seq[:-1]))
 
     def close(self) -> None:
         self.cache = []

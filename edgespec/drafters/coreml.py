@@ -12,6 +12,11 @@ position, and new tokens overwrite the stale slots. Nothing is copied.
 The Core ML runtime is reached through a small backend object (`call(function,
 ids, position) -> logits`, `reset()`), so the same drafting logic runs here on
 Linux against the numpy MIL executor (tests) and on a Mac against Core ML.
+
+A reduced-vocabulary (distilled) drafter's package takes reduced ids and
+outputs N logits; its info carries "reduced_vocab" and the drafter maps input
+ids full -> reduced and expands q to the full vocabulary with q = 0 outside the
+kept set, exactly as DistilledDrafter does (rejection sampling stays exact).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import Draft, common_prefix
+from edgespec.drafters.base import CommittedSequence, Draft
 from edgespec.errors import EdgespecError, ModelLoadError
 
 METADATA_KEY = "edgespec.coreml"  # the package's user-defined metadata entry (JSON info dict)
@@ -91,10 +96,10 @@ def logits_rows(logits: np.ndarray) -> np.ndarray:
     return lg.reshape(lg.shape[1], lg.shape[3]).T
 
 
-def read_package_info(path: Path) -> dict[str, Any]:
-    """The export's info dict, from the package metadata (coremltools) or the bundle manifest."""
+def read_package_info(path: Path, prefer_manifest: bool = True) -> dict[str, Any]:
+    """The export's info dict, from the bundle manifest or the package metadata (coremltools)."""
     manifest = path.parent / "manifest.json"
-    if manifest.is_file():
+    if prefer_manifest and manifest.is_file():
         try:
             entry = (json.loads(manifest.read_text()).get("drafter") or {}).get("coreml")
         except json.JSONDecodeError:
@@ -114,15 +119,58 @@ def read_package_info(path: Path) -> dict[str, Any]:
         ) from None
 
 
-class CoreMLDrafter:
+def package_vocab_map(path: Path, info: dict[str, Any]):
+    """The VocabMap of a reduced-vocabulary package (None for a full-vocabulary one).
+
+    Its ids come from the info itself (package metadata), else from the bundle's
+    drafter/vocab_map.json beside the package, else from the package metadata;
+    the recorded digest must match, so a swapped map is refused.
+    """
+    from edgespec.drafters.distilled import VocabMap, is_distilled_folder
+
+    rv = info.get("reduced_vocab")
+    if not rv:
+        return None
+    ids = rv.get("ids")
+    if ids is not None:
+        vmap = VocabMap(ids, int(info["vocab_size"]))
+    elif is_distilled_folder(path.parent / "drafter"):
+        vmap = VocabMap.load(path.parent / "drafter")
+    else:
+        ids = (read_package_info(path, prefer_manifest=False).get("reduced_vocab") or {}).get("ids")
+        if not ids:
+            raise ModelLoadError(f"{path}: a reduced-vocabulary package without its vocab map; re-export it")
+        vmap = VocabMap(ids, int(info["vocab_size"]))
+    return check_vocab_map(vmap, info, path)
+
+
+def check_vocab_map(vmap, info: dict[str, Any], where) -> Any:
+    rv = info.get("reduced_vocab") or {}
+    if (
+        vmap.size != int(rv.get("size", -1))
+        or vmap.full_vocab_size != int(info["vocab_size"])
+        or (rv.get("sha256") and vmap.digest() != rv["sha256"])
+    ):
+        raise ModelLoadError(
+            f"{where}: the reduced-vocabulary map does not match the one the package was exported with; "
+            "re-export the drafter"
+        )
+    return vmap
+
+
+class CoreMLDrafter(CommittedSequence):
     """Drafter protocol (begin / draft / accept / sync / close) over a Core ML drafter package."""
 
     name = "coreml"
 
-    def __init__(self, backend, info: dict[str, Any], device: str = "ane"):
+    def __init__(self, backend, info: dict[str, Any], device: str = "ane", vocab_map=None):
+        """vocab_map: the `VocabMap` of a reduced-vocabulary package (required for one)."""
         self.backend = backend
         self.device = device
-        self.vocab_size = int(info["vocab_size"])
+        self.vocab_size = int(info["vocab_size"])  # the verifier's (full) vocabulary
+        if info.get("reduced_vocab") and vocab_map is None:
+            raise ModelLoadError("a reduced-vocabulary Core ML drafter needs its vocab map")
+        self.vocab_map = None if vocab_map is None else check_vocab_map(vocab_map, info, "Core ML drafter")
         self.context = int(info["context_length"])
         self.chunk = int(info["prefill_chunk"])
         self.multi = sorted(int(k) for k in info.get("decode_tokens", [1]) if int(k) > 1)
@@ -158,11 +206,13 @@ class CoreMLDrafter:
             raise ModelLoadError(
                 f"{path}: no edgespec export info in the package; re-export it with `edgespec convert`"
             )
+        vocab_map = package_vocab_map(path, info)
         backend = CoreMLBackend(path, list(info["functions"]), compute_units)
         return cls(
             backend,
             info,
             device="ane" if "NE" in compute_units or compute_units == "ALL" else "cpu",
+            vocab_map=vocab_map,
         )
 
     # ---- buffer bookkeeping ----------------------------------------------------
@@ -186,18 +236,23 @@ class CoreMLDrafter:
             left = end - i
             if left >= P or (left > kmax and end >= P):
                 s = i if left >= P else end - P
-                logits = self.backend.call("prefill", np.array([seq[s : s + P]], np.int32), s)[-1]
+                logits = self.backend.call("prefill", self._ids(seq[s : s + P]), s)[-1]
                 i = s + P
             else:
                 k = max([k for k in self.multi if k <= left], default=1)
                 fn = "decode" if k == 1 else f"decode_{k}"
-                logits = self.backend.call(fn, np.array([seq[i : i + k]], np.int32), i)[-1]
+                logits = self.backend.call(fn, self._ids(seq[i : i + k]), i)[-1]
                 i += k
         self.fed = seq
-        return logits
+        return logits if self.vocab_map is None else self.vocab_map.expand_logits(logits)
 
-    def _trim(self) -> None:
-        del self.fed[common_prefix(self.fed, self.seq[:-1]) :]
+    def _ids(self, tokens: list[int]) -> np.ndarray:
+        """(1, T) int32 package input; full ids become reduced ones (outside the set: "other")."""
+        ids = np.array([tokens], np.int32)
+        return ids if self.vocab_map is None else self.vocab_map.to_reduced[ids]
+
+    def _trim_to(self, n: int) -> None:
+        del self.fed[n:]  # a fixed buffer: the slots beyond n just become stale
 
     # ---- Drafter protocol --------------------------------------------------------
     def begin(self, prompt: list[int]) -> None:
@@ -211,7 +266,7 @@ class CoreMLDrafter:
 
     def draft(self, k: int, sampler) -> Draft:
         """Up to k tokens continuing `seq` with q (k, V); fewer (maybe none) near the context end."""
-        self._trim()
+        self._rollback()
         k = min(k, self.context - len(self.seq) + 1)  # the k-th token itself needs no slot
         if k < 1:
             return Draft([], None)
@@ -226,17 +281,6 @@ class CoreMLDrafter:
                 logits = self._feed([tok])
         self._last_draft = tokens
         return Draft(tokens, mx.stack(rows))
-
-    def accept(self, n_accepted: int, next_token: int) -> None:
-        if not 0 <= n_accepted <= len(self._last_draft):
-            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
-        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
-
-    def sync(self, committed: list[int]) -> None:
-        """Make `committed` the committed sequence; buffer slots off that path become stale."""
-        self.seq = list(committed)
-        self._last_draft = []
-        self._trim()
 
     def close(self) -> None:
         self.seq, self.fed = [], []

@@ -48,6 +48,18 @@ class VocabMap:
     def size(self) -> int:
         return len(self.ids)
 
+    def digest(self) -> str:
+        """sha256 of the slot -> full id table: identifies the map in manifests."""
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.ids.tolist(), separators=(",", ":")).encode()).hexdigest()
+
+    def expand_logits(self, logits: np.ndarray) -> np.ndarray:
+        """(..., N) reduced logits -> (..., V) full ones: -inf outside the kept set ("other" included)."""
+        full = np.full(logits.shape[:-1] + (self.full_vocab_size,), -np.inf, np.float32)
+        full[..., self.ids[1:]] = logits[..., 1:]
+        return full
+
     def coverage(self, ids: np.ndarray) -> float:
         """Fraction of `ids` (full) inside the kept set."""
         ids = np.asarray(ids)
