@@ -12,8 +12,19 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
-    p.add_argument("src", help="Hugging Face model folder (config.json + *.safetensors) or .gguf file")
-    p.add_argument("out", help="output bundle folder")
+    p.add_argument(
+        "src",
+        help="Hugging Face model folder (config.json + *.safetensors) or .gguf file; "
+        "with --add-drafter: the existing bundle",
+    )
+    p.add_argument("out", nargs="?", default=None, help="output bundle folder (not with --add-drafter)")
+    p.add_argument(
+        "--add-drafter",
+        default=None,
+        metavar="DRAFTER_SRC",
+        help="add a drafter to the existing bundle SRC (atomically; vocabulary checked; --force replaces "
+        "a drafter it already has); takes the --drafter-* and --coreml options",
+    )
     p.add_argument(
         "--quantize",
         choices=["none", "native", "4", "8"],
@@ -59,26 +70,38 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from edgespec.converters.convert import convert
+    from edgespec.converters.convert import add_drafter, convert
 
-    manifest = convert(
-        args.src,
-        args.out,
-        quantize=args.quantize,
-        dtype=args.dtype,
-        group_size=args.group_size,
-        force=args.force,
-        progress=not args.quiet,
-        drafter=args.drafter,
-        drafter_options={
-            "coreml": args.coreml,
-            "compress": args.drafter_compress,
-            "context_length": args.drafter_context,
-            "prefill_chunk": args.drafter_chunk,
-        },
-    )
+    drafter_options = {
+        "coreml": args.coreml,
+        "compress": args.drafter_compress,
+        "context_length": args.drafter_context,
+        "prefill_chunk": args.drafter_chunk,
+    }
+    if args.add_drafter is not None:
+        if args.out is not None or args.drafter is not None:
+            raise ValueError("--add-drafter takes the bundle as its only folder "
+                             "(edgespec convert BUNDLE --add-drafter DRAFTER_SRC): no OUT, no --drafter")
+        manifest = add_drafter(args.src, args.add_drafter, force=args.force, progress=not args.quiet,
+                               drafter_options=drafter_options)  # fmt: skip
+        out = args.src
+    else:
+        if args.out is None:
+            raise ValueError("OUT is required (edgespec convert SRC OUT, or SRC --add-drafter DRAFTER_SRC)")
+        manifest = convert(
+            args.src,
+            args.out,
+            quantize=args.quantize,
+            dtype=args.dtype,
+            group_size=args.group_size,
+            force=args.force,
+            progress=not args.quiet,
+            drafter=args.drafter,
+            drafter_options=drafter_options,
+        )
+        out = args.out
     size = sum(f["size"] for f in manifest["files"].values())
-    print(f"wrote {args.out} ({size / 1e6:.1f} MB, vocab {manifest['vocab_hash']})")
+    print(f"wrote {out} ({size / 1e6:.1f} MB, vocab {manifest['vocab_hash']})")
     coreml = (manifest.get("drafter") or {}).get("coreml")
     if coreml:
         pkg = sum(f["size"] for n, f in manifest["files"].items() if n.startswith(coreml["package"] + "/"))

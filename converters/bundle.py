@@ -41,6 +41,15 @@ def atomic_folder(out: str | Path, force: bool = False):
         raise
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link `src` to `dst` (no copy of big weights; same file system), else copy it."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def write_model_files(
     folder: Path,
     config: dict[str, Any],
@@ -57,13 +66,26 @@ def write_model_files(
     return {"config": "config.json", "weights": "model.safetensors", "quantization": quantization or None}
 
 
-def finish_manifest(folder: Path, manifest: dict[str, Any], progress: Callable[[str], None] | None = None) -> None:
-    """Record every file's size and sha256, then write manifest.json last."""
+def finish_manifest(
+    folder: Path,
+    manifest: dict[str, Any],
+    progress: Callable[[str], None] | None = None,
+    known: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """Record every file's size and sha256, then write manifest.json last.
+
+    known: entries already computed for files carried over unchanged (hard links
+    of an existing bundle's files); they are reused instead of hashed again.
+    """
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
+            name = str(p.relative_to(folder))
+            if known and name in known:
+                files[name] = known[name]
+                continue
             if progress:
-                progress(str(p.relative_to(folder)))
-            files[str(p.relative_to(folder))] = file_entry(p)
+                progress(name)
+            files[name] = file_entry(p)
     manifest = {"format": "edgespec-bundle", "format_version": FORMAT_VERSION, **manifest, "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))

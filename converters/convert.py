@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from edgespec.converters.bundle import atomic_folder, finish_manifest, write_model_files
+from edgespec.converters.bundle import (
+    atomic_folder,
+    finish_manifest,
+    link_or_copy,
+    write_model_files,
+)
 from mlx.utils import tree_flatten
 
 from edgespec.errors import ModelLoadError
@@ -116,3 +122,48 @@ def convert(
     from edgespec.bundle import read_manifest
 
     return read_manifest(out, verify_hashes=False)
+
+
+def _is_drafter_file(name: str) -> bool:
+    return name.startswith(("drafter/", "drafter.mlpackage/"))
+
+
+def add_drafter(
+    bundle: str | Path,
+    drafter: str | Path,
+    force: bool = False,
+    progress: bool = True,
+    drafter_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Add (or with force, replace) the drafter of an existing bundle; returns the new manifest.
+
+    Atomic like `convert`: a new bundle folder is assembled beside the old one
+    (the verifier's files hard-linked, not copied; their recorded checksums kept),
+    the drafter written into it (vocabulary checked first: a drafter for another
+    tokenizer is refused), the manifest rewritten, and only then swapped into
+    place. An error or interrupt leaves the old bundle as it was.
+    """
+    from edgespec.converters.drafter_export import write_drafter
+
+    from edgespec.bundle import read_manifest
+    bundle = Path(bundle).expanduser()
+    manifest = read_manifest(bundle, verify_hashes=False)  # sizes checked: no truncated file carried over
+    if manifest.get("drafter") and not force:
+        raise FileExistsError(
+            f"{bundle} already has a drafter ({manifest['drafter'].get('source', {}).get('name', 'drafter/')}); "
+            "pass --force to replace it"
+        )
+    verifier = manifest.get("verifier") or {}
+    config = json.loads((bundle / verifier.get("config", "config.json")).read_text())
+    vocab_size = int(config.get("vocab_size", -1))
+    dtype = DTYPES.get(verifier.get("dtype") or default_dtype(), mx.float32)
+    carried = {n: e for n, e in manifest["files"].items() if not _is_drafter_file(n)}
+    with atomic_folder(bundle, force=True) as tmp:
+        for name in carried:
+            link_or_copy(bundle / name, tmp / name)
+        entry = write_drafter(tmp, drafter, vocab_size, manifest["vocab_hash"], dtype, **(drafter_options or {}))
+        new = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
+        new["drafter"] = entry
+        with progress_bar(total=None, desc="checksums", unit="file", enable=progress) as bar:
+            finish_manifest(tmp, new, progress=lambda _: bar.update(1), known=carried)
+    return read_manifest(bundle, verify_hashes=False)

@@ -141,3 +141,87 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
         )
     assert calls and not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# ---- `edgespec convert BUNDLE --add-drafter DRAFTER`: adding a drafter to an existing bundle ----
+
+
+@pytest.fixture
+def plain_bundle(tmp_path):
+    from conftest import write_tiny_bundle
+
+    return write_tiny_bundle(tmp_path / "plain", seed=0)
+
+
+def _add_argv(bundle, drafter, *extra):
+    return ["convert", str(bundle), "--add-drafter", str(drafter), "--drafter-context", "32",
+            "--drafter-chunk", "8", "--quiet", *extra]  # fmt: skip
+
+
+def _temp_folders(parent):
+    return [p for p in parent.iterdir() if p.name.startswith((".plain.tmp-", ".plain.old-"))]
+
+
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_add_drafter_to_existing_bundle(plain_bundle, tmp_path):
+    import edgespec
+    from edgespec.bundle import read_manifest
+    from edgespec.cli import main
+    from edgespec.drafters.mlx_drafter import MLXDrafter
+
+    before = read_manifest(plain_bundle)
+    drafter = write_tiny_hf_folder(tmp_path / "d", seed=1, num_hidden_layers=1)
+    assert main(_add_argv(plain_bundle, drafter)) == 0
+    after = read_manifest(plain_bundle, verify_hashes=True)  # every checksum right, new files included
+    assert after["drafter"]["coreml"]["package"] == "drafter.mlpackage"
+    assert after["drafter"]["num_layers"] == 1 and after["vocab_hash"] == before["vocab_hash"]
+    for name, entry in before["files"].items():  # the verifier's files carried over unchanged
+        assert after["files"][name] == entry
+    assert any(n.startswith("drafter.mlpackage/") for n in after["files"])
+    assert "drafter/model.safetensors" in after["files"]
+    assert not _temp_folders(tmp_path)
+    engine = edgespec.load(plain_bundle, progress=False)
+    assert isinstance(engine.drafter, MLXDrafter)  # off macOS: the MLX copy
+    # A second drafter is refused unless --force, which replaces the first.
+    assert main(_add_argv(plain_bundle, drafter)) == 1
+    other = write_tiny_hf_folder(tmp_path / "d2", seed=2, num_hidden_layers=2)
+    assert main(_add_argv(plain_bundle, other, "--force", "--no-coreml")) == 0
+    replaced = read_manifest(plain_bundle, verify_hashes=True)
+    assert replaced["drafter"]["num_layers"] == 2 and replaced["drafter"]["coreml"] is None
+    assert not any(n.startswith("drafter.mlpackage/") for n in replaced["files"])
+    assert not (plain_bundle / "drafter.mlpackage").exists()
+
+
+def test_add_drafter_refuses_other_vocabulary(plain_bundle, tmp_path, capsys):
+    from edgespec.converters.convert import add_drafter
+
+    from edgespec.cli import main
+
+    before = _snapshot(plain_bundle)
+    drafter = write_tiny_hf_folder(tmp_path / "d", seed=1, vocab_size=32)
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 32 tokens, the verifier 64"):
+        add_drafter(plain_bundle, drafter, progress=False)
+    assert main(_add_argv(plain_bundle, drafter)) == 1
+    assert "a drafter must use the verifier's tokenizer" in capsys.readouterr().err
+    assert _snapshot(plain_bundle) == before
+    assert not _temp_folders(tmp_path)
+
+
+def test_interrupted_add_drafter_leaves_the_bundle_as_it_was(plain_bundle, tmp_path, monkeypatch):
+    from edgespec.converters import coreml_export
+    from edgespec.converters.convert import add_drafter
+
+    before = _snapshot(plain_bundle)
+    drafter = write_tiny_hf_folder(tmp_path / "d", seed=1, num_hidden_layers=1)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(coreml_export, "build_function", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        add_drafter(plain_bundle, drafter, progress=False, drafter_options={"context_length": 32, "prefill_chunk": 8})
+    assert _snapshot(plain_bundle) == before  # drafter/ was already written in the temp copy: gone
+    assert not _temp_folders(tmp_path)
