@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data order")
     p.add_argument("--max-new", type=int, default=96, help="tokens the verifier generates per prompt")
     p.add_argument("--topk", type=int, default=8, help="verifier log-probs recorded per position")
+    p.add_argument("--add-data", action="append", default=[], metavar="FILE",
+                   help="another prompt file (same format as --data), answered once each, added to the training "
+                   "data (repeatable; e.g. one written by python -m edgespec.converters.distill.local_prompts)")
     p.add_argument("--samples", type=int, default=1, help="answers per training prompt: the greedy one plus "
                    "SAMPLES-1 sampled near-greedy ones (more, varied training text from the same prompts)")
     p.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of those extra answers "
@@ -72,7 +75,7 @@ def run(args) -> int:
         layers=args.layers, hidden=args.hidden, vocab=args.vocab, init_layers=args.init_layers,
         max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch,
         max_shards=args.max_shards, evaluate=not args.no_eval,
-        samples=args.samples, sample_temperature=args.sample_temperature,
+        samples=args.samples, sample_temperature=args.sample_temperature, add_data=args.add_data,
         train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           freeze_embedding=args.freeze_embedding,
                           checkpoint_every=args.checkpoint_every),

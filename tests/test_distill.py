@@ -188,3 +188,33 @@ def test_freeze_embedding_keeps_rows(toy):
     losses = train(student, prepare(exs, vmap, 128), TrainConfig(steps=8, batch_size=4, lr=3e-3, warmup=2, freeze_embedding=True))
     assert mx.array_equal(before, student.model.embed_tokens.weight)
     assert losses[-1] < losses[0]
+
+
+def test_local_prompt_builder_harvests_code_prose_and_chat(tmp_path):
+    from edgespec.converters.distill.local_prompts import build
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    prose = ("The scheduler keeps a queue of pending jobs and starts the oldest one first. "
+             "Each job records when it was submitted and how long it ran. When the queue is empty "
+             "the scheduler sleeps until a new job arrives, which keeps the machine quiet at night.")
+    (pkg / "mod.py").write_text(
+        f'"""{prose}"""\n\n'
+        "def count_words(text):\n"
+        '    """Return the number of words in a piece of text."""\n'
+        "    words = text.split()\n"
+        "    n = 0\n"
+        "    for w in words:\n"
+        "        n += 1\n"
+        "    return n\n"
+    )
+    rows = build(per_domain=6, seed=1, roots=[pkg], exclude={"What is gravity?"})
+    by = {d: [r["prompt"] for r in rows if r["domain"] == d] for d in ("code", "chat", "summarization", "translation")}
+    assert all(by.values())
+    assert any("def count_words" in p for p in by["code"])
+    assert "Write a Python function that returns the number of words in a piece of text." in by["code"]
+    assert all(prose in p for p in by["summarization"])
+    assert any("The scheduler keeps a queue of pending jobs and starts the oldest one first." in p
+               for p in by["translation"])
+    assert len(set(map(str, rows))) == len(rows) and "What is gravity?" not in by["chat"]
+    assert build(per_domain=6, seed=1, roots=[pkg]) == build(per_domain=6, seed=1, roots=[pkg])  # deterministic

@@ -18,6 +18,11 @@ def _prompts(path, n, off=0):
     return path
 
 
+def _extra(path):
+    path.write_text("\n".join(json.dumps({"prompt": p, "domain": "code"}) for p in ("zz top", "QRS QRS QRS", "a b c d")))
+    return path
+
+
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
@@ -25,7 +30,8 @@ def distilled(tmp_path_factory):
     argv = ["distill", "--verifier", str(bundle), "--out", str(root / "drafter"),
             "--data", str(_prompts(root / "train.jsonl", 10)), "--heldout", str(_prompts(root / "held.jsonl", 4, 5)),
             "--layers", "1", "--vocab", "40", "--steps", "6", "--batch-size", "2", "--max-new", "8",
-            "--gen-batch", "4", "--checkpoint-every", "2", "--quiet"]
+            "--gen-batch", "4", "--checkpoint-every", "2", "--quiet",
+            "--samples", "2", "--add-data", str(_extra(root / "extra.jsonl"))]
     assert main(argv) == 0
     return root, bundle, argv
 
@@ -41,6 +47,10 @@ def test_folder_contents_and_card(distilled):
     assert 0.0 <= info["acceptance"]["all"]["rate"] <= 1.0
     assert info["acceptance"]["all"]["drafted"] > 0
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 40
+    # 10 prompts (8 distinct) answered twice (greedy + one sampled) plus 3 added prompts answered once
+    assert (info["n_prompts"], info["n_sequences"], info["samples"]) == (11, 23, 2)
+    assert "extra.jsonl" in info["prompts"] and "2 more time" not in card and "1 more time(s)" in card
+    assert [p.name.startswith("data-extra-") for p in sorted((root / "drafter.work").iterdir())].count(True) == 1
 
 
 def test_existing_out_and_work_need_flags(distilled, capsys):

@@ -119,7 +119,7 @@ def score_text(model, tokens: list[int], k: int) -> tuple[np.ndarray, np.ndarray
     return _topk(logits, k)
 
 
-def _items_hash(items: list[PromptItem]) -> str:
+def items_hash(items: list[PromptItem]) -> str:
     blob = json.dumps([[i.text, i.domain, i.kind] for i in items]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -208,7 +208,7 @@ def build_dataset(
         "format": FORMAT,
         "vocab_hash": tok.vocab_hash(),
         "vocab_size": int(loaded.model.args.vocab_size),
-        "items_hash": _items_hash(items),
+        "items_hash": items_hash(items),
         "max_new": max_new,
         "topk": topk,
         "batch_size": batch_size,

@@ -38,6 +38,7 @@ class DistillConfig:
     gen_batch: int = 48
     max_shards: int | None = None  # data budget: first shards of the (domain-balanced) plan
     samples: int = 1  # answers per training prompt: greedy + samples-1 near-greedy (see data.py)
+    add_data: list[str] = field(default_factory=list)  # more prompt files, answered once each (greedy)
     sample_temperature: float = 0.7
     k: int = 4  # draft length for the acceptance measurement
     evaluate: bool = True
@@ -84,6 +85,12 @@ def distill(
                     progress=lambda d, n: note("data", d, n, "prompts answered by the verifier"),
                     max_shards=cfg.max_shards, samples=cfg.samples, sample_temperature=cfg.sample_temperature)
     _, examples = D.load_dataset(work / "data")
+    for extra in cfg.add_data:  # each in its own folder, so adding a file reuses everything built before
+        extra_items = read_prompts(extra)
+        folder = work / f"data-{Path(extra).stem}-{D.items_hash(extra_items)[:8]}"
+        D.build_dataset(loaded, extra_items, folder, cfg.max_new, cfg.topk, cfg.gen_batch * max(1, cfg.samples),
+                        progress=lambda d, n, e=extra: note(f"data {Path(e).name}", d, n, "prompts answered"))
+        examples += D.load_dataset(folder)[1]
     held_examples = []
     heldout_path = Path(heldout) if heldout else builtin_path(BUILTIN_HELDOUT)
     if cfg.evaluate:
@@ -120,7 +127,7 @@ def distill(
         "samples": cfg.samples,
         "sample_temperature": cfg.sample_temperature if cfg.samples > 1 else None,
         "domains": ", ".join(f"{d} {n}" for d, n in sorted(_count(e.domain for e in examples).items())),
-        "prompts": str(prompts or "built-in edgespec/data/distill_prompts.jsonl"),
+        "prompts": " + ".join([str(prompts or "built-in edgespec/data/distill_prompts.jsonl"), *map(str, cfg.add_data)]),
         "heldout": str(heldout or "built-in edgespec/data/distill_prompts_heldout.jsonl"),
         "max_new": cfg.max_new,
         "topk": cfg.topk,
