@@ -273,10 +273,13 @@ def test_disconnect_mid_stream_cancels_and_frees_engine(server, engine):
 
 
 # ------------------------------------------------------------------ decoding modes
+NEEDS_DRAFTER = ("speculative", "cascade", "tree")  # tree: its default source is the drafter
+
+
 def _modes_without_drafter() -> list[str]:
     from edgespec.modes import available_modes
 
-    return [m for m in available_modes() if m != "speculative"]
+    return [m for m in available_modes() if m not in NEEDS_DRAFTER]
 
 
 @pytest.mark.parametrize("mode", _modes_without_drafter())
@@ -288,14 +291,20 @@ def test_every_mode_over_http_gives_the_plain_greedy_output(client, engine, mode
     assert r.model_extra["edgespec"]["mode"] == mode
 
 
+def test_weight_free_tree_over_http_gives_the_plain_greedy_output(client, engine):
+    ref = engine.chat(MSGS, max_tokens=20, mode="plain").text
+    r = client.chat.completions.create(model="default", messages=MSGS, max_tokens=20, extra_body={
+        "mode": "tree", "mode_options": {"sources": "prompt_lookup+pool", "window": 2}})
+    assert r.choices[0].message.content == ref and r.model_extra["edgespec"]["mode"] == "tree"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_the_engine_rejects_is_a_400(server, stream):
     """A mode the loaded model cannot run (speculative without a drafter) or bad mode options."""
     from edgespec.modes import available_modes
 
     bodies = [{**OK_CHAT, "mode": "lookahead", "mode_options": {"window": 999}, "stream": stream}]
-    if "speculative" in available_modes():
-        bodies.append({**OK_CHAT, "mode": "speculative", "stream": stream})
+    bodies += [{**OK_CHAT, "mode": m, "stream": stream} for m in NEEDS_DRAFTER if m in available_modes()]
     for body in bodies:
         r = post(server, CHAT, body)
         assert r.status_code == 400, r.text
