@@ -1,6 +1,7 @@
 """Packaging: one `edgespec` distribution, top-level folders inside it, a light runtime import."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,8 +21,12 @@ def test_import_edgespec_does_not_pull_heavy_dependencies():
 
 
 def test_wheel_maps_folders_into_the_package_and_runs(tmp_path):
+    # Build from a clean copy: a stale build/ folder in the checkout would hide a package missing from pyproject.
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".cache", ".git", "build", "*.egg-info",
+                                                            "__pycache__", "bench-out"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
         check=True,
         capture_output=True,
     )
@@ -29,14 +34,25 @@ def test_wheel_maps_folders_into_the_package_and_runs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {"models", "converters", "apps", "tests"}.isdisjoint(tops)
-    for must in ("edgespec/models/llama.py", "edgespec/converters/gguf.py", "edgespec/apps/chat.py", "edgespec/cli.py"):
+    for must in ("edgespec/models/llama.py", "edgespec/converters/gguf.py", "edgespec/apps/chat.py", "edgespec/cli.py",
+                 "edgespec/data/drafters/smollm2-135m-instruct/model.safetensors", "edgespec/kernels/metal_emu.h"):
         assert must in names
+    # Every package of the source tree ships (a folder missing from pyproject's list would not).
+    mapped = {"edgespec": "edgespec", "models": "edgespec/models", "converters": "edgespec/converters",
+              "apps": "edgespec/apps"}
+    for init in sorted(REPO.glob("*/**/__init__.py")):
+        rel = init.relative_to(REPO).as_posix()
+        top, rest = rel.split("/", 1)
+        if top in mapped:
+            assert f"{mapped[top]}/{rest}" in names, f"{rel} is not in the wheel (add its package to pyproject.toml)"
     entry = [n for n in names if n.endswith("entry_points.txt")]
     assert entry and "edgespec = edgespec.cli:main" in zipfile.ZipFile(wheel).read(entry[0]).decode()
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    code = "import edgespec.models.llama as m, edgespec.cli as c; print(m.__file__); c.main(['--help'])"
+    code = ("import edgespec.models.llama as m, edgespec.cli as c, edgespec.modes as modes; print(m.__file__); "
+            "assert {'plain', 'speculative', 'lookahead', 'tree', 'cascade'} <= set(modes.available_modes()); "
+            "c.main(['--help'])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(str(site))  # the installed copy, not the source tree
