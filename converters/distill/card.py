@@ -29,7 +29,8 @@ def model_card(info: dict[str, Any]) -> str:
     n_seq = info.get("n_sequences", info["n_prompts"])
     answers = (
         f"The verifier answered each greedily and {info['samples'] - 1} more time(s) sampling at temperature "
-        f"{info['sample_temperature']} (near-greedy branches; {n_seq} sequences, up to {info['max_new']} new tokens)"
+        f"{info['sample_temperature']} (near-greedy branches; prompts of --add-data files once; {n_seq} sequences, "
+        f"up to {info['max_new']} new tokens)"
         if info.get("samples", 1) > 1
         else f"The verifier answered each greedily (up to {info['max_new']} new tokens)"
     )
