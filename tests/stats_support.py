@@ -1,10 +1,13 @@
 """Statistics shared by the distribution tests."""
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 from scipy.stats import chi2
 
-from edgespec.sampling import logprobs_from_logits
+from edgespec.generate import GenerationStats
+from edgespec.sampling import Sampler, SamplingParams, logprobs_from_logits
 
 
 def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -34,3 +37,15 @@ def continuation_law(model, prompt, params, n):
 
     rec([], 1.0)
     return law
+
+
+def continuation_counts(mode, prompt, params: dict, keys: list, runs: int, n: int) -> tuple[np.ndarray, int]:
+    """Counts over `keys` of the first n tokens of `mode` sampled with seeds 0..runs-1, and drafts accepted."""
+    counts, accepted = np.zeros(len(keys)), 0
+    for seed in range(runs):
+        stats = GenerationStats()
+        it = mode.steps(prompt, Sampler(SamplingParams(**params, seed=seed)), stats)
+        counts[keys.index(tuple(t.id for t in itertools.islice(it, n)))] += 1
+        it.close()
+        accepted += stats.accepted
+    return counts, accepted

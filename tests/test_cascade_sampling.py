@@ -9,20 +9,17 @@ model had drawn them) must fail the same test.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from conftest import make_tiny_model
-from stats_support import chisq_pvalue, continuation_law
+from stats_support import chisq_pvalue, continuation_counts, continuation_law
 
 import edgespec.tree.cascade as cascade_mod
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter
-from edgespec.generate import GenerationStats
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.options import GenerateOptions
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.sampling import SamplingParams
 from edgespec.tree import CascadeDrafter
 
 PARAMS = dict(temperature=1.0, top_k=3)
@@ -45,14 +42,7 @@ def test_cascade_sampling_matches_plain_law(monkeypatch, inner, ok):
     monkeypatch.setattr(cascade_mod, "rejection_sample", inner)
     cascade = CascadeDrafter(SelfSpecDrafter(verifier, [0]), MLXDrafter(tiny_model), inner_k=2, adaptive=False)
     mode = SpeculativeMode(verifier, cascade, GenerateOptions(draft_tokens=3), stats_name="cascade")
-    counts = np.zeros(len(keys))
-    accepted = 0
-    for seed in range(RUNS):
-        stats = GenerationStats()
-        it = mode.steps(PROMPT, Sampler(SamplingParams(**PARAMS, seed=seed)), stats)
-        counts[keys.index(tuple(t.id for t in itertools.islice(it, 3)))] += 1
-        it.close()
-        accepted += stats.accepted
+    counts, accepted = continuation_counts(mode, PROMPT, PARAMS, keys, RUNS, 3)
     # Both levels were exercised: the verifier accepted drafts, the mid level accepted and rejected tiny ones.
     assert accepted > RUNS // 2
     assert 0 < cascade.inner_accepted < cascade.inner_drafted or not ok

@@ -9,19 +9,16 @@ the residual (rejected candidates not removed) must fail the same test.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from conftest import make_tiny_model
-from stats_support import chisq_pvalue, continuation_law
+from stats_support import chisq_pvalue, continuation_counts, continuation_law
 
 import edgespec.modes.tree as tree_mod
 from edgespec.drafters.self_spec import SelfSpecDrafter
-from edgespec.generate import GenerationStats
 from edgespec.lookahead import sample_walk
 from edgespec.modes.tree import TreeMode
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.sampling import SamplingParams
 from edgespec.tree import TreePlan
 
 PARAMS = dict(temperature=1.0, top_k=3)
@@ -64,14 +61,7 @@ def test_tree_sampling_matches_plain_law(monkeypatch, walk, ok):
         sources=("drafter", "prompt_lookup"),
         adaptive=False,
     )
-    counts = np.zeros(len(keys))
-    accepted = 0
-    for seed in range(RUNS):
-        stats = GenerationStats()
-        it = mode.steps(PROMPT, Sampler(SamplingParams(**PARAMS, seed=seed)), stats)
-        counts[keys.index(tuple(t.id for t in itertools.islice(it, 3)))] += 1
-        it.close()
-        accepted += stats.accepted
+    counts, accepted = continuation_counts(mode, PROMPT, PARAMS, keys, RUNS, 3)
     assert accepted > RUNS // 2  # candidates were really accepted: the scheme was exercised
     pv = chisq_pvalue(counts, np.array([law[k] for k in keys]))
     # Seeds are fixed, so the p-values are reproducible; the margins are wide.

@@ -3,6 +3,6 @@
 from edgespec.lookahead.controller import StepController
 from edgespec.lookahead.pool import NgramPool
 from edgespec.lookahead.tree import StepTree
-from edgespec.lookahead.verify import greedy_pass, sample_walk
+from edgespec.lookahead.verify import greedy_pass, sample_walk, tree_forward
 
-__all__ = ["NgramPool", "StepController", "StepTree", "greedy_pass", "sample_walk"]
+__all__ = ["NgramPool", "StepController", "StepTree", "greedy_pass", "sample_walk", "tree_forward"]

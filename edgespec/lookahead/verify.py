@@ -26,8 +26,21 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from edgespec.kernels import tree_accept
+from edgespec.kernels import tree_accept, tree_mask
 from edgespec.lookahead.tree import StepTree
+
+
+def tree_forward(model, cache, tree: StepTree) -> mx.array:
+    """Logits (T, V) of every tree node in one verifier pass after the cached prefix.
+
+    A one-node tree is exactly a plain step; otherwise the tree mask and per-node
+    RoPE positions let each node see only its ancestors.
+    """
+    inputs = mx.array(tree.tokens, dtype=mx.int32)[None]
+    if len(tree) == 1:
+        return model(inputs, cache)[0]
+    mask, positions = tree_mask(mx.array(tree.parents, dtype=mx.int32), cache[0].offset)
+    return model(inputs, cache, mask=mask, positions=positions)[0]
 
 
 def greedy_pass(tree: StepTree, logits: mx.array) -> tuple[mx.array, mx.array]:

@@ -22,8 +22,15 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from edgespec.generate import GenerationStats, Token, prefill
-from edgespec.kernels import commit_kv, tree_mask
-from edgespec.lookahead import NgramPool, StepController, StepTree, greedy_pass, sample_walk
+from edgespec.kernels import commit_kv
+from edgespec.lookahead import (
+    NgramPool,
+    StepController,
+    StepTree,
+    greedy_pass,
+    sample_walk,
+    tree_forward,
+)
 from edgespec.modes import register_mode
 from edgespec.sampling import Sampler
 
@@ -118,12 +125,7 @@ class LookaheadMode:
                 tree.add_window(levels)
             p = cache[0].offset
             T = len(tree)
-            inputs = mx.array(tree.tokens, dtype=mx.int32)[None]
-            if T == 1:
-                out = model(inputs, cache)[0]  # exactly a plain step
-            else:
-                mask, positions = tree_mask(mx.array(tree.parents, dtype=mx.int32), p)
-                out = model(inputs, cache, mask=mask, positions=positions)[0]  # (T, V)
+            out = tree_forward(model, cache, tree)  # (T, V)
 
             if greedy:
                 pred, result = greedy_pass(tree, out)

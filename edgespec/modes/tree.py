@@ -29,8 +29,8 @@ import mlx.core as mx
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import EdgespecError
 from edgespec.generate import GenerationStats, Token, prefill
-from edgespec.kernels import commit_kv, tree_mask
-from edgespec.lookahead import NgramPool, StepController, greedy_pass, sample_walk
+from edgespec.kernels import commit_kv
+from edgespec.lookahead import NgramPool, StepController, greedy_pass, sample_walk, tree_forward
 from edgespec.modes import register_mode
 from edgespec.sampling import Sampler
 from edgespec.tree.candidates import SourceTree
@@ -218,12 +218,7 @@ class TreeMode:
             p = cache[0].offset
             T = len(tree)
             tv = time.perf_counter()
-            inputs = mx.array(tree.tokens, dtype=mx.int32)[None]
-            if T == 1:
-                out = model(inputs, cache)[0]  # exactly a plain step
-            else:
-                mask, positions = tree_mask(mx.array(tree.parents, dtype=mx.int32), p)
-                out = model(inputs, cache, mask=mask, positions=positions)[0]  # (T, V)
+            out = tree_forward(model, cache, tree)  # (T, V)
             want_pred = kind == "full" and self.W
             if greedy:
                 pred, result = greedy_pass(tree, out)
