@@ -29,6 +29,14 @@ def add_arguments(p) -> None:
                    "(default: the built-in varied prompt set)")
     p.add_argument("--heldout", default=None, help="held-out prompts for the acceptance measurement (same format; "
                    "default: the built-in held-out set)")
+    p.add_argument("--kind", choices=("student", "feature"), default="student",
+                   help="student: an independent small model with its own embedding (drafts in every mode); "
+                   "feature: EAGLE-style layers that read the verifier's hidden states and reuse its embedding "
+                   "and head (far higher acceptance; drafts in mode 'speculative' only)")
+    p.add_argument("--unroll", type=int, default=3, help="feature drafters: draft steps simulated per training "
+                   "position (step s reads the guesses of step s-1, as at draft time)")
+    p.add_argument("--reg-weight", type=float, default=0.5, help="feature drafters: weight of the smooth-L1 "
+                   "loss to the verifier's next feature, next to the cross-entropy")
     p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
     p.add_argument("--hidden", type=int, default=None, help="drafter width (default: the verifier's, so its "
                    "weights can be copied; another width starts from random weights)")
@@ -76,6 +84,7 @@ def run(args) -> int:
         max_new=args.max_new, topk=args.topk, gen_batch=args.gen_batch,
         max_shards=args.max_shards, evaluate=not args.no_eval,
         samples=args.samples, sample_temperature=args.sample_temperature, add_data=args.add_data,
+        kind=args.kind, unroll=args.unroll, reg_weight=args.reg_weight,
         train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           freeze_embedding=args.freeze_embedding,
                           checkpoint_every=args.checkpoint_every),

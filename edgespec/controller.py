@@ -49,6 +49,10 @@ def calibrate(model, drafter, kmax: int = 8, context: int = 64, reps: int = 3) -
     mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
     sampler = Sampler(SamplingParams(temperature=0.0))
     drafter.begin(ids)
+    # A feature drafter reads verifier features; any values cost the same to draft from.
+    feed = getattr(drafter, "needs_features", False)
+    if feed:
+        drafter.add_features(mx.zeros((drafter.features_needed(), model.args.hidden_size)))
     k = max(2, min(kmax, 4))
     verify = [[] for _ in range(kmax + 1)]
     draft = []
@@ -59,6 +63,8 @@ def calibrate(model, drafter, kmax: int = 8, context: int = 64, reps: int = 3) -
         drafter.draft(k, sampler)
         dt = time.perf_counter() - t0
         drafter.accept(0, ids[-1])
+        if feed:
+            drafter.add_features(mx.zeros((drafter.features_needed(), model.args.hidden_size)))
         if r:
             draft.append(dt / k)
         for T in range(1, kmax + 2):

@@ -104,14 +104,25 @@ class DecodingMode(Protocol):
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]: ...
 
 
-def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL_CHUNK) -> mx.array:
-    """Run the prompt through the model in chunks; returns logits of its last position (V,)."""
+def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL_CHUNK,
+            features: bool = False) -> mx.array | tuple[mx.array, mx.array]:
+    """Run the prompt through the model in chunks; returns logits of its last position (V,).
+
+    features=True also returns the final-norm hidden states of every prompt
+    position (P, E) (for a feature drafter): (logits, features)."""
     logits = None
+    feats = []
     for start in range(0, len(tokens), chunk):
         piece = mx.array([int(t) for t in tokens[start : start + chunk]], dtype=mx.int32)[None]
-        logits = model(piece, cache)
+        if features:
+            logits, h = model(piece, cache, return_hidden=True)
+            feats.append(h[0])
+        else:
+            logits = model(piece, cache)
         if start + chunk < len(tokens):
-            mx.eval([c.keys for c in cache if c.keys is not None])
+            mx.eval([c.keys for c in cache if c.keys is not None] + feats)
+    if features:
+        return logits[0, -1], mx.concatenate(feats, axis=0)
     return logits[0, -1]
 
 

@@ -225,7 +225,10 @@ class Model(nn.Module):
 
     def head(self, h: mx.array) -> mx.array:
         """Final norm and output projection: hidden (B, T, E) -> logits (B, T, V)."""
-        h = self.model.norm(h)
+        return self.project(self.model.norm(h))
+
+    def project(self, h: mx.array) -> mx.array:
+        """Output projection of final-norm hidden states (B, T, E) -> logits (B, T, V)."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
@@ -237,14 +240,17 @@ class Model(nn.Module):
         mask: mx.array | str | None = None,
         positions: mx.array | None = None,
         layer_ids: list[int] | None = None,
-    ) -> mx.array:
+        return_hidden: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array]:
         """Forward pass.
 
         inputs: (B, T) token ids. mask: None means causal over cache + new tokens;
         an explicit boolean (T, S) mask serves tree/lookahead steps, with `positions`
         (T,) giving each new token's RoPE position. `layer_ids` runs only those
         layers (self-speculative drafting); `cache` must then hold one entry per
-        model layer, and only the listed ones are touched.
+        model layer, and only the listed ones are touched. `return_hidden` also
+        returns the final-norm hidden states (B, T, E), the features a feature
+        drafter reads: (logits, hidden).
         """
         h = self.model.embed_tokens(inputs)
         if mask is None:
@@ -252,4 +258,7 @@ class Model(nn.Module):
         ids = range(len(self.layers)) if layer_ids is None else layer_ids
         for i in ids:
             h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions)
+        if return_hidden:
+            h = self.model.norm(h)
+            return self.project(h), h
         return self.head(h)

@@ -81,3 +81,67 @@ greedy continuations.
 {info['recipe']}
 ```
 """
+
+
+def feature_card(info: dict[str, Any]) -> str:
+    """MODEL_CARD.md of a feature drafter (`edgespec distill --kind feature`)."""
+    cost = info.get("cost")
+    cost_txt = (
+        f"One draft step takes {cost['draft_step_s'] * 1e3:.2f} ms; one verifier decode step "
+        f"{cost['verifier_step_s'] * 1e3:.2f} ms and one verify pass of K+1={info['k'] + 1} tokens "
+        f"{cost['verify_pass_s'] * 1e3:.2f} ms, measured interleaved on {info.get('machine', 'this machine')} "
+        f"at a {info.get('cost_context', '?')}-token context. **Draft step / verifier step = "
+        f"{cost['ratio_step']:.1%}** (/ verify pass = {cost['ratio_pass']:.1%})."
+        if cost
+        else "Not measured."
+    )
+    acc = info.get("acceptance")
+    return f"""# Feature drafter for {info['verifier_name']}
+
+An EAGLE-style drafter trained by `edgespec distill --kind feature`: {info['layers']} decoder
+layer(s) that read the verifier's own last hidden state (after its final norm) and the
+next token's embedding, and guess the verifier's next hidden state; the verifier's LM
+head, restricted to {info['vocab_n'] - 1} kept token ids (`vocab_map.json`), turns each
+guess into q. It drafts only in mode `speculative`, which hands it the verifier's
+features of every committed token. Token embedding and head are the verifier's, read at
+load time: the folder holds neither. q = 0 outside the kept ids keeps rejection sampling
+exact. Tokenizer vocab hash `{info['vocab_hash']}`.
+
+## Architecture and size
+- fc (2 x {info['hidden']} -> {info['hidden']}), {info['layers']} decoder layer(s) ({info['heads']} heads /
+  {info['kv_heads']} KV heads, MLP {info['intermediate']}), output RMSNorm; {info['params'] / 1e6:.2f} M parameters.
+- Weights fp16: {info['size_mb']:.1f} MB on disk.
+
+## Training data
+- Prompts: {info['n_prompts']} (sequences per domain: {info['domains']}) from `{info['prompts']}`;
+  the verifier's answers (up to {info['max_new']} new tokens{', ' + str(info['samples']) + ' answers per prompt' if info.get('samples', 1) > 1 else ''}).
+- The verifier's features at every position, teacher-forced ({info.get('feature_minutes', float('nan')):.0f} min):
+  {info['n_positions']} training positions, prompts included (targets come from the features).
+- Kept-vocabulary coverage of the verifier's greedy tokens: {info['coverage_train']:.1%} (training data),
+  {info.get('coverage_heldout', float('nan')):.1%} (held-out).
+
+## Training
+Cross-entropy to the verifier's distribution over the kept ids plus {info['reg_weight']} x smooth-L1 to
+its next feature, averaged over {info['unroll']} unrolled draft steps (step s reads the guesses of
+step s-1, with the attention mask an incremental draft has). AdamW, lr {info['lr']} (warmup
+{info['warmup']}, cosine to 10%), {info['steps']} steps of {info['batch_size']} sequences (up to {info['max_len']} tokens),
+seed {info['seed']}; final loss {info.get('final_loss', float('nan')):.3f}. Wall time {info.get('train_minutes', float('nan')):.0f} min
+on {info.get('machine', 'this machine')}.
+
+## Held-out acceptance (greedy, K={info['k']}, accepted / drafted)
+Prompts not used in training (`{info.get('heldout', '')}`), run through the runtime
+`FeatureDrafter` on the verifier's greedy continuations and their features.
+
+{_table(acc) if acc else 'Not measured.'}
+
+## Cost
+{cost_txt}
+
+## Limitations
+{info.get('limitations', '')}
+
+## Recipe
+```
+{info['recipe']}
+```
+"""

@@ -49,6 +49,46 @@ def acceptance(drafter, examples, k: int = 4) -> dict[str, dict[str, float]]:
     }
 
 
+def acceptance_features(drafter, examples, features, k: int = 4) -> dict[str, dict[str, float]]:
+    """`acceptance` for a drafter that reads verifier features (FeatureDrafter).
+
+    features[i] (L, E): the verifier's features along example i's tokens, teacher-forced.
+    On the greedy path the committed sequence is the verifier's own, so these are the
+    features a real run hands over (up to float rounding between a full pass and
+    incremental ones)."""
+    acc, dra, rounds = defaultdict(int), defaultdict(int), defaultdict(int)
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    for e, f in zip(examples, features, strict=True):
+        toks = [int(t) for t in e.tokens]
+        pos = e.start + 1
+        if pos >= len(toks):
+            continue
+        drafter.begin(toks[:pos])
+        f = mx.array(np.asarray(f, np.float32))
+        while pos < len(toks):
+            need = drafter.features_needed()
+            if need:
+                drafter.add_features(f[pos - 1 - need : pos - 1])
+            n = min(k, len(toks) - pos)
+            prop = drafter.draft(n, greedy).tokens
+            a = 0
+            while a < len(prop) and prop[a] == toks[pos + a]:
+                a += 1
+            for dom in (e.domain, "all"):
+                acc[dom] += a
+                dra[dom] += len(prop)
+                rounds[dom] += 1
+            if pos + a >= len(toks):
+                break
+            drafter.accept(a, toks[pos + a])
+            pos += a + 1
+    return {
+        d: {"accepted": acc[d], "drafted": dra[d], "rate": acc[d] / max(1, dra[d]),
+            "tokens_per_round": (acc[d] + rounds[d]) / max(1, rounds[d])}
+        for d in dra
+    }
+
+
 def greedy_matches(model, vocab_map, tokens: list[int]) -> np.ndarray:
     """(L,) bool: m[t] = the drafter's greedy choice given tokens[:t] equals tokens[t] (m[0] False).
 
@@ -106,8 +146,12 @@ def draft_cost(verifier, drafter, context: list[int], k: int = 4, repeats: int =
     cache = verifier.make_cache()
     mx.eval(verifier(mx.array([context]), cache=cache))
     drafter.begin(context)
+    if getattr(drafter, "needs_features", False):
+        from edgespec.converters.distill.features import hidden_features
+
+        drafter.add_features(hidden_features(verifier, mx.array([context]))[0, :-1].astype(mx.float32))
     drafter.draft(k, greedy)
-    drafter.accept(0, context[-1])
+    drafter.sync(list(context))
 
     def verify(n):
         out = verifier(mx.array([context[-n:]]), cache=cache)

@@ -41,6 +41,9 @@ class DistillConfig:
     add_data: list[str] = field(default_factory=list)  # more prompt files, answered once each (greedy)
     sample_temperature: float = 0.7
     k: int = 4  # draft length for the acceptance measurement
+    kind: str = "student"  # "student" (independent small model) or "feature" (reads the verifier's features)
+    unroll: int = 3  # feature drafters: draft steps simulated per training position
+    reg_weight: float = 0.5  # feature drafters: weight of the feature regression term
     evaluate: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -69,6 +72,10 @@ def distill(
 
     from edgespec.loader import load
 
+    if cfg.kind not in ("student", "feature"):
+        raise ValueError(f"drafter kind must be 'student' or 'feature', got {cfg.kind!r}")
+    if cfg.unroll < 1 or not cfg.reg_weight >= 0:
+        raise ValueError(f"--unroll must be >= 1 and --reg-weight >= 0, got {cfg.unroll} and {cfg.reg_weight}")
     out = Path(out)
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists (pass --force to replace it)")
@@ -85,12 +92,14 @@ def distill(
                     progress=lambda d, n: note("data", d, n, "prompts answered by the verifier"),
                     max_shards=cfg.max_shards, samples=cfg.samples, sample_temperature=cfg.sample_temperature)
     _, examples = D.load_dataset(work / "data")
+    folders = [work / "data"]
     for extra in cfg.add_data:  # each in its own folder, so adding a file reuses everything built before
         extra_items = read_prompts(extra)
         folder = work / f"data-{Path(extra).stem}-{D.items_hash(extra_items)[:8]}"
         D.build_dataset(loaded, extra_items, folder, cfg.max_new, cfg.topk, cfg.gen_batch * max(1, cfg.samples),
                         progress=lambda d, n, e=extra: note(f"data {Path(e).name}", d, n, "prompts answered"))
         examples += D.load_dataset(folder)[1]
+        folders.append(folder)
     held_examples = []
     heldout_path = Path(heldout) if heldout else builtin_path(BUILTIN_HELDOUT)
     if cfg.evaluate:
@@ -102,6 +111,11 @@ def distill(
     V = loaded.model.args.vocab_size
     eos = sorted(loaded.tokenizer.eos_token_ids)
     vmap = VocabMap(choose_vocab(token_counts(examples, V), cfg.vocab, always=eos), V)
+    if cfg.kind == "feature":
+        from edgespec.converters.distill.feature_pipeline import distill_feature
+
+        return distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_examples,
+                               data_minutes, verifier_path, prompts, heldout, force, recipe, note)
     scfg = student_config(loaded.model.args, cfg.layers, vmap.size, cfg.hidden)
     student = init_student(scfg, loaded.model, vmap.ids, cfg.init_layers, seed=cfg.train.seed)
     data = prepare(examples, vmap, cfg.train.max_len)

@@ -136,11 +136,15 @@ def train(
     checkpoint: str | Path | None = None,
     progress: Callable[[int, int, float], None] | None = None,
     stop_after: int | None = None,
+    loss_fn: Callable | None = None,
+    make_batch: Callable | None = None,
 ) -> list[float]:
     """Train `model` in place for cfg.steps (resuming from `checkpoint` if it exists).
 
     `progress(step, steps, loss)` after every step. `stop_after` ends early after that
     many steps of this call (tests use it to simulate an interruption). Returns the losses.
+    `loss_fn(model, *make_batch(items))` defaults to the KL of a reduced-vocab student
+    (distill_loss over collate); feature drafters pass their own (feature_train.py).
     """
     if cfg.freeze_embedding:
         model.model.embed_tokens.freeze()
@@ -151,11 +155,12 @@ def train(
         step = load_checkpoint(ckpt, model, opt, cfg)
     else:
         opt.init(model.trainable_parameters())
-    loss_grad = nn.value_and_grad(model, distill_loss)
+    loss_grad = nn.value_and_grad(model, loss_fn or distill_loss)
+    make_batch = make_batch or collate
     losses, done_here = [], 0
     while step < cfg.steps:
         idx = batch_indices(len(data), cfg.batch_size, cfg.seed, step)
-        loss, grads = loss_grad(model, *collate([data[i] for i in idx]))
+        loss, grads = loss_grad(model, *make_batch([data[i] for i in idx]))
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, loss)
         step += 1

@@ -90,7 +90,10 @@ def load_drafter(engine, spec):
 def _model_drafter(path: Path, engine):
     """MLX drafter folder: a distilled one (reduced vocab, vocab_map.json) or a plain model."""
     from edgespec.drafters.distilled import DistilledDrafter, is_distilled_folder
+    from edgespec.drafters.feature import FeatureDrafter, is_feature_folder
 
+    if is_feature_folder(path):
+        return FeatureDrafter.load(path, engine)
     if is_distilled_folder(path):
         return DistilledDrafter.load(path, engine)
     from edgespec.drafters.mlx_drafter import MLXDrafter

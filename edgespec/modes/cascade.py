@@ -52,6 +52,11 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             "mode 'cascade' needs a tiny drafter that can roll back (a distilled/MLX drafter folder "
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
+    if getattr(tiny, "needs_features", False):
+        raise EdgespecError(
+            f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: a feature drafter reads the "
+            "verifier's hidden states and drafts in mode 'speculative' only"
+        )
     inner_k = opts.get("inner_k", 3)
     if isinstance(inner_k, str) and inner_k.isdigit():
         inner_k = int(inner_k)

@@ -118,11 +118,17 @@ class SpeculativeMode:
         pipeline = opts.get("pipeline")
         if pipeline is None:
             pipeline = default_pipeline(drafter)
-        if pipeline and not hasattr(drafter, "sync"):
+        # A feature drafter reads the verifier's hidden states of the committed tokens.
+        self.features = bool(getattr(drafter, "needs_features", False))
+        if pipeline and self.features:
+            pipeline = False  # drafting ahead would need features the verifier has not computed yet
+            self._note = f"drafter {drafter.name!r} reads the verifier's features; pipelining off"
+        elif pipeline and not hasattr(drafter, "sync"):
             pipeline = False  # cannot undo a wrong guess without sync()
             self._note = f"drafter {drafter.name!r} cannot roll back a guess; pipelining off"
         else:
             self._note = None
+        self._fpend: list[mx.array] = []  # verifier features not yet handed to a feature drafter
         self.pipeline = bool(pipeline)
         self.costs = costs
         self.prior_alpha = prior_alpha if prior_alpha is not None else getattr(drafter, "expected_acceptance", 0.5)
@@ -152,13 +158,30 @@ class SpeculativeMode:
 
     def _catch_up(self, worker, seq: list[int], told: int) -> None:
         """Tell the drafter the committed tokens seq[told:] (told < 0: its state is off-path)."""
-        if told == len(seq):
-            return
-        if told < 0 or hasattr(self.drafter, "sync"):
-            worker.call(self.drafter.sync, list(seq))
-        else:
-            for t in seq[told:]:
-                worker.call(self.drafter.accept, 0, t)
+        if told != len(seq):
+            if told < 0 or hasattr(self.drafter, "sync"):
+                worker.call(self.drafter.sync, list(seq))
+            else:
+                for t in seq[told:]:
+                    worker.call(self.drafter.accept, 0, t)
+        if self.features and self._fpend:
+            self._hand_features()
+
+    def _hand_features(self) -> None:
+        """Give a feature drafter the verifier features of every committed token but the last."""
+        rows = mx.concatenate(self._fpend, axis=0) if len(self._fpend) > 1 else self._fpend[0]
+        self._fpend = []
+        need = self.drafter.features_needed()
+        if rows.shape[0] != need:
+            raise RuntimeError(f"feature drafter needs {need} feature rows, the verifier produced {rows.shape[0]}")
+        self.drafter.add_features(rows)
+
+    def _verifier(self, x, cache):
+        """Verifier logits (T, V) of x (1, T); keeps the hidden rows for a feature drafter."""
+        if not self.features:
+            return self.model(x, cache)[0], None
+        logits, h = self.model(x, cache, return_hidden=True)
+        return logits[0], h[0]
 
     def steps(self, prompt, sampler, stats):
         if self._note:
@@ -186,9 +209,14 @@ class SpeculativeMode:
 
         def queue(tok_in: int, rr: int):
             _, vs = self._samplers(sampler, base, rr)
-            lp = vs.logprobs(model(mx.array([[tok_in]], dtype=mx.int32), cache)[0, -1])
+            logits, h = self._verifier(mx.array([[tok_in]], dtype=mx.int32), cache)
+            lp = vs.logprobs(logits[-1])
             tok = vs.sample(lp)
-            mx.async_eval(tok, lp)
+            if h is not None:
+                self._fpend.append(h)
+                mx.async_eval(tok, lp, h)
+            else:
+                mx.async_eval(tok, lp)
             return tok, lp
 
         pending = queue(last, r)
@@ -218,7 +246,13 @@ class SpeculativeMode:
         t0 = time.perf_counter()
         begun = worker.submit(drafter.begin, prompt) if pipelined else None
         cache = self.cache = model.make_cache()  # kept on the mode for inspection (tests)
-        lp = sampler.logprobs(prefill(model, cache, prompt))
+        self._fpend = []
+        if self.features:
+            logits, feats = prefill(model, cache, prompt, features=True)
+            self._fpend.append(feats)
+        else:
+            logits = prefill(model, cache, prompt)
+        lp = sampler.logprobs(logits)
         tok = sampler.sample(lp)
         mx.eval(tok, lp)
         if pipelined:
@@ -274,8 +308,11 @@ class SpeculativeMode:
             # ---- verify [last] + drafts: K+1 positions in one pass
             tv = time.perf_counter()
             x = mx.array([[last] + draft.tokens], dtype=mx.int32)
-            p = vs.logprobs(model(x, cache)[0])  # (k+1, V)
+            logits, h = self._verifier(x, cache)
+            p = vs.logprobs(logits)  # (k+1, V)
             n, nxt = rejection_sample(draft.tokens, draft.logprobs, p, vs.next_key())
+            if h is not None:
+                self._fpend.append(h[: n + 1])  # features of [last] + the kept drafts
             for c in cache:
                 c.trim(k - n)  # the cache holds [last] + k drafts; keep [last] + n
             out = draft.tokens[:n] + [nxt]
@@ -294,6 +331,8 @@ class SpeculativeMode:
             else:
                 worker.call(drafter.accept, n, nxt)
                 told = len(seq)
+                if self.features:
+                    self._hand_features()
             stats.hidden_draft_s += hidden
             ctl.record_round(k, n, time.perf_counter() - ts, (1.0 if hidden else 0.0) if pipelined else None)
             last = nxt

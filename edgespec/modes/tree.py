@@ -284,6 +284,11 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
             "(skip layers of the verifier) or a drafter folder/bundle, or set "
             "--mode-option sources=prompt_lookup+pool"
         )
+    if getattr(drafter, "needs_features", False):
+        raise EdgespecError(
+            f"mode {name!r} cannot draft with {drafter.name!r}: a feature drafter reads the verifier's hidden "
+            "states and drafts in mode 'speculative' only; use that mode, or drafter='self' for trees"
+        )
     costs = (
         engine_tree_costs(engine) if o["plan"].shape == "dynamic" and o["budget"] is None else None
     )
