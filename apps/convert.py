@@ -103,6 +103,8 @@ def run(args) -> int:
     size = sum(f["size"] for f in manifest["files"].values())
     print(f"wrote {out} ({size / 1e6:.1f} MB, vocab {manifest['vocab_hash']})")
     coreml = (manifest.get("drafter") or {}).get("coreml")
+    if (manifest.get("drafter") or {}).get("coreml_note"):
+        print(f"  drafter: MLX only ({manifest['drafter']['coreml_note']})")
     if coreml:
         pkg = sum(f["size"] for n, f in manifest["files"].items() if n.startswith(coreml["package"] + "/"))
         print(f"  drafter: {coreml['package']} ({pkg / 1e6:.1f} MB, {coreml['compression']}, "

@@ -63,6 +63,10 @@ def write_drafter(
         raise ValueError(
             "--drafter-compress applies to the Core ML package; it cannot be used with --no-coreml"
         )
+    from edgespec.drafters.feature import is_feature_folder
+
+    if Path(src).is_dir() and is_feature_folder(src):
+        return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     loaded = load_drafter_source(Path(src))
     model = loaded.model
     vmap = distilled_vocab_map(Path(src), model)
@@ -127,3 +131,45 @@ def distilled_vocab_map(src: Path, model):
             f"{src}: the drafter model has {model.args.vocab_size} output slots but its vocab map {vmap.size}"
         )
     return vmap
+
+
+FEATURE_NO_COREML = (
+    "a feature drafter reads the verifier's hidden states at every round, so it runs in MLX beside the "
+    "verifier; no Core ML package is made for it"
+)
+
+
+def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier_hash: str, coreml: bool,
+                          compress: str) -> dict[str, Any]:
+    """A feature drafter (edgespec distill --kind feature) goes in as its MLX folder, checked first."""
+    import shutil
+
+    from edgespec.drafters.distilled import VocabMap
+    from edgespec.drafters.feature import DRAFTER_JSON
+    from edgespec.drafters.mlx_drafter import check_vocabulary
+
+    if compress != "none":
+        raise ValueError(f"--drafter-compress applies to Core ML packages; {FEATURE_NO_COREML}")
+    try:
+        vmap = VocabMap.load(src)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    d_hash = json.loads((src / VOCAB_MAP).read_text()).get("vocab_hash")
+    check_vocabulary(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
+    config = json.loads((src / "config.json").read_text())
+    from edgespec.converters.hf import read_safetensors
+
+    read_safetensors([src / "model.safetensors"])  # a truncated or corrupt file fails here, not at load
+    (folder / "drafter").mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", VOCAB_MAP, DRAFTER_JSON):
+        shutil.copyfile(src / name, folder / "drafter" / name)
+    return {
+        "config": "drafter/config.json",
+        "weights": "drafter/model.safetensors",
+        "num_layers": int(config.get("num_hidden_layers", 0)),
+        "vocab_hash": verifier_hash,
+        "source": {"name": src.name},
+        "kind": "feature",
+        "coreml": None,
+        "coreml_note": FEATURE_NO_COREML if coreml else None,
+    }

@@ -225,3 +225,33 @@ def test_interrupted_add_drafter_leaves_the_bundle_as_it_was(plain_bundle, tmp_p
         add_drafter(plain_bundle, drafter, progress=False, drafter_options={"context_length": 32, "prefill_chunk": 8})
     assert _snapshot(plain_bundle) == before  # drafter/ was already written in the temp copy: gone
     assert not _temp_folders(tmp_path)
+
+
+def test_add_feature_drafter_goes_in_as_mlx(plain_bundle, tmp_path):
+    """A feature drafter is added as its MLX folder (no Core ML package: it reads the GPU verifier's
+    hidden states every round); the loaded bundle drafts with it, greedy output equal to plain."""
+    import edgespec
+    from edgespec.bundle import read_manifest
+    from edgespec.converters.convert import add_drafter
+    from edgespec.converters.distill.feature_pipeline import feature_config, init_feature_model, write_feature_folder
+
+    from edgespec.drafters.distilled import VocabMap
+    from edgespec.drafters.feature import FeatureDrafter
+
+    engine = edgespec.load(plain_bundle, progress=False)
+    fcfg = feature_config(engine.model.args, 1)
+    write_feature_folder(tmp_path / "feat", init_feature_model(fcfg, engine.model), fcfg,
+                         VocabMap([-1] + list(range(40)), 64), None)
+    before = _snapshot(plain_bundle)
+    with pytest.raises(ValueError, match="Core ML"):
+        add_drafter(plain_bundle, tmp_path / "feat", progress=False, drafter_options={"compress": "int8"})
+    assert _snapshot(plain_bundle) == before
+    add_drafter(plain_bundle, tmp_path / "feat", progress=False)
+    m = read_manifest(plain_bundle, verify_hashes=True)
+    assert m["drafter"]["kind"] == "feature" and m["drafter"]["coreml"] is None and "hidden states" in m["drafter"]["coreml_note"]
+    assert "drafter/drafter.json" in m["files"] and not any(n.startswith("drafter.mlpackage/") for n in m["files"])
+    engine = edgespec.load(plain_bundle, progress=False)
+    assert isinstance(engine.drafter, FeatureDrafter)
+    plain = engine.generate([3, 4, 5, 6], max_tokens=12, temperature=0, mode="plain").tokens
+    spec = engine.generate([3, 4, 5, 6], max_tokens=12, temperature=0, mode="speculative", draft_tokens=3)
+    assert spec.tokens == plain and spec.stats.drafted > 0

@@ -35,14 +35,15 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def setup(real_engine):
-    from edgespec.drafters import load_drafter
+    from edgespec.drafters import load_drafter, shipped_drafter_path
 
     prompts = [real_engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TOPICS]
     plain = [real_engine.generate(p, max_tokens=MAX_TOKENS, mode="plain").tokens for p in prompts]
-    # The shipped distilled drafter: a real separate drafter model, and cheap (about 6% of a
-    # verifier step), which keeps 20 prompts x 8 values of K affordable in CI.
-    drafter = load_drafter(real_engine, None)
-    assert drafter is not None, "the shipped drafter for SmolLM2-135M-Instruct was not found"
+    # The shipped student drafter: a real separate drafter model that can be pipelined, and
+    # cheap (about 10% of a verifier step), which keeps 20 prompts x 8 values of K affordable in CI.
+    student = shipped_drafter_path(real_engine, kinds=("",))
+    assert student is not None, "the shipped student drafter for SmolLM2-135M-Instruct was not found"
+    drafter = load_drafter(real_engine, str(student))
     yield real_engine, drafter, prompts, plain
     real_engine.drafter = None
 
@@ -72,3 +73,20 @@ def test_real_self_speculation_equals_plain(setup, k):
         res = engine.generate(prompts[i], max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k, pipeline=bool(i % 2))
         assert res.tokens == plain[i], f"K={k} prompt {TOPICS[i]!r}"
         assert res.stats.drafted > 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 8])
+def test_real_feature_drafter_equals_plain(setup, k):
+    """The default drafter (the shipped feature drafter, fed the verifier's hidden states)."""
+    from edgespec.drafters import load_drafter
+    from edgespec.drafters.feature import FeatureDrafter
+
+    engine, _, prompts, plain = setup
+    engine.drafter = load_drafter(engine, None)
+    assert isinstance(engine.drafter, FeatureDrafter)
+    accepted = 0
+    for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
+        res = engine.generate(p, max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k)
+        assert res.tokens == ref, f"K={k} prompt {TOPICS[i]!r}"
+        accepted += res.stats.accepted
+    assert accepted > 0

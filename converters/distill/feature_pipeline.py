@@ -59,6 +59,17 @@ def training_objective(verifier, vmap, cfg):
     return loss_fn, lambda items: (FeatureBatch(items, embed),)
 
 
+def write_feature_folder(folder: Path, model, config: dict, vmap, vocab_hash: str | None) -> None:
+    """config.json, model.safetensors (fp16), vocab_map.json, drafter.json into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(model.parameters())}
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}, indent=2))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    vmap.save(folder, vocab_hash=vocab_hash)
+    (folder / DRAFTER_JSON).write_text(json.dumps({"format": FORMAT, "feature": "final_norm_hidden",
+                                                  "verifier_hidden_size": config["hidden_size"]}, indent=2))
+
+
 def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_examples, data_minutes,
                     verifier_path, prompts, heldout, force, recipe, note) -> dict:
     from edgespec.converters.bundle import atomic_folder
@@ -119,13 +130,8 @@ def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_exampl
         "k": cfg.k,
         "recipe": recipe,
     }
-    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(model.parameters())}
     with atomic_folder(out, force=force) as tmp:
-        (tmp / "config.json").write_text(json.dumps({**fcfg, "torch_dtype": "float16"}, indent=2))
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        vmap.save(tmp, vocab_hash=info["vocab_hash"])
-        (tmp / DRAFTER_JSON).write_text(json.dumps({"format": FORMAT, "feature": "final_norm_hidden",
-                                                    "verifier_hidden_size": fcfg["hidden_size"]}, indent=2))
+        write_feature_folder(tmp, model, fcfg, vmap, info["vocab_hash"])
         info["size_mb"] = sum(p.stat().st_size for p in tmp.iterdir()) / 1e6
         if cfg.evaluate:
             drafter = FeatureDrafter.load(tmp, loaded)  # measure exactly what ships (fp16 weights)

@@ -104,7 +104,7 @@ def unrolled(model, emb, feat, unroll: int) -> list[mx.array]:
     outs = []
     x_feat = feat
     for s in range(unroll):
-        h = model.fc(mx.concatenate([emb, x_feat], axis=-1))
+        h = model.mix(emb, x_feat)
         for li, layer in enumerate(model.layers):
             h = _attend(layer, h, kv[li], masks[s])
         g = model.norm(h)

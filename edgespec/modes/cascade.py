@@ -53,10 +53,19 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
     if getattr(tiny, "needs_features", False):
-        raise EdgespecError(
-            f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: a feature drafter reads the "
-            "verifier's hidden states and drafts in mode 'speculative' only"
-        )
+        # A feature drafter drafts in mode 'speculative' only; the shipped student takes its place.
+        from edgespec.drafters import load_drafter, shipped_drafter_path
+
+        student = shipped_drafter_path(engine, kinds=("",))
+        if student is None:
+            raise EdgespecError(
+                f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: a feature drafter reads the "
+                "verifier's hidden states and drafts in mode 'speculative' only; load a distilled or MLX drafter"
+            )
+        students = engine.__dict__.setdefault("_cascade_students", {})
+        if student not in students:
+            students[student] = load_drafter(engine, str(student))
+        tiny = students[student]
     inner_k = opts.get("inner_k", 3)
     if isinstance(inner_k, str) and inner_k.isdigit():
         inner_k = int(inner_k)
