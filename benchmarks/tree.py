@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     n = len(engine.model.layers)
     dropped = {layer for layer, _ in path[: args.drop]}
     self_d = SelfSpecDrafter(engine.model, [i for i in range(n) if i not in dropped])
-    tiny = load_drafter(engine, args.drafter or str(shipped_drafter_path(engine, kinds=("",))))
+    tiny = load_drafter(engine, args.drafter or str(shipped_drafter_path(engine)))
     drafters = {"self": self_d, "tiny": tiny, None: None}
     print(
         f"self drafter {self_d.name} (dropped {sorted(dropped)}), tiny {tiny.name}", file=sys.stderr

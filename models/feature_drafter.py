@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from edgespec.models.llama import DecoderLayer, ModelArgs
 
 from edgespec.cache import KVCache
-from edgespec.models.llama import DecoderLayer, ModelArgs
 
 
 class FeatureDraftModel(nn.Module):

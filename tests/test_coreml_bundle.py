@@ -230,11 +230,15 @@ def test_interrupted_add_drafter_leaves_the_bundle_as_it_was(plain_bundle, tmp_p
 def test_add_feature_drafter_goes_in_as_mlx(plain_bundle, tmp_path):
     """A feature drafter is added as its MLX folder (no Core ML package: it reads the GPU verifier's
     hidden states every round); the loaded bundle drafts with it, greedy output equal to plain."""
+    from edgespec.converters.convert import add_drafter
+    from edgespec.converters.distill.feature_pipeline import (
+        feature_config,
+        init_feature_model,
+        write_feature_folder,
+    )
+
     import edgespec
     from edgespec.bundle import read_manifest
-    from edgespec.converters.convert import add_drafter
-    from edgespec.converters.distill.feature_pipeline import feature_config, init_feature_model, write_feature_folder
-
     from edgespec.drafters.distilled import VocabMap
     from edgespec.drafters.feature import FeatureDrafter
 

@@ -1,5 +1,4 @@
-"""The drafters shipped for SmolLM2-135M-Instruct: the feature drafter loads by default, the
-student is the fallback (cascade, Core ML); both draft and stay exact."""
+"""The drafter shipped for SmolLM2-135M-Instruct: loads by default, drafts, stays exact."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from edgespec.drafters import DATA, attach_drafter, shipped_drafter_path
 from edgespec.drafters.distilled import DistilledDrafter
 
 SHIPPED = DATA / "smollm2-135m-instruct"
-SHIPPED_FEATURE = DATA / "smollm2-135m-instruct-feature"
 
 
 def test_shipped_folder_is_complete_and_small():
@@ -25,38 +23,11 @@ def test_shipped_folder_is_complete_and_small():
     assert json.loads((SHIPPED / "config.json").read_text())["vocab_size"] == len(vmap["ids"])
 
 
-def test_shipped_feature_folder_is_complete_and_small():
-    names = {p.name for p in SHIPPED_FEATURE.iterdir()}
-    assert {"config.json", "model.safetensors", "vocab_map.json", "drafter.json", "MODEL_CARD.md"} <= names
-    assert sum(p.stat().st_size for p in SHIPPED_FEATURE.iterdir()) < 12e6  # no embedding or head of its own
-    assert json.loads((SHIPPED_FEATURE / "drafter.json").read_text())["format"] == "edgespec-feature-drafter"
-    card = (SHIPPED_FEATURE / "MODEL_CARD.md").read_text()
-    assert "Held-out acceptance" in card and "| code |" in card and "| chat |" in card
-
-
 @pytest.mark.real_model
-def test_shipped_feature_drafter_is_the_default_and_greedy_exact(real_engine):
-    from edgespec.drafters.feature import FeatureDrafter
-
-    assert shipped_drafter_path(real_engine) == SHIPPED_FEATURE
+def test_shipped_drafter_is_found_and_greedy_exact(real_engine):
+    assert shipped_drafter_path(real_engine) == SHIPPED
     try:
         drafter = attach_drafter(real_engine, None)
-        assert isinstance(drafter, FeatureDrafter) and drafter.vocab_size == 49152
-        msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-        plain = real_engine.generate(messages=msgs, max_tokens=32, temperature=0, mode="plain")
-        auto = real_engine.generate(messages=msgs, max_tokens=32, temperature=0)  # mode auto -> speculative
-        spec = real_engine.generate(messages=msgs, max_tokens=32, temperature=0, mode="speculative", draft_tokens=4)
-        assert auto.tokens == plain.tokens and spec.tokens == plain.tokens
-        assert spec.stats.accepted >= 0.3 * spec.stats.drafted  # measured ~0.6 on held-out prompts
-    finally:
-        attach_drafter(real_engine, "none")
-
-
-@pytest.mark.real_model
-def test_shipped_student_is_found_and_greedy_exact(real_engine):
-    assert shipped_drafter_path(real_engine, kinds=("",)) == SHIPPED
-    try:
-        drafter = attach_drafter(real_engine, str(SHIPPED))
         assert isinstance(drafter, DistilledDrafter) and drafter.vocab_size == 49152
         msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
         plain = real_engine.generate(messages=msgs, max_tokens=24, temperature=0, mode="plain")

@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 from conftest import make_tiny_model, make_tiny_tokenizer
 from edgespec.converters.distill.data import Example, generate_batch
-from edgespec.converters.distill.feature_pipeline import feature_config, init_feature_model, training_objective
+from edgespec.converters.distill.feature_pipeline import (
+    feature_config,
+    init_feature_model,
+    training_objective,
+)
 from edgespec.converters.distill.feature_train import (
     FeatureBatch,
     prepare_features,
@@ -218,6 +222,7 @@ def test_pipeline_trains_resumes_and_writes_a_loadable_folder(tmp_path, verifier
     cascade refuse it with a message."""
     from edgespec.converters.distill import pipeline as P
     from edgespec.converters.distill import train as T
+
     from edgespec.drafters import attach_drafter
     from edgespec.errors import EdgespecError
 
@@ -242,7 +247,7 @@ def test_pipeline_trains_resumes_and_writes_a_loadable_folder(tmp_path, verifier
     assert not (tmp_path / "a").exists()  # nothing half-written
     monkeypatch.setattr("edgespec.converters.distill.feature_pipeline.train", real_train)
     info = P.distill("tiny", tmp_path / "a", cfg, prompts=prompts, heldout=prompts, resume=True)
-    straight = P.distill("tiny", tmp_path / "b", cfg, prompts=prompts, heldout=prompts)
+    P.distill("tiny", tmp_path / "b", cfg, prompts=prompts, heldout=prompts)  # uninterrupted
     wa = mx.load(str(tmp_path / "a" / "model.safetensors"))
     wb = mx.load(str(tmp_path / "b" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(mx.array_equal(wa[k], wb[k]) for k in wa)

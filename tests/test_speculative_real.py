@@ -35,15 +35,14 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def setup(real_engine):
-    from edgespec.drafters import load_drafter, shipped_drafter_path
+    from edgespec.drafters import load_drafter
 
     prompts = [real_engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TOPICS]
     plain = [real_engine.generate(p, max_tokens=MAX_TOKENS, mode="plain").tokens for p in prompts]
-    # The shipped student drafter: a real separate drafter model that can be pipelined, and
-    # cheap (about 10% of a verifier step), which keeps 20 prompts x 8 values of K affordable in CI.
-    student = shipped_drafter_path(real_engine, kinds=("",))
-    assert student is not None, "the shipped student drafter for SmolLM2-135M-Instruct was not found"
-    drafter = load_drafter(real_engine, str(student))
+    # The shipped distilled drafter: a real separate drafter model, and cheap (about 6% of a
+    # verifier step), which keeps 20 prompts x 8 values of K affordable in CI.
+    drafter = load_drafter(real_engine, None)
+    assert drafter is not None, "the shipped drafter for SmolLM2-135M-Instruct was not found"
     yield real_engine, drafter, prompts, plain
     real_engine.drafter = None
 
@@ -75,18 +74,23 @@ def test_real_self_speculation_equals_plain(setup, k):
         assert res.stats.drafted > 0
 
 
-@pytest.mark.parametrize("k", [1, 3, 4, 8])
+@pytest.mark.parametrize("k", [1, 4])
 def test_real_feature_drafter_equals_plain(setup, k):
-    """The default drafter (the shipped feature drafter, fed the verifier's hidden states)."""
-    from edgespec.drafters import load_drafter
+    """A feature drafter on the real verifier: prefill, verify passes and plain steps hand it the
+    verifier's hidden states. Exactness does not depend on its training, so an untrained one
+    (seeded) checks the plumbing at real scale; the tiny-model tests cover a trained one."""
+    from edgespec.converters.distill.feature_pipeline import feature_config, init_feature_model
+
+    from edgespec.drafters.distilled import VocabMap
     from edgespec.drafters.feature import FeatureDrafter
 
     engine, _, prompts, plain = setup
-    engine.drafter = load_drafter(engine, None)
-    assert isinstance(engine.drafter, FeatureDrafter)
-    accepted = 0
+    model = init_feature_model(feature_config(engine.model.args, 1), engine.model, seed=k)
+    vmap = VocabMap([-1] + list(range(8191)), engine.model.args.vocab_size)
+    engine.drafter = FeatureDrafter(model, engine.model, vmap)
+    drafted = 0
     for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
         res = engine.generate(p, max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k)
         assert res.tokens == ref, f"K={k} prompt {TOPICS[i]!r}"
-        accepted += res.stats.accepted
-    assert accepted > 0
+        drafted += res.stats.drafted
+    assert drafted > 0

@@ -18,7 +18,7 @@ def test_tree_and_cascade_greedy_equal_plain(real_engine):
     self_d = SelfSpecDrafter(
         engine.model, [i for i in range(n) if i not in (19, 7, 17, 14, 3, 16, 12)]
     )
-    shipped = shipped_drafter_path(engine, kinds=("",))
+    shipped = shipped_drafter_path(engine)
     tiny = load_drafter(engine, str(shipped)) if shipped else None
     runs = [
         ("tree", self_d, {"shape": "static", "branching": "2x2x1"}),

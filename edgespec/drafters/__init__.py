@@ -18,12 +18,8 @@ __all__ = ["Draft", "Drafter", "ModelDrafter", "attach_drafter", "shipped_drafte
 DATA = Path(__file__).resolve().parent.parent / "data" / "drafters"
 
 
-SHIPPED_KINDS = ("-feature", "")  # preference: the feature drafter (higher acceptance), then the student
-
-
-def shipped_drafter_path(engine, kinds: tuple[str, ...] = SHIPPED_KINDS) -> Path | None:
-    """A drafter shipped with edgespec for this model: edgespec/data/drafters/<name>-feature/
-    (reads the verifier's features), else <name>/ (an independent distilled student)."""
+def shipped_drafter_path(engine) -> Path | None:
+    """A distilled drafter shipped with edgespec for this model (edgespec/data/drafters/<name>/)."""
     loaded = engine.loaded
     names = []
     src = (loaded.manifest or {}).get("source") or {}
@@ -31,11 +27,10 @@ def shipped_drafter_path(engine, kinds: tuple[str, ...] = SHIPPED_KINDS) -> Path
         names.append(str(src["name"]).split(".")[0])
     if loaded.path is not None:
         names.append(Path(loaded.path).name)
-    for kind in kinds:
-        for name in names + [n.lower() for n in names]:  # shipped folders are lower-case
-            for cand in (DATA / (name + kind), DATA / (name.rsplit("-", 1)[0] + kind)):
-                if (cand / "config.json").is_file() and (cand / "model.safetensors").is_file():
-                    return cand
+    for name in names + [n.lower() for n in names]:  # shipped folders are lower-case
+        for cand in (DATA / name, DATA / name.rsplit("-", 1)[0]):
+            if (cand / "config.json").is_file() and (cand / "model.safetensors").is_file():
+                return cand
     return None
 
 

@@ -97,9 +97,18 @@ class FeatureDrafter:
         self._n_feats += f.shape[0]
 
     def _feature_rows(self, start: int, stop: int) -> mx.array:
-        allf = mx.concatenate(self.feats, axis=0) if len(self.feats) > 1 else self.feats[0]
-        self.feats = [allf]
-        return allf[start:stop]
+        """Rows start..stop-1; only the blocks that hold them are touched (a round needs the
+        newest few, so a long context costs no copy of every feature per round)."""
+        pieces, end = [], self._n_feats
+        for block in reversed(self.feats):
+            begin = end - block.shape[0]
+            if begin < stop and end > start:
+                pieces.append(block[max(start, begin) - begin : min(stop, end) - begin])
+            if begin <= start:
+                break
+            end = begin
+        pieces.reverse()
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
     # ------------------------------------------------------------- protocol
     def begin(self, prompt: list[int]) -> None:
@@ -178,8 +187,8 @@ class FeatureDrafter:
     @classmethod
     def load(cls, path: str | Path, verifier) -> FeatureDrafter:
         """From a feature drafter folder; `verifier` (Engine or LoadedModel) supplies embedding and head."""
-        from edgespec.drafters.mlx_drafter import check_vocabulary
         from edgespec.converters.hf import read_safetensors
+        from edgespec.drafters.mlx_drafter import check_vocabulary
         from edgespec.models.feature_drafter import FeatureDraftModel
         from edgespec.models.llama import ModelArgs
 

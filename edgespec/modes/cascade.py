@@ -53,10 +53,10 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
     if getattr(tiny, "needs_features", False):
-        # A feature drafter drafts in mode 'speculative' only; the shipped student takes its place.
+        # A feature drafter drafts in mode 'speculative' only; the shipped distilled drafter takes its place.
         from edgespec.drafters import load_drafter, shipped_drafter_path
 
-        student = shipped_drafter_path(engine, kinds=("",))
+        student = shipped_drafter_path(engine)
         if student is None:
             raise EdgespecError(
                 f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: a feature drafter reads the "

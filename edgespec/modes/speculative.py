@@ -205,7 +205,6 @@ class SpeculativeMode:
         controller may ask for a speculative round (a probe), which ends the run
         with that K appended to `next_k`.
         """
-        model = self.model
 
         def queue(tok_in: int, rr: int):
             _, vs = self._samplers(sampler, base, rr)
