@@ -42,8 +42,8 @@ class DistillConfig:
     sample_temperature: float = 0.7
     k: int = 4  # draft length for the acceptance measurement
     kind: str = "student"  # "student" (independent small model) or "feature" (reads the verifier's features)
-    unroll: int = 3  # feature drafters: draft steps simulated per training position
-    reg_weight: float = 0.5  # feature drafters: weight of the feature regression term
+    unroll: int = 2  # feature drafters: draft steps simulated per training position
+    reg_weight: float = 0.2  # feature drafters: weight of the feature regression term
     evaluate: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
 
