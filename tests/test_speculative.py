@@ -272,3 +272,20 @@ def test_controller_fallback_decodes_plainly_and_exactly(verifier, plain_outputs
     assert out == ref
     assert any("controller" in n for n in stats.notes)
     assert 0 < stats.drafted < 20  # a few probe rounds only
+
+
+def test_skip_set_search_shows_progress_once(tmp_path, monkeypatch, capsys):
+    """The first self-speculation on a model searches its skip set with a progress bar on stderr;
+    the cached result needs no search (and no bar) afterwards."""
+    from edgespec.drafters import self_spec
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    engine = make_tiny_engine(0, num_hidden_layers=4)
+    monkeypatch.setattr(self_spec, "weights_sha", lambda loaded: "ab" * 32)
+    first = self_spec.skip_set_for(engine.loaded)
+    assert "choosing layers to skip" in capsys.readouterr().err
+    again = self_spec.skip_set_for(engine.loaded)
+    assert again == json.loads(json.dumps(first)) and "choosing layers to skip" not in capsys.readouterr().err
+    monkeypatch.setattr(self_spec, "weights_sha", lambda loaded: None)  # no cache: searches again, quietly
+    self_spec.skip_set_for(engine.loaded, progress=False)
+    assert "choosing layers to skip" not in capsys.readouterr().err

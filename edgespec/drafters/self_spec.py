@@ -219,8 +219,11 @@ def weights_sha(loaded) -> str | None:
     return entry.get("sha256") if isinstance(entry, dict) else None
 
 
-def skip_set_for(loaded, search: bool = True) -> dict | None:
-    """The cached skip set of this model (by weights sha), searching and caching it when missing."""
+def skip_set_for(loaded, search: bool = True, progress: bool = True) -> dict | None:
+    """The cached skip set of this model (by weights sha), searching and caching it when missing.
+
+    The search (about a minute for SmolLM2-135M on 2 CPU cores) shows a progress bar on
+    stderr unless progress=False."""
     sha = weights_sha(loaded)
     if sha:
         f = _cache_file(sha)
@@ -231,7 +234,17 @@ def skip_set_for(loaded, search: bool = True) -> dict | None:
                 pass  # corrupt: search again
     if not search:
         return None
-    result = search_skip_layers(loaded.model, loaded.tokenizer)
+    from edgespec.progress import progress_bar
+
+    steps = len(loaded.model.layers) // 2  # search_skip_layers' default max_skip
+    with progress_bar(total=steps, desc="choosing layers to skip (once per model)", unit="layer",
+                      enable=progress) as bar:
+
+        def on_step(dropped, acceptance, speedup):
+            bar.update(1)
+            bar.set_postfix_str(f"dropped {dropped}, acceptance {acceptance:.2f}, model {speedup:.2f}x")
+
+        result = search_skip_layers(loaded.model, loaded.tokenizer, on_step=on_step)
     if sha:
         f = _cache_file(sha)
         f.parent.mkdir(parents=True, exist_ok=True)
