@@ -13,18 +13,22 @@ def _table(acc: dict[str, dict[str, float]]) -> str:
     return "\n".join(rows)
 
 
-def model_card(info: dict[str, Any]) -> str:
-    """Markdown from the facts `edgespec distill` gathered (keys used below)."""
+def _cost_text(info: dict[str, Any]) -> str:
     cost = info.get("cost")
-    cost_txt = (
+    if not cost:
+        return "Not measured."
+    return (
         f"One draft step takes {cost['draft_step_s'] * 1e3:.2f} ms; one verifier decode step "
         f"{cost['verifier_step_s'] * 1e3:.2f} ms and one verify pass of K+1={info['k'] + 1} tokens "
         f"{cost['verify_pass_s'] * 1e3:.2f} ms, measured interleaved on {info.get('machine', 'this machine')} "
         f"at a {info.get('cost_context', '?')}-token context. **Draft step / verifier step = "
         f"{cost['ratio_step']:.1%}** (/ verify pass = {cost['ratio_pass']:.1%})."
-        if cost
-        else "Not measured."
     )
+
+
+def model_card(info: dict[str, Any]) -> str:
+    """Markdown from the facts `edgespec distill` gathered (keys used below)."""
+    cost_txt = _cost_text(info)
     acc = info.get("acceptance")
     n_seq = info.get("n_sequences", info["n_prompts"])
     answers = (
@@ -85,16 +89,7 @@ greedy continuations.
 
 def feature_card(info: dict[str, Any]) -> str:
     """MODEL_CARD.md of a feature drafter (`edgespec distill --kind feature`)."""
-    cost = info.get("cost")
-    cost_txt = (
-        f"One draft step takes {cost['draft_step_s'] * 1e3:.2f} ms; one verifier decode step "
-        f"{cost['verifier_step_s'] * 1e3:.2f} ms and one verify pass of K+1={info['k'] + 1} tokens "
-        f"{cost['verify_pass_s'] * 1e3:.2f} ms, measured interleaved on {info.get('machine', 'this machine')} "
-        f"at a {info.get('cost_context', '?')}-token context. **Draft step / verifier step = "
-        f"{cost['ratio_step']:.1%}** (/ verify pass = {cost['ratio_pass']:.1%})."
-        if cost
-        else "Not measured."
-    )
+    cost_txt = _cost_text(info)
     acc = info.get("acceptance")
     return f"""# Feature drafter for {info['verifier_name']}
 

@@ -18,55 +18,24 @@ import numpy as np
 from edgespec.sampling import Sampler, SamplingParams
 
 
-def acceptance(drafter, examples, k: int = 4) -> dict[str, dict[str, float]]:
-    """Per domain (and "all"): {"accepted", "drafted", "rate", "tokens_per_round"}."""
+def acceptance(drafter, examples, k: int = 4, features=None) -> dict[str, dict[str, float]]:
+    """Per domain (and "all"): {"accepted", "drafted", "rate", "tokens_per_round"}.
+
+    features: for a drafter that reads verifier features (FeatureDrafter), features[i]
+    (L, E) along example i's tokens, teacher-forced. On the greedy path the committed
+    sequence is the verifier's own, so these are the features a real run hands over (up
+    to float rounding between a full pass and incremental ones)."""
     greedy = Sampler(SamplingParams(temperature=0.0))
     acc, dra, rounds = defaultdict(int), defaultdict(int), defaultdict(int)
-    for e in examples:
+    for i, e in enumerate(examples):
         toks = [int(t) for t in e.tokens]
         pos = e.start + 1  # the verifier's first token comes from its prefill
         if pos >= len(toks):
             continue
         drafter.begin(toks[:pos])
+        f = mx.array(np.asarray(features[i], np.float32)) if features is not None else None
         while pos < len(toks):
-            n = min(k, len(toks) - pos)
-            prop = drafter.draft(n, greedy).tokens
-            a = 0
-            while a < len(prop) and prop[a] == toks[pos + a]:
-                a += 1
-            for dom in (e.domain, "all"):
-                acc[dom] += a
-                dra[dom] += len(prop)
-                rounds[dom] += 1
-            if pos + a >= len(toks):
-                break
-            drafter.accept(a, toks[pos + a])
-            pos += a + 1
-    return {
-        d: {"accepted": acc[d], "drafted": dra[d], "rate": acc[d] / max(1, dra[d]),
-            "tokens_per_round": (acc[d] + rounds[d]) / max(1, rounds[d])}
-        for d in dra
-    }
-
-
-def acceptance_features(drafter, examples, features, k: int = 4) -> dict[str, dict[str, float]]:
-    """`acceptance` for a drafter that reads verifier features (FeatureDrafter).
-
-    features[i] (L, E): the verifier's features along example i's tokens, teacher-forced.
-    On the greedy path the committed sequence is the verifier's own, so these are the
-    features a real run hands over (up to float rounding between a full pass and
-    incremental ones)."""
-    acc, dra, rounds = defaultdict(int), defaultdict(int), defaultdict(int)
-    greedy = Sampler(SamplingParams(temperature=0.0))
-    for e, f in zip(examples, features, strict=True):
-        toks = [int(t) for t in e.tokens]
-        pos = e.start + 1
-        if pos >= len(toks):
-            continue
-        drafter.begin(toks[:pos])
-        f = mx.array(np.asarray(f, np.float32))
-        while pos < len(toks):
-            need = drafter.features_needed()
+            need = drafter.features_needed() if f is not None else 0
             if need:
                 drafter.add_features(f[pos - 1 - need : pos - 1])
             n = min(k, len(toks) - pos)

@@ -73,7 +73,7 @@ def write_feature_folder(folder: Path, model, config: dict, vmap, vocab_hash: st
 def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_examples, data_minutes,
                     verifier_path, prompts, heldout, force, recipe, note) -> dict:
     from edgespec.converters.bundle import atomic_folder
-    from edgespec.converters.distill.evaluate import acceptance_features, draft_cost
+    from edgespec.converters.distill.evaluate import acceptance, draft_cost
     from edgespec.converters.distill.pipeline import _count, _params
 
     t0 = time.time()
@@ -136,7 +136,7 @@ def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_exampl
         if cfg.evaluate:
             drafter = FeatureDrafter.load(tmp, loaded)  # measure exactly what ships (fp16 weights)
             note("evaluate", 0, 2, "held-out acceptance")
-            info["acceptance"] = acceptance_features(drafter, held_examples, held_feats, cfg.k)
+            info["acceptance"] = acceptance(drafter, held_examples, cfg.k, features=held_feats)
             note("evaluate", 1, 2, "draft vs verifier cost")
             ctx = [int(t) for t in held_examples[0].tokens] if held_examples else [1] * 128
             info["cost_context"] = len(ctx)

@@ -82,6 +82,19 @@ class VocabMap:
         return cls(data["ids"], data["full_vocab_size"])
 
 
+def check_map_vocabulary(folder: Path, vmap: VocabMap, verifier) -> None:
+    """Refuse a drafter folder whose vocab map names another vocabulary than the verifier's
+    (size, and tokenizer hash when both sides know theirs). verifier: Engine or LoadedModel."""
+    from edgespec.drafters.mlx_drafter import check_vocabulary
+
+    loaded = getattr(verifier, "loaded", verifier)
+    d_hash = json.loads((Path(folder) / VOCAB_MAP).read_text()).get("vocab_hash")
+    v_hash = (loaded.manifest or {}).get("vocab_hash")
+    if v_hash is None and loaded.tokenizer is not None and d_hash:
+        v_hash = loaded.tokenizer.vocab_hash()
+    check_vocabulary(vmap.full_vocab_size, loaded.model.args.vocab_size, d_hash, v_hash)
+
+
 class DistilledDrafter(ModelDrafter):
     """ModelDrafter over a reduced-vocab model; speaks full-vocabulary ids and (k, V) q."""
 
@@ -121,14 +134,7 @@ class DistilledDrafter(ModelDrafter):
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
         if verifier is not None:
-            from edgespec.drafters.mlx_drafter import check_vocabulary
-
-            loaded = getattr(verifier, "loaded", verifier)
-            meta = json.loads((path / VOCAB_MAP).read_text())
-            v_hash = (loaded.manifest or {}).get("vocab_hash")
-            if v_hash is None and loaded.tokenizer is not None and meta.get("vocab_hash"):
-                v_hash = loaded.tokenizer.vocab_hash()
-            check_vocabulary(vmap.full_vocab_size, loaded.model.args.vocab_size, meta.get("vocab_hash"), v_hash)
+            check_map_vocabulary(path, vmap, verifier)
         # Weights ship in fp16 (size); the CPU computes fp16 several times slower than
         # fp32 (measured ~3.5x for this drafter), so widen them there.
         on_cpu = mx.default_device().type == mx.DeviceType.cpu

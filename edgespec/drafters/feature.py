@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from edgespec.drafters.base import Draft, common_prefix
-from edgespec.drafters.distilled import VOCAB_MAP, VocabMap
+from edgespec.drafters.distilled import VOCAB_MAP, VocabMap, check_map_vocabulary
 from edgespec.errors import ModelLoadError
 
 DRAFTER_JSON = "drafter.json"
@@ -188,7 +188,6 @@ class FeatureDrafter:
     def load(cls, path: str | Path, verifier) -> FeatureDrafter:
         """From a feature drafter folder; `verifier` (Engine or LoadedModel) supplies embedding and head."""
         from edgespec.converters.hf import read_safetensors
-        from edgespec.drafters.mlx_drafter import check_vocabulary
         from edgespec.models.feature_drafter import FeatureDraftModel
         from edgespec.models.llama import ModelArgs
 
@@ -201,12 +200,8 @@ class FeatureDrafter:
             args = ModelArgs.from_dict(json.loads((path / "config.json").read_text()))
         except (ValueError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"{path}: {e}") from None
+        check_map_vocabulary(path, vmap, verifier)
         loaded = getattr(verifier, "loaded", verifier)
-        meta = json.loads((path / VOCAB_MAP).read_text())
-        v_hash = (loaded.manifest or {}).get("vocab_hash")
-        if v_hash is None and loaded.tokenizer is not None and meta.get("vocab_hash"):
-            v_hash = loaded.tokenizer.vocab_hash()
-        check_vocabulary(vmap.full_vocab_size, loaded.model.args.vocab_size, meta.get("vocab_hash"), v_hash)
         model = FeatureDraftModel(args)
         weights = read_safetensors([path / "model.safetensors"])
         # fp16 on disk (size); the CPU computes fp16 several times slower than fp32.
