@@ -115,8 +115,9 @@ def convert(
             from edgespec.converters.drafter_export import write_drafter
 
             manifest["drafter"] = write_drafter(
-                tmp, drafter, model.args.vocab_size, manifest["vocab_hash"], DTYPES[dtype], **(drafter_options or {})
-            )
+                tmp, drafter, model.args.vocab_size, manifest["vocab_hash"], DTYPES[dtype],
+                tokenizer=tokenizer, progress=progress, **(drafter_options or {}),
+            )  # fmt: skip
         with progress_bar(total=None, desc="checksums", unit="file", enable=progress) as bar:
             finish_manifest(tmp, manifest, progress=lambda _: bar.update(1))
     from edgespec.bundle import read_manifest
@@ -161,7 +162,10 @@ def add_drafter(
     with atomic_folder(bundle, force=True) as tmp:
         for name in carried:
             link_or_copy(bundle / name, tmp / name)
-        entry = write_drafter(tmp, drafter, vocab_size, manifest["vocab_hash"], dtype, **(drafter_options or {}))
+        entry = write_drafter(tmp, drafter, vocab_size, manifest["vocab_hash"], dtype,
+                              progress=progress,
+                              tokenizer=Tokenizer.from_folder(bundle) if (drafter_options or {}).get("calibrate") else None,
+                              **(drafter_options or {}))  # fmt: skip
         new = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
         new["drafter"] = entry
         with progress_bar(total=None, desc="checksums", unit="file", enable=progress) as bar:

@@ -101,6 +101,20 @@ def compress_linear(w: np.ndarray, method: str) -> dict[str, np.ndarray]:
     raise ValueError(f"unknown compression {method!r} (int8, int4, palette4)")
 
 
+def decode_packed(packed: dict[str, np.ndarray]) -> np.ndarray:
+    """The dense float32 weight (O, I) that compress_linear's constexpr inputs stand for."""
+    if "lut" in packed:
+        idx = packed["indices"][:, :, 0, 0].astype(np.int64)
+        lut = packed["lut"].reshape(packed["lut"].shape[0], -1).astype(np.float32)
+        return np.take_along_axis(np.repeat(lut, idx.shape[0] // lut.shape[0], axis=0), idx, axis=1)
+    q = packed["data"][:, :, 0, 0].astype(np.float32)
+    block = q.shape[1] // packed["scale"].shape[1]
+    scale = np.repeat(packed["scale"][:, :, 0, 0].astype(np.float32), block, axis=1)
+    if "offset" in packed:
+        return scale * (q - np.repeat(packed["offset"][:, :, 0, 0].astype(np.float32), block, axis=1))
+    return scale * q
+
+
 def emit_weight(mb, types, packed: dict[str, np.ndarray], name: str):
     """The constexpr op that rebuilds an fp16 (O, I, 1, 1) conv kernel from `packed`."""
     if "lut" in packed:

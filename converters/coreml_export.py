@@ -81,8 +81,14 @@ def drafter_shape(model, context_length: int) -> DrafterShape:
     )
 
 
-def prepare_weights(model, shape: DrafterShape) -> dict[str, np.ndarray]:
+def prepare_weights(model, shape: DrafterShape, packed: dict | None = None) -> dict[str, Any]:
     """HF-named float32 weights, rearranged for the exported graph.
+
+    packed: name -> constexpr inputs of compressed linear weights (coreml_calibrate.
+    compress_model, in the model's own layout); they replace the dense weights and
+    get the same row rearrangement. Compression is per output row (a palette or
+    scales per row or per block of one row), so permuting rows and scaling them
+    commute with it: the scale goes into the palette or the scales.
 
     - q_proj rows (and bias) scaled by 1/sqrt(D): folds the attention scale in.
     - traditional (interleaved-pair) RoPE becomes rotate-half by permuting each
@@ -103,38 +109,33 @@ def prepare_weights(model, shape: DrafterShape) -> dict[str, np.ndarray]:
     w["rope_cos"], w["rope_sin"] = rope_tables(
         D, shape.context, 1.0 / np.asarray(periods, np.float64), rope.scale
     )
+    w.update(packed or {})
     perm = None
     if rope.traditional:
         perm = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])
+
+    def rows(x: np.ndarray, heads: int, factor: float) -> np.ndarray:
+        t = x.reshape(heads, D, *x.shape[1:])
+        if perm is not None:
+            t = t[:, perm]
+        if factor != 1.0:
+            t = (t * factor).astype(x.dtype)
+        return t.reshape(x.shape)
+
     for i in range(shape.n_layers):
         p = f"model.layers.{i}.self_attn."
         for proj, heads in (("q_proj", shape.n_heads), ("k_proj", shape.n_kv_heads)):
+            factor = D**-0.5 if proj == "q_proj" else 1.0
             for suffix in ("weight", "bias"):
                 name = p + proj + "." + suffix
                 if name not in w:
                     continue
-                t = w[name].reshape(heads, D, -1)
-                if perm is not None:
-                    t = t[:, perm]
-                if proj == "q_proj":
-                    t = t * D**-0.5
-                w[name] = t.reshape(w[name].shape)
+                if isinstance(w[name], dict):  # compressed: codes move with their rows; values scale
+                    w[name] = {k: rows(v, heads, 1.0 if k in ("indices", "data", "offset") else factor)
+                               for k, v in w[name].items()}  # fmt: skip
+                else:
+                    w[name] = rows(w[name], heads, factor)
     return w
-
-
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def compress_weights(w: dict[str, np.ndarray], shape: DrafterShape, compress: str) -> None:
-    """Replace every linear weight (not embedding, tied head, norms, RoPE) by its compressed form."""
-    from edgespec.converters.coreml_compress import compress_linear
-
-    if compress == "none":
-        return
-    for name in list(w):
-        stem = name.rsplit(".", 2)
-        if name.endswith(".weight") and (stem[-2] in LINEAR_NAMES or name == "lm_head.weight"):
-            w[name] = compress_linear(w[name], compress)
 
 
 def function_specs(
@@ -157,6 +158,9 @@ def export_drafter(
     vocab_hash: str | None = None,
     vocab_map=None,
     progress=None,
+    calibration: list[list[int]] | None = None,
+    calibrate_steps: int = 0,
+    calibrate_progress=None,
 ) -> dict[str, Any]:
     """Write `out` (.mlpackage) atomically; returns the manifest's `coreml` entry.
 
@@ -169,6 +173,9 @@ def export_drafter(
     metadata, so a bare package is self-contained; the returned entry holds
     only their size and digest).
     progress(str) is called with a short status per step.
+    calibration: input id sequences (the drafter's ids) to tune the compressed
+    weights on for `calibrate_steps` steps (converters/coreml_calibrate.py);
+    calibrate_progress(done, total, loss) follows that run.
     """
     out = Path(out)
     compress = compress or "none"
@@ -188,11 +195,19 @@ def export_drafter(
         raise ModelLoadError(
             f"drafter model has {shape.vocab} output slots but its vocab map {vocab_map.size}"
         )
-    weights = prepare_weights(model, shape)
-    if progress and compress != "none":
-        progress(f"compressing linear layers ({compress})")
-    # Once per weight: every function then refers to identical blobs, stored once.
-    compress_weights(weights, shape, compress)
+    if calibrate_steps < 0:
+        raise ValueError(f"calibration steps must be >= 0, got {calibrate_steps}")
+    packed, calibrated = {}, None
+    if compress != "none":
+        from edgespec.converters.coreml_calibrate import compress_model
+
+        if progress:
+            progress(f"compressing linear layers ({compress})")
+        # Once per weight: every function then refers to identical blobs, stored once.
+        packed, calibrated = compress_model(
+            model, compress, calibration, calibrate_steps, progress=calibrate_progress
+        )
+    weights = prepare_weights(model, shape, packed)
 
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
@@ -236,6 +251,7 @@ def export_drafter(
             "decode_tokens": list(decode_tokens),
             "functions": list(specs),
             "compression": compress,
+            "calibration": calibrated,
             "precision": "float16",
             "deployment_target": "iOS18/macOS15",
             "vocab_size": shape.vocab if vocab_map is None else vocab_map.full_vocab_size,

@@ -42,12 +42,17 @@ def write_drafter(
     context_length: int = 1024,
     prefill_chunk: int = 64,
     decode_tokens: tuple[int, ...] = (1, 2),
-    progress=None,
+    calibrate: int = 0,
+    tokenizer=None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Write the drafter into `folder` (the bundle's temp folder); returns the manifest's `drafter` entry.
 
     decode_tokens: 2 by default because after a fully accepted round the
     drafter has two unseen tokens (its last draft and the verifier's bonus).
+    calibrate: steps of calibrated compression (converters/coreml_calibrate.py) on
+    the built-in prompts, encoded by `tokenizer` (the verifier's); 0 = plain rounding.
+    progress: show a bar for the calibration.
     """
     import mlx.core as mx
     from edgespec.converters.bundle import write_model_files
@@ -63,6 +68,10 @@ def write_drafter(
         raise ValueError(
             "--drafter-compress applies to the Core ML package; it cannot be used with --no-coreml"
         )
+    if calibrate < 0:
+        raise ValueError(f"--drafter-calibrate must be >= 0 steps, got {calibrate}")
+    if calibrate and tokenizer is None:
+        raise ValueError("--drafter-calibrate needs the verifier's tokenizer to encode calibration text")
     from edgespec.drafters.feature import is_feature_folder
 
     if Path(src).is_dir() and is_feature_folder(src):
@@ -102,17 +111,34 @@ def write_drafter(
                 "exporting the Core ML drafter needs coremltools (pip install 'edgespec[convert]'); "
                 "or pass --no-coreml"
             ) from None
-        out["coreml"] = export_drafter(
-            model,
-            folder / "drafter.mlpackage",
-            context_length=context_length,
-            prefill_chunk=prefill_chunk,
-            decode_tokens=decode_tokens,
-            compress=compress,
-            vocab_hash=verifier_hash,
-            vocab_map=vmap,
-            progress=progress,
-        )
+        from edgespec.progress import progress_bar
+
+        steps = calibrate if compress != "none" else 0
+        seqs = None
+        if steps:
+            from edgespec.converters.coreml_calibrate import calibration_sequences
+
+            seqs = calibration_sequences(tokenizer, vmap)
+        with progress_bar(total=steps, desc=f"calibrating {compress}", unit="step",
+                          enable=progress and steps > 0) as bar:  # fmt: skip
+
+            def step(done: int, total: int, loss: float) -> None:
+                bar.set_postfix(kl=f"{loss:.4f}", refresh=False)
+                bar.update(1)
+
+            out["coreml"] = export_drafter(
+                model,
+                folder / "drafter.mlpackage",
+                context_length=context_length,
+                prefill_chunk=prefill_chunk,
+                decode_tokens=decode_tokens,
+                compress=compress,
+                vocab_hash=verifier_hash,
+                vocab_map=vmap,
+                calibration=seqs,
+                calibrate_steps=steps,
+                calibrate_progress=step,
+            )
     return out
 
 

@@ -1,0 +1,126 @@
+"""What compressing a reduced-vocabulary (distilled) drafter costs, with and without calibration.
+
+    python benchmarks/drafter_compression.py [--drafter FOLDER] [--compress int8 int4 palette4]
+        [--calibrate 0 200] [--heldout-data FOLDER] [--examples 24]
+
+For each compression and calibration budget, the drafter's linear layers are
+compressed exactly as `edgespec convert --drafter-compress C --drafter-calibrate N`
+does (converters/coreml_calibrate.compress_model), decoded back to dense weights
+(the function the Core ML package computes, up to fp16: tests/test_coreml_*.py
+check that with the numpy MIL executor) and measured on the verifier's greedy
+answers to the held-out prompts (never used for training or calibration):
+
+- agree: greedy agreement with the uncompressed drafter over every position
+  (prompt and answer), the issue's ">= 95% on real text" figure;
+- accept: held-out greedy acceptance at K=4 against the verifier (what drafting
+  speed depends on), next to the uncompressed drafter's.
+
+The held-out answers are built once with the distillation data builder into
+--heldout-data (resumable; about 10 minutes on 2 cores for the built-in set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="verifier bundle (default: the default model's bundle)"
+    )
+    p.add_argument(
+        "--drafter", default=None, help="distilled drafter folder (default: the shipped one)"
+    )
+    p.add_argument("--compress", nargs="+", default=["int8", "int4", "palette4"], help="variants")
+    p.add_argument(
+        "--calibrate", nargs="+", type=int, default=[0, 200], help="calibration step budgets"
+    )
+    p.add_argument("--heldout-data", default=str(ROOT / ".cache" / "bench" / "heldout-answers"),
+                   help="folder for the verifier's held-out answers (built on first use)")  # fmt: skip
+    p.add_argument("--examples", type=int, default=24, help="held-out answers measured")
+    p.add_argument("--max-new", type=int, default=128, help="answer length when building the data")
+    args = p.parse_args()
+
+    import mlx.core as mx
+    import numpy as np
+    from edgespec.converters.coreml_calibrate import calibration_sequences, compress_model
+    from edgespec.converters.coreml_compress import decode_packed
+    from edgespec.converters.distill.data import build_dataset, load_dataset
+    from edgespec.converters.distill.evaluate import acceptance_fast
+    from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
+    from mlx.utils import tree_flatten
+
+    from edgespec.default_model import default_bundle_path
+    from edgespec.drafters import DATA
+    from edgespec.drafters.distilled import VocabMap
+    from edgespec.loader import load, load_model_folder
+    from edgespec.progress import progress_bar
+
+    folder = Path(args.drafter) if args.drafter else DATA / "smollm2-135m-instruct"
+    vmap = VocabMap.load(folder)
+    verifier = load(args.model or default_bundle_path(progress=False), verify_hashes=False)
+    data = Path(args.heldout_data)
+    if not (data / "complete").exists():
+        items = read_prompts(builtin_path(BUILTIN_HELDOUT))
+        with progress_bar(total=len(items), desc="held-out answers", unit="prompt") as bar:
+            build_dataset(verifier, items, data, max_new=args.max_new,
+                          progress=lambda done, total: bar.update(done - bar.n))  # fmt: skip
+    _, examples = load_dataset(data)
+    examples = examples[: args.examples]
+    calibration = calibration_sequences(verifier.tokenizer, vmap)
+
+    def make():
+        return load_model_folder(folder, dtype=mx.float32)
+
+    def logits(model) -> list[np.ndarray]:
+        rows = []
+        for e in examples:
+            x = mx.array(vmap.to_reduced[np.asarray(e.tokens)][None].astype(np.int32))
+            rows.append(np.array(model(x)[0, :, 1:]))  # "other" never wins
+        return rows
+
+    ref = np.concatenate([r.argmax(-1) for r in logits(make())])
+    base = acceptance_fast(make(), vmap, examples)["all"]["rate"]
+    print(f"drafter {folder.name}: {len(ref)} positions in {len(examples)} held-out answers; "
+          f"{len(calibration)} calibration prompts")  # fmt: skip
+    print(f"uncompressed: K=4 acceptance {base:.3f}")
+    print("compress  calib_steps  agree   accept  held_back_kl(before->after)  seconds")
+    for c in args.compress:
+        for steps in args.calibrate:
+            t = time.perf_counter()
+            with progress_bar(
+                total=steps, desc=f"{c} x {steps}", unit="step", enable=steps > 0
+            ) as bar:
+                packed, stats = compress_model(make(), c, calibration, steps,
+                                               progress=lambda *_: bar.update(1))  # fmt: skip
+            secs = time.perf_counter() - t
+            model = make()
+            dense = dict(tree_flatten(model.parameters()))
+            model.load_weights(
+                [(n, mx.array(decode_packed(packed[n])).astype(dense[n].dtype)) for n in packed],
+                strict=False,
+            )
+            got = np.concatenate([r.argmax(-1) for r in logits(model)])
+            acc = acceptance_fast(model, vmap, examples)["all"]["rate"]
+            kl = (
+                f"{stats['held_back_kl_before']:.4f} -> {stats['held_back_kl_after']:.4f}"
+                if stats
+                else "-"
+            )
+            print(
+                f"{c:9s} {steps:11d}  {(got == ref).mean():.3f}  {acc:.3f}   {kl:27s}  {secs:7.0f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
