@@ -286,6 +286,6 @@ def _tune(
         "text": "built-in distillation prompts (training split)",
         "kept": "tuned" if after < before else "plain",
     }
-    if after >= before:  # never worse than plain rounding on text the tuning did not see
+    if not after < before:  # never worse than plain rounding on text the tuning did not see (or NaN)
         return packed, stats
     return {n: modules[n].packed() for n in names}, stats
