@@ -15,6 +15,10 @@ answers to the held-out prompts (never used for training or calibration):
 - accept: held-out greedy acceptance at K=4 against the verifier (what drafting
   speed depends on), next to the uncompressed drafter's.
 
+--slice N measures the first N layers of the verifier instead (full vocabulary,
+the real-model slice of tests/test_coreml_real.py) on the held-out prompts
+themselves, agreement only.
+
 The held-out answers are built once with the distillation data builder into
 --heldout-data (resumable; about 10 minutes on 2 cores for the built-in set).
 """
@@ -47,6 +51,9 @@ def main() -> int:
                    help="folder for the verifier's held-out answers (built on first use)")  # fmt: skip
     p.add_argument("--examples", type=int, default=24, help="held-out answers measured")
     p.add_argument("--max-new", type=int, default=128, help="answer length when building the data")
+    p.add_argument("--slice", type=int, default=None, metavar="N",
+                   help="measure the first N layers of the verifier instead (full vocabulary, as in "
+                   "tests/test_coreml_real.py) on the held-out prompts themselves: agreement only")  # fmt: skip
     args = p.parse_args()
 
     import mlx.core as mx
@@ -55,7 +62,12 @@ def main() -> int:
     from edgespec.converters.coreml_compress import decode_packed
     from edgespec.converters.distill.data import build_dataset, load_dataset
     from edgespec.converters.distill.evaluate import acceptance_fast
-    from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
+    from edgespec.converters.distill.prompts import (
+        BUILTIN_HELDOUT,
+        builtin_path,
+        encode_item,
+        read_prompts,
+    )
     from mlx.utils import tree_flatten
 
     from edgespec.default_model import default_bundle_path
@@ -64,34 +76,45 @@ def main() -> int:
     from edgespec.loader import load, load_model_folder
     from edgespec.progress import progress_bar
 
-    folder = Path(args.drafter) if args.drafter else DATA / "smollm2-135m-instruct"
-    vmap = VocabMap.load(folder)
-    verifier = load(args.model or default_bundle_path(progress=False), verify_hashes=False)
-    data = Path(args.heldout_data)
-    if not (data / "complete").exists():
-        items = read_prompts(builtin_path(BUILTIN_HELDOUT))
-        with progress_bar(total=len(items), desc="held-out answers", unit="prompt") as bar:
-            build_dataset(verifier, items, data, max_new=args.max_new,
-                          progress=lambda done, total: bar.update(done - bar.n))  # fmt: skip
-    _, examples = load_dataset(data)
-    examples = examples[: args.examples]
-    calibration = calibration_sequences(verifier.tokenizer, vmap)
+    bundle = args.model or default_bundle_path(progress=False)
+    heldout = read_prompts(builtin_path(BUILTIN_HELDOUT))
+    if args.slice:  # full vocabulary, no map: texts are the held-out prompts, no acceptance
+        sys.path.insert(0, str(ROOT / "tests"))
+        from test_coreml_real import truncated_real
 
-    def make():
-        return load_model_folder(folder, dtype=mx.float32)
+        make, tokenizer = truncated_real(bundle, args.slice)
+        vmap, examples, name = None, None, f"first {args.slice} layers of the verifier"
+        texts = [encode_item(tokenizer, it, 128) for it in heldout]
+    else:
+        folder = Path(args.drafter) if args.drafter else DATA / "smollm2-135m-instruct"
+        vmap, name = VocabMap.load(folder), folder.name
+        verifier = load(bundle, verify_hashes=False)
+        tokenizer = verifier.tokenizer
+        data = Path(args.heldout_data)
+        if not (data / "complete").exists():
+            with progress_bar(total=len(heldout), desc="held-out answers", unit="prompt") as bar:
+                build_dataset(verifier, heldout, data, max_new=args.max_new,
+                              progress=lambda done, total: bar.update(done - bar.n))  # fmt: skip
+        examples = load_dataset(data)[1][: args.examples]
+        texts = [vmap.to_reduced[np.asarray(e.tokens)].tolist() for e in examples]
 
-    def logits(model) -> list[np.ndarray]:
-        rows = []
-        for e in examples:
-            x = mx.array(vmap.to_reduced[np.asarray(e.tokens)][None].astype(np.int32))
-            rows.append(np.array(model(x)[0, :, 1:]))  # "other" never wins
-        return rows
+        def make():
+            return load_model_folder(folder, dtype=mx.float32)
 
-    ref = np.concatenate([r.argmax(-1) for r in logits(make())])
-    base = acceptance_fast(make(), vmap, examples)["all"]["rate"]
-    print(f"drafter {folder.name}: {len(ref)} positions in {len(examples)} held-out answers; "
-          f"{len(calibration)} calibration prompts")  # fmt: skip
-    print(f"uncompressed: K=4 acceptance {base:.3f}")
+    calibration = calibration_sequences(tokenizer, vmap)
+
+    def greedy(model) -> np.ndarray:
+        # a reduced vocabulary's slot 0 ("other") never wins, as in the runtime
+        first = 0 if vmap is None else 1
+        return np.concatenate([np.array(model(mx.array([t]))[0, :, first:]).argmax(-1) for t in texts])
+
+    def accept(model) -> str:
+        return "-" if vmap is None else f"{acceptance_fast(model, vmap, examples)['all']['rate']:.3f}"
+
+    ref = greedy(make())
+    print(f"drafter {name}: {len(ref)} positions in {len(texts)} held-out "
+          f"{'prompts' if vmap is None else 'answers'}; {len(calibration)} calibration prompts")  # fmt: skip
+    print(f"uncompressed: K=4 acceptance {accept(make())}")
     print("compress  calib_steps  agree   accept  held_back_kl(before->after)  seconds")
     for c in args.compress:
         for steps in args.calibrate:
@@ -108,15 +131,15 @@ def main() -> int:
                 [(n, mx.array(decode_packed(packed[n])).astype(dense[n].dtype)) for n in packed],
                 strict=False,
             )
-            got = np.concatenate([r.argmax(-1) for r in logits(model)])
-            acc = acceptance_fast(model, vmap, examples)["all"]["rate"]
+            got = greedy(model)
+            acc = accept(model)
             kl = (
                 f"{stats['held_back_kl_before']:.4f} -> {stats['held_back_kl_after']:.4f}"
                 if stats
                 else "-"
             )
             print(
-                f"{c:9s} {steps:11d}  {(got == ref).mean():.3f}  {acc:.3f}   {kl:27s}  {secs:7.0f}",
+                f"{c:9s} {steps:11d}  {(got == ref).mean():.3f}  {acc:5s}   {kl:27s}  {secs:7.0f}",
                 flush=True,
             )
     return 0
