@@ -128,4 +128,12 @@ def run(args) -> int:
         pkg = sum(f["size"] for n, f in manifest["files"].items() if n.startswith(coreml["package"] + "/"))
         print(f"  drafter: {coreml['package']} ({pkg / 1e6:.1f} MB, {coreml['compression']}, "
               f"context {coreml['context_length']}, functions {', '.join(coreml['functions'])})")
+        agreement = coreml.get("agreement")
+        if agreement:
+            share, target = agreement["held_back_greedy"], agreement["target"]
+            print(f"  drafter: {coreml['compression']} keeps the uncompressed drafter's greedy token on "
+                  f"{share:.1%} of {agreement['positions']} held-back positions")
+            if share < target:
+                print(f"  warning: that is below {target:.0%}: drafting may accept less; a finer "
+                      f"--drafter-compress (int8, or none) keeps more (docs/coreml.md)")
     return 0

@@ -175,7 +175,9 @@ def export_drafter(
     progress(str) is called with a short status per step.
     calibration: input id sequences (the drafter's ids) to tune the compressed
     weights on for `calibrate_steps` steps (converters/coreml_calibrate.py);
-    calibrate_progress(done, total, loss) follows that run.
+    calibrate_progress(done, total, loss) follows that run. With calibration text
+    and a compression, "agreement" records how often the compressed package's
+    greedy token equals the uncompressed drafter's on the held-back sequences.
     """
     out = Path(out)
     compress = compress or "none"
@@ -197,9 +199,13 @@ def export_drafter(
         )
     if calibrate_steps < 0:
         raise ValueError(f"calibration steps must be >= 0, got {calibrate_steps}")
-    packed, calibrated = {}, None
+    packed, calibrated, agreement = {}, None, None
     if compress != "none":
-        from edgespec.converters.coreml_calibrate import compress_model
+        from edgespec.converters.coreml_calibrate import (
+            compress_model,
+            greedy_agreement,
+            split_calibration,
+        )
 
         if progress:
             progress(f"compressing linear layers ({compress})")
@@ -207,6 +213,12 @@ def export_drafter(
         packed, calibrated = compress_model(
             model, compress, calibration, calibrate_steps, progress=calibrate_progress
         )
+        if calibration:  # what the compression costs, on text the tuning did not see
+            held = split_calibration(calibration)[1]
+            if held:
+                agreement = greedy_agreement(
+                    model, packed, held, first_slot=0 if vocab_map is None else 1
+                )
     weights = prepare_weights(model, shape, packed)
 
     import coremltools as ct
@@ -252,6 +264,7 @@ def export_drafter(
             "functions": list(specs),
             "compression": compress,
             "calibration": calibrated,
+            "agreement": agreement,
             "precision": "float16",
             "deployment_target": "iOS18/macOS15",
             "vocab_size": shape.vocab if vocab_map is None else vocab_map.full_vocab_size,

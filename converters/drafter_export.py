@@ -52,6 +52,8 @@ def write_drafter(
     drafter has two unseen tokens (its last draft and the verifier's bonus).
     calibrate: steps of calibrated compression (converters/coreml_calibrate.py) on
     the built-in prompts, encoded by `tokenizer` (the verifier's); 0 = plain rounding.
+    With a compression and a tokenizer the greedy agreement of the compressed package
+    with the uncompressed drafter is measured on held-back prompts (coreml "agreement").
     progress: show a bar for the calibration.
     """
     import mlx.core as mx
@@ -115,7 +117,7 @@ def write_drafter(
 
         steps = calibrate if compress != "none" else 0
         seqs = None
-        if steps:
+        if compress != "none" and tokenizer is not None:  # tuning text, and the agreement check
             from edgespec.converters.coreml_calibrate import calibration_sequences
 
             seqs = calibration_sequences(tokenizer, vmap)

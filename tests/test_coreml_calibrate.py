@@ -15,7 +15,11 @@ pytest.importorskip("coremltools")
 
 from conftest import make_tiny_model, write_tiny_hf_folder  # noqa: E402
 from coreml_support import executor_logits, export_package, fp16_weights, reference_logits, rel_err  # noqa: E402
-from edgespec.converters.coreml_calibrate import compress_model, linear_weight_names  # noqa: E402
+from edgespec.converters.coreml_calibrate import (  # noqa: E402
+    compress_model,
+    greedy_agreement,
+    linear_weight_names,
+)
 from edgespec.converters.coreml_compress import decode_packed  # noqa: E402
 
 
@@ -115,10 +119,33 @@ def test_convert_records_calibration_and_checks_the_option(tmp_path):
     assert cal["kept"] in ("tuned", "plain") and cal["text"].startswith("built-in")
     assert convert(tmp_path / "p0", "--drafter-compress", "int8") == 0  # int8: not tuned by default
     assert calibration(tmp_path / "p0") is None
+    for name in ("b", "p0"):  # measured either way, on the held-back prompts
+        agree = json.loads((tmp_path / name / "manifest.json").read_text())["drafter"]["coreml"]["agreement"]
+        assert 0 <= agree["held_back_greedy"] <= 1 and agree["positions"] > 0, agree
     assert convert(tmp_path / "p1", "--drafter-compress", "int4", "--drafter-calibrate", "0") == 0
     assert calibration(tmp_path / "p1") is None
     assert convert(tmp_path / "bad", "--drafter-compress", "int4", "--drafter-calibrate", "-2") != 0
     assert not (tmp_path / "bad").exists()
+
+
+def test_greedy_agreement_counts_each_real_position_once():
+    """Batched with padding, it equals one-sequence-at-a-time agreement; broken weights score low."""
+
+    def make():
+        return make_tiny_model(seed=7, scale=2.0, vocab_size=96)
+
+    seqs = [s[: 5 + 3 * i] for i, s in enumerate(sequences(11, 40, 96, seed=8))]  # ragged lengths
+    packed, _ = compress_model(make(), "palette4")
+    got = greedy_agreement(make(), packed, seqs, seq_len=32, batch_size=4)
+    cut = [s[:32] for s in seqs]
+    assert got["positions"] == sum(len(s) for s in cut) and got["target"] == 0.95
+    assert got["held_back_greedy"] == pytest.approx(
+        agreement(make(), with_packed(make(), packed), cut), abs=1e-4
+    )
+    broken = {n: {**p, "lut": np.zeros_like(p["lut"])} for n, p in packed.items()}
+    assert greedy_agreement(make(), broken, seqs, seq_len=32)["held_back_greedy"] < 0.5
+    with pytest.raises(ValueError, match="at least one sequence"):
+        greedy_agreement(make(), packed, [])
 
 
 def test_tuning_that_raises_the_kl_keeps_plain_rounding():
