@@ -40,7 +40,7 @@ def setup(real_engine):
     prompts = [real_engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TOPICS]
     plain = [real_engine.generate(p, max_tokens=MAX_TOKENS, mode="plain").tokens for p in prompts]
     # The shipped distilled drafter: a real separate drafter model, and cheap (about 6% of a
-    # verifier step), which keeps 20 prompts x 8 values of K affordable in CI.
+    # verifier step), which keeps 10 prompts x 8 values of K affordable in CI.
     drafter = load_drafter(real_engine, None)
     assert drafter is not None, "the shipped drafter for SmolLM2-135M-Instruct was not found"
     yield real_engine, drafter, prompts, plain
@@ -53,7 +53,9 @@ def test_real_greedy_equals_plain(setup, k):
     engine.drafter = drafter
     drafted = 0
     for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
-        pipeline = (i + k) % 2 == 0  # every K sees both, across the 20 prompts
+        if (i + k) % 2:  # half the prompts per K (CI time); each prompt meets 4 values of K
+            continue
+        pipeline = (i // 2 + k) % 2 == 0  # every K sees both
         res = engine.generate(p, max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k, pipeline=pipeline)
         assert res.tokens == ref, f"K={k} pipeline={pipeline} prompt {TOPICS[i]!r}"
         drafted += res.stats.drafted
@@ -90,6 +92,8 @@ def test_real_feature_drafter_equals_plain(setup, k):
     engine.drafter = FeatureDrafter(model, engine.model, vmap)
     drafted = 0
     for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
+        if (i + k) % 2:  # K=1 and K=4 split the 20 prompts between them (CI time)
+            continue
         res = engine.generate(p, max_tokens=MAX_TOKENS, mode="speculative", draft_tokens=k)
         assert res.tokens == ref, f"K={k} prompt {TOPICS[i]!r}"
         drafted += res.stats.drafted
