@@ -29,6 +29,8 @@ the KL before and after. Measured figures are in docs/coreml.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from edgespec.converters.coreml_compress import compress_linear
 
@@ -204,21 +206,8 @@ def compress_model(
     train, held = split_calibration(calibration)
     if not held:
         raise ValueError("calibration needs at least one sequence of 2 or more tokens")
-    return _tune(
-        model,
-        dense,
-        names,
-        packed,
-        method,
-        train,
-        held,
-        steps,
-        lr,
-        batch_size,
-        seq_len,
-        seed,
-        progress,
-    )
+    tuning = Tuning(steps, lr, batch_size, seq_len, seed)
+    return _tune(model, dense, packed, method, train, held, tuning, progress)
 
 
 def greedy_agreement(
@@ -272,9 +261,19 @@ def _batch(seqs: list[list[int]], seq_len: int):
     return mx.array(x), mx.array(m)
 
 
-def _tune(
-    model, dense, names, packed, method, train, held, steps, lr, batch_size, seq_len, seed, progress
-):
+@dataclass(frozen=True)
+class Tuning:
+    """The optimiser settings of one calibration run (compress_model's arguments)."""
+
+    steps: int
+    lr: float
+    batch_size: int
+    seq_len: int
+    seed: int
+
+
+def _tune(model, dense, packed, method, train, held, tuning: Tuning, progress):
+    """Tune the compressed forms of `packed` (plain rounding of `dense`); -> (packed, stats)."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -287,6 +286,8 @@ def _tune(
     teacher.freeze()
     student.freeze()
     CompressedLinear = _make_linear_class()
+    names = list(packed)
+    steps, lr, batch_size, seq_len = tuning.steps, tuning.lr, tuning.batch_size, tuning.seq_len
     modules = {}
     for n in names:
         path = n.rsplit(".", 1)[0]
@@ -313,7 +314,7 @@ def _tune(
     before = held_kl()
     opt = optim.Adam(learning_rate=optim.cosine_decay(lr, steps, lr * 0.1))
     step = nn.value_and_grad(student, lambda x, m, t: kl(x, m, t))
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(tuning.seed)
     for s in range(steps):
         x, m = _batch([train[i] for i in rng.choice(len(train), batch_size)], seq_len)
         loss, grads = step(x, m, nn.log_softmax(teacher(x), axis=-1))

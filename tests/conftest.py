@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import mlx.core as mx
@@ -47,6 +48,17 @@ def make_tiny_model(seed: int = 0, scale: float = 1.0, **overrides) -> Model:
         model.update(tree_map(lambda p: p * scale if p.ndim > 1 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+def random_prompts(count: int, seed: int = 0, max_len: int = 25) -> list[list[int]]:
+    """Mixed prompts of ids 1..63: random ones, and every third repeated three times (copy-heavy,
+    for prompt lookup and the n-gram pool)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        p = [rng.randrange(1, 64) for _ in range(rng.randrange(1, max_len))]
+        out.append(p * 3 if i % 3 == 0 else p)
+    return out
 
 
 def make_tiny_tokenizer(vocab_size: int = 64) -> Tokenizer:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import random
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_tiny_engine, make_tiny_model
+from conftest import make_tiny_engine, make_tiny_model, random_prompts
 
 from edgespec.generate import GenerationStats, PlainMode
 from edgespec.kernels import tree_mask
@@ -26,13 +25,7 @@ def run(mode, prompt, n, params=None):
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    """Mixed prompts: random ones and ones that repeat themselves (copy-heavy)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        p = [rng.randrange(1, 64) for _ in range(rng.randrange(1, 25))]
-        out.append(p * 3 if i % 3 == 0 else p)
-    return out
+    return random_prompts(count, seed, max_len=25)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,11 @@ always right and both acceptance and rejection are exercised.
 from __future__ import annotations
 
 import itertools
-import random
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_tiny_engine, make_tiny_model
+from conftest import make_tiny_engine, make_tiny_model, random_prompts
 
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter
@@ -38,13 +37,7 @@ def run(mode, prompt, n, params=None):
 
 
 def prompts(count: int = 20, seed: int = 0) -> list[list[int]]:
-    """Random prompts, every third repeated three times (copy-heavy, for lookup and pool)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        p = [rng.randrange(1, 64) for _ in range(rng.randrange(1, 20))]
-        out.append(p * 3 if i % 3 == 0 else p)
-    return out
+    return random_prompts(count, seed, max_len=20)
 
 
 @pytest.fixture(scope="module")
