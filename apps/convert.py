@@ -134,6 +134,7 @@ def run(args) -> int:
             print(f"  drafter: {coreml['compression']} keeps the uncompressed drafter's greedy token on "
                   f"{share:.1%} of {agreement['positions']} held-back positions")
             if share < target:
+                finer = "none" if coreml["compression"] == "int8" else "int8, or none"
                 print(f"  warning: that is below {target:.0%}: drafting may accept less; a finer "
-                      f"--drafter-compress (int8, or none) keeps more (docs/coreml.md)")
+                      f"--drafter-compress ({finer}) keeps more (docs/coreml.md)")
     return 0
