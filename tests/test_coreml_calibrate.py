@@ -97,7 +97,7 @@ def test_calibrated_package_computes_the_tuned_weights(tmp_path, method):
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_convert_records_calibration_and_checks_the_option(tmp_path):
+def test_convert_records_calibration_and_checks_the_option(tmp_path, capsys):
     from edgespec.apps.convert import CALIBRATE_STEPS
 
     from edgespec.cli import main
@@ -119,9 +119,15 @@ def test_convert_records_calibration_and_checks_the_option(tmp_path):
     assert cal["kept"] in ("tuned", "plain") and cal["text"].startswith("built-in")
     assert convert(tmp_path / "p0", "--drafter-compress", "int8") == 0  # int8: not tuned by default
     assert calibration(tmp_path / "p0") is None
-    for name in ("b", "p0"):  # measured either way, on the held-back prompts
+    printed = capsys.readouterr().out.split("wrote ")[1:]
+    for name, text, finer in (("b", printed[0], "int8, or none"), ("p0", printed[1], "none")):
+        # measured either way, on the held-back prompts, and said; a warning below the target
         agree = json.loads((tmp_path / name / "manifest.json").read_text())["drafter"]["coreml"]["agreement"]
         assert 0 <= agree["held_back_greedy"] <= 1 and agree["positions"] > 0, agree
+        assert f"greedy token on {agree['held_back_greedy']:.1%} of {agree['positions']} held-back" in text
+        below = agree["held_back_greedy"] < 0.95
+        assert ("warning: that is below 95%" in text) == below, text
+        assert not below or f"--drafter-compress ({finer})" in text, text
     assert convert(tmp_path / "p1", "--drafter-compress", "int4", "--drafter-calibrate", "0") == 0
     assert calibration(tmp_path / "p1") is None
     assert convert(tmp_path / "bad", "--drafter-compress", "int4", "--drafter-calibrate", "-2") != 0
