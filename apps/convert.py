@@ -65,9 +65,10 @@ def add_arguments(p) -> None:
         default=None,
         metavar="STEPS",
         help="with --drafter-compress: tune the compressed weights for STEPS steps so the drafter's "
-        "next-token distributions match the uncompressed ones on the built-in prompts (quantization-aware; "
+        "next-token distributions match the uncompressed ones on built-in answer text (quantization-aware; "
         "~6 min for 200 steps of a 2-layer drafter on 2 CPU cores; kept only if the KL on held-back "
-        f"prompts falls); 0 = plain rounding. Default {CALIBRATE_STEPS} for int4 and palette4, 0 for int8",
+        f"answers falls); 0 = plain rounding. Either way convert reports how often the compressed "
+        f"drafter's greedy token is the uncompressed one's on held-back answers. Default {CALIBRATE_STEPS} for int4 and palette4, 0 for int8",
     )
     p.add_argument(
         "--coreml",
@@ -132,7 +133,7 @@ def run(args) -> int:
         if agreement:
             share, target = agreement["held_back_greedy"], agreement["target"]
             print(f"  drafter: {coreml['compression']} keeps the uncompressed drafter's greedy token on "
-                  f"{share:.1%} of {agreement['positions']} held-back positions")
+                  f"{share:.1%} of {agreement['positions']} positions of held-back answers")
             if share < target:
                 finer = "none" if coreml["compression"] == "int8" else "int8, or none"
                 print(f"  warning: that is below {target:.0%}: drafting may accept less; a finer "

@@ -21,10 +21,12 @@ next-token distributions on calibration text:
   worse after tuning: its grid is finer than Adam's steps, 0.978 -> 0.965).
 
 Only the compressed representation changes; embeddings, norms and the tied head
-stay as they are. The calibration text is the built-in distillation prompts (the
-training split, so the held-out prompts stay unseen), in the verifier's chat
-template, cut to `seq_len` tokens. Every 8th sequence is held back to report
-the KL before and after. Measured figures are in docs/coreml.md.
+stay as they are. The calibration text is the verifier's greedy answers to the
+built-in distillation prompts (the training split, so the held-out prompts stay
+unseen), each after its prompt in the verifier's chat template and cut to its
+last `seq_len` tokens (calibration_sequences). Every 8th sequence is held back to
+report the KL before and after, and the greedy agreement (greedy_agreement).
+Measured figures are in docs/coreml.md.
 """
 
 from __future__ import annotations
@@ -61,16 +63,23 @@ def linear_weight_names(model) -> list[str]:
     return names
 
 
-def calibration_sequences(tokenizer, vocab_map=None, max_len: int = 128) -> list[list[int]]:
-    """The built-in training prompts in the chat template, as the drafter's input ids.
+def calibration_sequences(tokenizer, vocab_map=None, max_len: int = 96) -> list[list[int]]:
+    """The built-in calibration text as the drafter's input ids.
 
+    Each row of edgespec/data/calibration_answers.jsonl (the verifier's greedy answer to
+    one built-in training prompt; converters/distill/calibration_text.py) becomes the
+    prompt in the verifier's chat template followed by the answer, cut to its last
+    `max_len` tokens: the answer, with as much of its prompt as fits. A drafter only
+    drafts answers, so that is the text its compression is tuned and judged on.
     A reduced-vocabulary drafter gets its own ids (the "other" slot for tokens it lacks).
     """
-    from edgespec.converters.distill.prompts import encode_item, read_prompts
+    from edgespec.converters.distill.calibration_text import read_answers
 
     seqs = []
-    for item in read_prompts():
-        ids = np.asarray(encode_item(tokenizer, item, max_len), np.int64)
+    for row in read_answers():
+        ids = tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}])
+        ids = np.asarray(ids + tokenizer.encode(row["answer"], add_special_tokens=False), np.int64)
+        ids = ids[-max_len:]
         if vocab_map is not None:
             ids = vocab_map.to_reduced[ids]
         if len(ids) >= 2:
@@ -332,7 +341,7 @@ def _tune(model, dense, packed, method, train, held, tuning: Tuning, progress):
         "held_back_tokens": int(sum(min(len(s), seq_len) for s in held)),
         "held_back_kl_before": round(before, 6),
         "held_back_kl_after": round(after, 6),
-        "text": "built-in distillation prompts (training split)",
+        "text": "built-in verifier answers to the distillation prompts (training split)",
         "kept": "tuned" if after < before else "plain",
     }
     if not after < before:  # never worse than plain rounding on text the tuning did not see (or NaN)

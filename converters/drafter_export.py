@@ -51,9 +51,10 @@ def write_drafter(
     decode_tokens: 2 by default because after a fully accepted round the
     drafter has two unseen tokens (its last draft and the verifier's bonus).
     calibrate: steps of calibrated compression (converters/coreml_calibrate.py) on
-    the built-in prompts, encoded by `tokenizer` (the verifier's); 0 = plain rounding.
-    With a compression and a tokenizer the greedy agreement of the compressed package
-    with the uncompressed drafter is measured on held-back prompts (coreml "agreement").
+    the built-in answer text, encoded by `tokenizer` (the verifier's); 0 = plain
+    rounding. With a compression and a tokenizer the greedy agreement of the
+    compressed package with the uncompressed drafter is measured on held-back
+    answers (coreml "agreement").
     progress: show a bar for the calibration.
     """
     import mlx.core as mx

@@ -124,7 +124,7 @@ def test_convert_records_calibration_and_checks_the_option(tmp_path, capsys):
         # measured either way, on the held-back prompts, and said; a warning below the target
         agree = json.loads((tmp_path / name / "manifest.json").read_text())["drafter"]["coreml"]["agreement"]
         assert 0 <= agree["held_back_greedy"] <= 1 and agree["positions"] > 0, agree
-        assert f"greedy token on {agree['held_back_greedy']:.1%} of {agree['positions']} held-back" in text
+        assert f"greedy token on {agree['held_back_greedy']:.1%} of {agree['positions']} positions of held-back" in text
         below = agree["held_back_greedy"] < 0.95
         assert ("warning: that is below 95%" in text) == below, text
         assert not below or f"--drafter-compress ({finer})" in text, text
@@ -201,3 +201,25 @@ def test_calibration_helps_the_shipped_drafter(real_bundle):
     after = float((greedy(with_packed(make(), tuned)) == ref).mean())
     assert stats["held_back_kl_after"] < 0.5 * stats["held_back_kl_before"], stats
     assert after > before + 0.03, (len(ref), before, after)
+
+
+def test_calibration_text_is_built_in_answers_after_their_prompts():
+    """Each sequence is the tail of prompt-in-chat-template + answer: the answer's last tokens are
+    its last tokens; a reduced vocabulary gets its own ids ("other" = 0 for the rest)."""
+    from conftest import make_tiny_tokenizer
+    from edgespec.converters.coreml_calibrate import calibration_sequences
+    from edgespec.converters.distill.calibration_text import read_answers
+
+    from edgespec.drafters.distilled import VocabMap
+
+    tok = make_tiny_tokenizer(64)
+    rows = read_answers()
+    seqs = calibration_sequences(tok, max_len=40)
+    assert len(seqs) == len(rows) and all(2 <= len(s) <= 40 for s in seqs)
+    for row, seq in zip(rows, seqs, strict=True):
+        answer = tok.encode(row["answer"], add_special_tokens=False)[-40:]
+        assert seq[-len(answer) :] == answer
+    vmap = VocabMap([-1] + list(range(1, 21)), 64)  # slots 1..20 = ids 1..20
+    reduced = calibration_sequences(tok, vmap, max_len=40)
+    for full, red in zip(seqs, reduced, strict=True):
+        assert red == [t if 1 <= t <= 20 else 0 for t in full]

@@ -218,3 +218,38 @@ def test_local_prompt_builder_harvests_code_prose_and_chat(tmp_path):
                for p in by["translation"])
     assert len(set(map(str, rows))) == len(rows) and "What is gravity?" not in by["chat"]
     assert build(per_domain=6, seed=1, roots=[pkg]) == build(per_domain=6, seed=1, roots=[pkg])  # deterministic
+
+
+def test_calibration_answers_take_each_prompts_greedy_answer(tmp_path):
+    """The built-in calibration text is made from distillation data: the first (greedy) answer of
+    each distinct chat prompt, decoded; a prompt without an answer is an error naming it."""
+    from edgespec.converters.distill.calibration_text import answers_from_data
+
+    loaded = _verifier()
+    items = _items(5)
+    items = items + [items[0]]  # a repeated prompt yields one row
+    build_dataset(loaded, items, tmp_path / "greedy", max_new=6, topk=2, batch_size=4)
+    build_dataset(loaded, items, tmp_path / "sampled", max_new=6, topk=2, batch_size=4, samples=3)
+    rows = answers_from_data(tmp_path / "greedy", loaded.tokenizer, items)
+    assert [r["prompt"] for r in rows] == [it.text for it in items[:5] if it.kind == "prompt"]  # not text
+    assert rows == answers_from_data(tmp_path / "sampled", loaded.tokenizer, items)
+    first = load_dataset(tmp_path / "greedy")[1]
+    by_prompt = {tuple(e.tokens[: e.start].tolist()): e for e in first}
+    from edgespec.converters.distill.prompts import encode_item
+
+    ex = by_prompt[tuple(encode_item(loaded.tokenizer, items[2], 384))]
+    assert rows[2]["answer"] == loaded.tokenizer.decode(ex.tokens[ex.start :].tolist(), skip_special_tokens=True).strip()
+    with pytest.raises(ValueError, match="no answer for 1 prompts"):
+        answers_from_data(tmp_path / "greedy", loaded.tokenizer, items + [PromptItem("never asked")])
+
+
+def test_builtin_calibration_answers_are_the_training_prompts_only():
+    """One answer per distinct training prompt, none for a held-out prompt (those stay unseen)."""
+    from edgespec.converters.distill.calibration_text import read_answers
+    from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path
+
+    rows = read_answers()
+    prompts = [r["prompt"] for r in rows]
+    assert len(prompts) == len(set(prompts)) and set(prompts) == {it.text for it in read_prompts()}
+    assert not set(prompts) & {it.text for it in read_prompts(builtin_path(BUILTIN_HELDOUT))}
+    assert all(r["answer"].strip() for r in rows)
