@@ -63,7 +63,9 @@ def linear_weight_names(model) -> list[str]:
     return names
 
 
-def calibration_sequences(tokenizer, vocab_map=None, max_len: int = 96) -> list[list[int]]:
+def calibration_sequences(
+    tokenizer, vocab_map=None, max_len: int = 96, rows: list[dict] | None = None
+) -> list[list[int]]:
     """The built-in calibration text as the drafter's input ids.
 
     Each row of edgespec/data/calibration_answers.jsonl (the verifier's greedy answer to
@@ -72,11 +74,12 @@ def calibration_sequences(tokenizer, vocab_map=None, max_len: int = 96) -> list[
     `max_len` tokens: the answer, with as much of its prompt as fits. A drafter only
     drafts answers, so that is the text its compression is tuned and judged on.
     A reduced-vocabulary drafter gets its own ids (the "other" slot for tokens it lacks).
+    rows: other {"prompt", "answer"} rows instead (e.g. read_answers of the held-out file).
     """
     from edgespec.converters.distill.calibration_text import read_answers
 
     seqs = []
-    for row in read_answers():
+    for row in read_answers() if rows is None else rows:
         ids = tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}])
         ids = np.asarray(ids + tokenizer.encode(row["answer"], add_special_tokens=False), np.int64)
         ids = ids[-max_len:]

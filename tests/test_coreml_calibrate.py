@@ -168,14 +168,11 @@ def test_tuning_that_raises_the_kl_keeps_plain_rounding():
 def test_calibration_helps_the_shipped_drafter(real_bundle):
     """On the shipped distilled drafter, a short calibration (30 steps; `convert` runs 200) already
     lowers the held-back KL and raises palette4 greedy agreement with the uncompressed drafter on
-    the held-out prompts, text that neither distillation nor calibration saw."""
+    the verifier's answers to the held-out prompts, text that neither distillation nor
+    calibration saw."""
     from edgespec.converters.coreml_calibrate import calibration_sequences
-    from edgespec.converters.distill.prompts import (
-        BUILTIN_HELDOUT,
-        builtin_path,
-        encode_item,
-        read_prompts,
-    )
+    from edgespec.converters.distill.calibration_text import HELDOUT_ANSWERS, read_answers
+    from edgespec.converters.distill.prompts import builtin_path
 
     from edgespec.drafters import DATA
     from edgespec.drafters.distilled import VocabMap
@@ -188,8 +185,7 @@ def test_calibration_helps_the_shipped_drafter(real_bundle):
     def make():
         return load_model_folder(folder, dtype=mx.float32)
 
-    held = [vmap.to_reduced[np.array(encode_item(tok, it, 128))].tolist()
-            for it in read_prompts(builtin_path(BUILTIN_HELDOUT))]  # fmt: skip
+    held = calibration_sequences(tok, vmap, 128, read_answers(builtin_path(HELDOUT_ANSWERS)))
 
     def greedy(model) -> np.ndarray:  # slot 0 ("other") never wins, as in the runtime
         return np.concatenate([np.array(model(mx.array([s]))[0, :, 1:]).argmax(-1) for s in held])

@@ -245,11 +245,16 @@ def test_calibration_answers_take_each_prompts_greedy_answer(tmp_path):
 
 def test_builtin_calibration_answers_are_the_training_prompts_only():
     """One answer per distinct training prompt, none for a held-out prompt (those stay unseen)."""
-    from edgespec.converters.distill.calibration_text import read_answers
+    from edgespec.converters.distill.calibration_text import HELDOUT_ANSWERS, read_answers
     from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path
 
+    heldout = {it.text for it in read_prompts(builtin_path(BUILTIN_HELDOUT))}
     rows = read_answers()
     prompts = [r["prompt"] for r in rows]
     assert len(prompts) == len(set(prompts)) and set(prompts) == {it.text for it in read_prompts()}
-    assert not set(prompts) & {it.text for it in read_prompts(builtin_path(BUILTIN_HELDOUT))}
+    assert not set(prompts) & heldout
     assert all(r["answer"].strip() for r in rows)
+    measuring = read_answers(builtin_path(HELDOUT_ANSWERS))  # the held-out file: measuring only
+    assert {r["prompt"] for r in measuring} == heldout and all(r["answer"].strip() for r in measuring)
+    with pytest.raises(ValueError, match="no such calibration answers file"):
+        read_answers(builtin_path("missing.jsonl"))

@@ -10,6 +10,10 @@ The file (`edgespec/data/calibration_answers.jsonl`, one {"domain", "prompt",
 from a distillation data folder built on the built-in prompts:
 
     python -m edgespec.converters.distill.calibration_text DATA_FOLDER [--out FILE]
+    python -m edgespec.converters.distill.calibration_text HELDOUT_DATA_FOLDER --heldout
+
+(the second makes `calibration_answers_heldout.jsonl` from data built on the
+held-out prompts: text to measure compression on, never to tune on).
 
 Each example's prompt ids are matched to the prompt that produced them, and the
 first (greedy) answer of each prompt is decoded to text; the file is plain text,
@@ -23,9 +27,12 @@ import json
 import sys
 from pathlib import Path
 
-from edgespec.converters.distill.prompts import encode_item, read_prompts
+from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, encode_item, read_prompts
 
 CALIBRATION_ANSWERS = "calibration_answers.jsonl"
+# The same for the held-out prompts: text for measuring compression only (tests, benchmarks),
+# never for tuning.
+HELDOUT_ANSWERS = "calibration_answers_heldout.jsonl"
 
 
 def answers_from_data(folder: str | Path, tokenizer, items=None, max_prompt: int = 384) -> list[dict]:
@@ -55,6 +62,8 @@ def read_answers(path: str | Path | None = None) -> list[dict]:
     from edgespec.converters.distill.prompts import builtin_path
 
     path = builtin_path(CALIBRATION_ANSWERS) if path is None else Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such calibration answers file")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows or any(not r.get("prompt") or "answer" not in r for r in rows):
         raise ValueError(f"{path}: each line needs 'prompt' and 'answer'")
@@ -66,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("data", help="distillation data folder built on the built-in training prompts")
     p.add_argument("--model", default=None, help="the verifier bundle it was built with (default model)")
     p.add_argument("--out", default=None, help="output JSONL (default: the package's built-in file)")
+    p.add_argument("--heldout", action="store_true",
+                   help="DATA was built on the built-in held-out prompts: write the held-out file")  # fmt: skip
     args = p.parse_args(argv)
     from edgespec.converters.distill.prompts import builtin_path
 
@@ -73,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     from edgespec.loader import load
 
     tokenizer = load(args.model or default_bundle_path(progress=False), verify_hashes=False).tokenizer
-    rows = answers_from_data(args.data, tokenizer)
-    out = Path(args.out) if args.out else builtin_path(CALIBRATION_ANSWERS)
+    items = read_prompts(builtin_path(BUILTIN_HELDOUT)) if args.heldout else None
+    rows = answers_from_data(args.data, tokenizer, items)
+    out = Path(args.out) if args.out else builtin_path(HELDOUT_ANSWERS if args.heldout else CALIBRATION_ANSWERS)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     tmp.replace(out)
