@@ -67,8 +67,9 @@ def add_arguments(p) -> None:
         help="with --drafter-compress: tune the compressed weights for STEPS steps so the drafter's "
         "next-token distributions match the uncompressed ones on built-in answer text (quantization-aware; "
         "~6 min for 200 steps of a 2-layer drafter on 2 CPU cores; kept only if the KL on held-back "
-        f"answers falls); 0 = plain rounding. Either way convert reports how often the compressed "
-        f"drafter's greedy token is the uncompressed one's on held-back answers. Default {CALIBRATE_STEPS} for int4 and palette4, 0 for int8",
+        "answers falls); 0 = plain rounding. Either way convert reports how often the compressed "
+        "drafter's greedy token is the uncompressed one's on held-back answers. "
+        f"Default {CALIBRATE_STEPS} for int4 and palette4, 0 for int8",
     )
     p.add_argument(
         "--coreml",
