@@ -258,3 +258,18 @@ def test_builtin_calibration_answers_are_the_training_prompts_only():
     assert {r["prompt"] for r in measuring} == heldout and all(r["answer"].strip() for r in measuring)
     with pytest.raises(ValueError, match="no such calibration answers file"):
         read_answers(builtin_path("missing.jsonl"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"prompt": "a", "answer": "b"}\n{"prompt": "c"', ":2: invalid JSON"),
+    ('{"prompt": "a"}\n', ":1: each line needs"),
+    ('["a", "b"]\n', ":1: each line needs"),
+    ("\n\n", "holds no answers"),
+])  # fmt: skip
+def test_calibration_answers_file_errors_name_the_line(tmp_path, text, message):
+    from edgespec.converters.distill.calibration_text import read_answers
+
+    path = tmp_path / "answers.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_answers(path)

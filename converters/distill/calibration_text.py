@@ -64,9 +64,19 @@ def read_answers(path: str | Path | None = None) -> list[dict]:
     path = builtin_path(CALIBRATION_ANSWERS) if path is None else Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such calibration answers file")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows or any(not r.get("prompt") or "answer" not in r for r in rows):
-        raise ValueError(f"{path}: each line needs 'prompt' and 'answer'")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON ({e})") from None
+        if not isinstance(row, dict) or not row.get("prompt") or not isinstance(row.get("answer"), str):
+            raise ValueError(f"{path}:{n}: each line needs 'prompt' and 'answer' (text)")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: holds no answers")
     return rows
 
 
