@@ -113,7 +113,7 @@ def main() -> int:
 
     ref = greedy(make())
     print(f"drafter {name}: {len(ref)} positions in {len(texts)} held-out "
-          f"{'prompts' if vmap is None else 'answers'}; {len(calibration)} calibration prompts")  # fmt: skip
+          f"{'prompts' if vmap is None else 'answers'}; {len(calibration)} calibration answers")  # fmt: skip
     print(f"uncompressed: K=4 acceptance {accept(make())}")
     print("compress  calib_steps  agree   accept  held_back_kl(before->after)  seconds")
     for c in args.compress:
