@@ -121,7 +121,7 @@ def test_convert_records_calibration_and_checks_the_option(tmp_path, capsys):
     assert calibration(tmp_path / "p0") is None
     printed = capsys.readouterr().out.split("wrote ")[1:]
     for name, text, finer in (("b", printed[0], "int8, or none"), ("p0", printed[1], "none")):
-        # measured either way, on the held-back prompts, and said; a warning below the target
+        # measured either way, on the held-back answers, and said; a warning below the target
         agree = json.loads((tmp_path / name / "manifest.json").read_text())["drafter"]["coreml"]["agreement"]
         assert 0 <= agree["held_back_greedy"] <= 1 and agree["positions"] > 0, agree
         assert f"greedy token on {agree['held_back_greedy']:.1%} of {agree['positions']} positions of held-back" in text
