@@ -27,7 +27,12 @@ import json
 import sys
 from pathlib import Path
 
-from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, encode_item, read_prompts
+from edgespec.converters.distill.prompts import (
+    BUILTIN_HELDOUT,
+    encode_item,
+    jsonl_rows,
+    read_prompts,
+)
 
 CALIBRATION_ANSWERS = "calibration_answers.jsonl"
 # The same for the held-out prompts: text for measuring compression only (tests, benchmarks),
@@ -65,13 +70,7 @@ def read_answers(path: str | Path | None = None) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"{path}: no such calibration answers file")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: invalid JSON ({e})") from None
+    for n, row in jsonl_rows(path):
         if not isinstance(row, dict) or not row.get("prompt") or not isinstance(row.get("answer"), str):
             raise ValueError(f"{path}:{n}: each line needs 'prompt' and 'answer' (text)")
         rows.append(row)

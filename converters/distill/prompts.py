@@ -28,6 +28,17 @@ def builtin_path(name: str = BUILTIN_TRAIN) -> Path:
     return Path(str(resources.files("edgespec.data") / name))
 
 
+def jsonl_rows(path: Path):
+    """(line number, parsed value) for each non-blank line; bad JSON is an error naming file:line."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON ({e})") from None
+
+
 def read_prompts(path: str | Path | None = None) -> list[PromptItem]:
     """Items of a prompt file; None = the built-in training set."""
     path = builtin_path() if path is None else Path(path)
@@ -39,13 +50,7 @@ def read_prompts(path: str | Path | None = None) -> list[PromptItem]:
             if line.strip():
                 items.append(PromptItem(line.strip()))
         return items
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: invalid JSON ({e})") from None
+    for n, row in jsonl_rows(path):
         if not isinstance(row, dict) or not (("prompt" in row) ^ ("text" in row)):
             raise ValueError(f"{path}:{n}: each line needs exactly one of 'prompt' or 'text'")
         kind = "prompt" if "prompt" in row else "text"
