@@ -38,9 +38,27 @@ class Engine:
     drafter: Any = None  # a Drafter (see edgespec.drafters) or None
     default_mode: str = "auto"
     memory_budget: int | None = None  # bytes; None = use the free memory detected
+    # Earlier prompts and replies as a draft source: "memory" (default, this process only),
+    # "disk" ($EDGESPEC_HOME/history), "off"; None = $EDGESPEC_HISTORY or "memory".
+    history: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self):
+        if self.history is None or isinstance(self.history, str):
+            from edgespec.adaptive.history import make_history
+
+            self.history = make_history(self.history, self.history_key)
+
+    @property
+    def history_key(self) -> str:
+        """Names this model's history file: the vocabulary hash when the bundle records one."""
+        m = self.loaded.manifest or {}
+        key = m.get("vocab_hash") or (m.get("source") or {}).get("name")
+        if not key:
+            key = f"vocab{self.model.args.vocab_size}"
+        return str(key)
 
     @property
     def model(self):
@@ -86,18 +104,23 @@ class Engine:
         return ids
 
     def resolve_mode(self, options: GenerateOptions) -> str:
-        """'auto' -> the mode expected to be fastest with what is loaded."""
+        """'auto' -> the adaptive decoder, which picks the best source each round.
+
+        A drafter that reads the verifier's features drafts in mode 'speculative' only,
+        so auto keeps that mode for it.
+        """
         if options.mode != "auto":
             return options.mode
-        chooser = getattr(self.drafter, "preferred_mode", None)
-        if self.drafter is not None and "lookahead" in available_modes():
-            from edgespec.lookahead.memory import drafter_fits
+        from edgespec.modes.adaptive import drafter_usable
 
-            if not drafter_fits(self, self.memory_budget):
-                return "lookahead"  # no extra weights: the drafter would not fit the memory budget
-        if self.drafter is not None and "speculative" in available_modes():
-            return chooser() if callable(chooser) else "speculative"
-        return "plain"
+        if self.drafter is not None and not drafter_usable(self.drafter) and self._drafter_fits():
+            return "speculative"
+        return "adaptive"
+
+    def _drafter_fits(self) -> bool:
+        from edgespec.lookahead.memory import drafter_fits
+
+        return drafter_fits(self, self.memory_budget)
 
     def note_once(self, message: str) -> bool:
         """True the first time a note is seen (apps show each fallback message once)."""
@@ -134,15 +157,24 @@ class Engine:
             if stats is None:
                 stats = GenerationStats()
             stats.mode, stats.prompt_tokens = mode_name, len(ids)
-            mode = make_mode(mode_name, self, options)
+            if mode_name == "adaptive" and options.mode == "auto" and self.drafter is not None \
+                    and not self._drafter_fits():
+                from edgespec.modes.adaptive import make_adaptive_mode
+
+                # No extra weights: the drafter would not fit the memory budget.
+                mode = make_adaptive_mode(self, options, use_drafter=False)
+                stats.notes.append("auto: the drafter does not fit the memory budget; weight-free sources only")
+            else:
+                mode = make_mode(mode_name, self, options)
             stats.mode = getattr(mode, "name", mode_name)
             sampler = Sampler(options.sampling)
             reset_peak = getattr(mx, "reset_peak_memory", None)
             if reset_peak:
                 reset_peak()
             steps = mode.steps(ids, sampler, stats)
+            reply: list[int] = []
             try:
-                yield from stream_tokens(
+                for chunk in stream_tokens(
                     steps,
                     self.tokenizer,
                     stats,
@@ -150,8 +182,12 @@ class Engine:
                     options.stop,
                     context_left=self.context_length - len(ids),
                     cancel=cancel,
-                )
+                ):
+                    reply.extend(chunk.tokens)
+                    yield chunk
             finally:
+                if self.history is not None and reply:
+                    self.history.add(list(ids) + reply)
                 get_peak = getattr(mx, "get_peak_memory", None)
                 stats.peak_memory_bytes = int(get_peak()) if get_peak else 0
                 self.last_stats = stats

@@ -140,23 +140,25 @@ class PlainMode:
         t0 = time.perf_counter()
         logits = prefill(model, cache, prompt)
 
-        def pick(logits):
+        def pick(logits, position):
             if sampler.params.greedy:
                 # The greedy distribution is one-hot: log-prob 0 at the argmax. Skipping
                 # the (V,) transform keeps the per-token graph as small as possible.
                 return mx.argmax(logits, axis=-1), mx.array(0.0)
             lp = sampler.logprobs(logits)
-            tok = sampler.sample(lp)
+            tok = sampler.sample_at(lp[None], [position])[0]  # noise keyed by position (see Sampler)
             return tok, lp[tok]
 
-        tok, lp = pick(logits)
+        position = len(prompt)
+        tok, lp = pick(logits, position)
         mx.eval(tok, lp)
         stats.prefill_s += time.perf_counter() - t0
         while True:
             # Queue the next step before handing out this token so graph building
             # and Python overhead overlap the computation (mx.async_eval).
+            position += 1
             nxt_logits = model(tok.reshape(1, 1), cache)[0, -1]
-            nxt_tok, nxt_lp = pick(nxt_logits)
+            nxt_tok, nxt_lp = pick(nxt_logits, position)
             mx.async_eval(nxt_tok, nxt_lp)
             stats.verifier_passes += 1
             yield Token(int(tok.item()), float(lp.item()), "verifier")

@@ -24,6 +24,14 @@ class GenerateOptions:
             self.stop = [self.stop]
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a string or a list of strings")
+        from edgespec.modes import validate_mode_options
+
+        if not isinstance(self.mode, str):
+            raise ValueError(f"mode must be a string, got {self.mode!r}")
+        if not isinstance(self.mode_options, dict):
+            raise ValueError(f"mode_options must be a dict, got {type(self.mode_options).__name__}")
+        # Typed and checked against the mode's declared options, before any model is loaded.
+        self.mode_options = validate_mode_options(self.mode, self.mode_options)
         dt = self.draft_tokens
         if dt != "auto" and (not isinstance(dt, int) or isinstance(dt, bool) or not 1 <= dt <= 16):
             raise ValueError(f"draft_tokens must be 'auto' or an integer in 1..16, got {dt!r}")

@@ -9,6 +9,7 @@ temperature / top-k / top-p / min-p. Greedy (temperature 0) is the one-hot limit
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -83,12 +84,25 @@ def logprobs_from_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
+def _position_seed(seed: int, position: int) -> int:
+    h = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
 class Sampler:
-    """Draws tokens from log-probs with its own reproducible random stream."""
+    """Draws tokens from log-probs with its own reproducible random stream.
+
+    Two ways to draw: `sample` consumes the sampler's stream in call order;
+    `sample_at` draws the token of sequence position i with noise that depends
+    only on (seed, i) (Gumbel-max), so any decoder that evaluates position i
+    under the same prefix draws the same token: plain decoding and the adaptive
+    decoder give identical sampled text for one seed.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.seed = seed
         self._key = mx.random.key(seed)
 
     def next_key(self) -> mx.array:
@@ -103,6 +117,18 @@ class Sampler:
         if self.params.greedy:
             return mx.argmax(logprobs, axis=-1)
         return mx.random.categorical(logprobs, axis=-1, key=self.next_key())
+
+    def position_noise(self, positions: list[int], vocab_size: int) -> mx.array:
+        """(len(positions), V) Gumbel noise, each row a function of (seed, position) only."""
+        rows = [mx.random.gumbel(shape=(vocab_size,), key=mx.random.key(_position_seed(self.seed, int(p))))
+                for p in positions]
+        return mx.stack(rows) if len(rows) > 1 else rows[0][None]
+
+    def sample_at(self, logprobs: mx.array, positions: list[int]) -> mx.array:
+        """(T, V) log-probs of positions `positions` -> (T,) tokens (argmax when greedy)."""
+        if self.params.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        return mx.argmax(logprobs + self.position_noise(positions, logprobs.shape[-1]), axis=-1)
 
     def uniform(self, shape=()) -> mx.array:
         return mx.random.uniform(shape=shape, key=self.next_key())

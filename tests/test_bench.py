@@ -89,20 +89,31 @@ def test_builtin_prompt_set_covers_four_domains():
 # ---------------------------------------------------------------- mode specs
 def test_mode_specs_parse_settings_and_put_plain_first():
     specs = parse_mode_specs(
-        "lookahead:W=5:N=3:flag=true,speculative:draft_tokens=4", ["plain", "lookahead"]
+        "lookahead:window=5:ngram=3:adaptive=true,speculative:draft_tokens=4", ["plain", "lookahead"]
     )
     assert [s.label for s in specs] == [
         "plain",
-        "lookahead:W=5:N=3:flag=true",
+        "lookahead:window=5:ngram=3:adaptive=true",
         "speculative:draft_tokens=4",
     ]
-    assert specs[1].options == {"W": 5, "N": 3, "flag": True} and specs[1].draft_tokens == "auto"
+    assert specs[1].options == {"window": 5, "ngram": 3, "adaptive": True} and specs[1].draft_tokens == "auto"
     assert specs[2].draft_tokens == 4 and specs[2].options == {}
-    assert [s.label for s in parse_mode_specs("x,plain", ["plain"])] == ["plain", "x"]
-    assert [s.label for s in parse_mode_specs(None, ["plain", "y"])] == ["plain", "y"]
+    assert [s.label for s in parse_mode_specs(None, ["plain", "lookahead"])] == ["plain", "lookahead"]
     for bad in ("speculative:draft_tokens=99", "lookahead:W", ":W=1", "plain,plain"):
         with pytest.raises(ValueError):
             parse_mode_specs(bad, ["plain"])
+
+
+def test_mode_specs_are_checked_against_the_mode_schema_before_any_model_loads():
+    """An unknown mode, an unknown option or a bad value fails while parsing the specs."""
+    with pytest.raises(ValueError, match="unknown decoding mode 'x'"):
+        parse_mode_specs("x,plain", ["plain"])
+    with pytest.raises(ValueError, match="unknown option.*'W'.*lookahead.*valid: window"):
+        parse_mode_specs("lookahead:W=5", ["plain"])
+    with pytest.raises(ValueError, match="lookahead option 'window' must be an integer in 0..32"):
+        parse_mode_specs("lookahead:window=99", ["plain"])
+    with pytest.raises(ValueError, match="adaptive option 'sources'"):
+        parse_mode_specs("adaptive:sources=context+nope", ["plain"])
 
 
 # ---------------------------------------------------------------- test-only modes
@@ -165,7 +176,8 @@ def tiny_prompts():
 
 def test_report_has_every_mode_and_domain_and_flags_corrupted_mode(extra_modes):
     engine = make_tiny_engine(scale=3.0)
-    specs = parse_mode_specs("drafting_plain,corrupt,broken,nosuch", available_modes())
+    # parse_mode_specs refuses unknown names; a spec built by hand reaches the runner's check.
+    specs = parse_mode_specs("drafting_plain,corrupt,broken", available_modes()) + [ModeSpec("nosuch", "nosuch")]
     calls = []
     run = run_benchmark(
         engine,
@@ -342,13 +354,15 @@ def test_cli_writes_report_and_exits_nonzero_on_mismatch(extra_modes, tmp_path, 
     report = json.loads((out / "report.json").read_text())
     assert report["status"]["corrupt"] == "mismatch"
     assert "--modes plain,corrupt" in report["meta"]["command"]
-    # A correct set of modes, one of them unavailable: reported, exit 0.
+    # An unknown mode fails before the model loads; a correct set runs, exit 0.
     rc = main(
         base + ["--modes", "drafting_plain,nosuch", "--out", str(tmp_path / "ok"), "--no-plots"]
     )
     cap = capsys.readouterr()
-    assert rc == 0
-    assert "nosuch unavailable" in cap.err and "all identical" in cap.out
+    assert rc == 1 and "unknown decoding mode 'nosuch'" in cap.err
+    rc = main(base + ["--modes", "drafting_plain", "--out", str(tmp_path / "ok"), "--no-plots"])
+    cap = capsys.readouterr()
+    assert rc == 0 and "all identical" in cap.out
     # Malformed prompt files fail before any model is loaded, naming the line.
     pf.write_text(jsonl({"prompt": "ok"}, {"prompt": 3}))
     assert main(base + ["--out", str(tmp_path / "bad")]) == 1

@@ -1,4 +1,4 @@
-"""--memory-budget: the engine picks weight-free lookahead when a drafter would not fit."""
+"""--memory-budget: auto leaves the drafter out (weight-free sources only) when it would not fit."""
 
 from __future__ import annotations
 
@@ -7,17 +7,14 @@ import argparse
 import pytest
 from conftest import make_tiny_engine, make_tiny_model
 
+from edgespec.drafters.base import ModelDrafter
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.engine import make_options
 from edgespec.lookahead.memory import drafter_bytes, drafter_fits, kv_bytes, parse_size, tree_bytes
 
 
-class FakeModelDrafter:
+class FakeModelDrafter(ModelDrafter):
     name, device = "fake", "cpu"
-
-    def __init__(self, model):
-        self.model = model
-        self.vocab_size = model.args.vocab_size
 
 
 def test_parse_size():
@@ -41,9 +38,15 @@ def test_engine_prefers_lookahead_when_drafter_does_not_fit():
     need = tree_bytes(engine.model) + kv_bytes(engine.model.args, engine.context_length) + w + kv
     engine.memory_budget = need - 1
     assert not drafter_fits(engine, engine.memory_budget)
-    assert engine.resolve_mode(make_options()) == "lookahead"
+    # auto is the adaptive decoder either way; without room it leaves the drafter out.
+    assert engine.resolve_mode(make_options()) == "adaptive"
+    ref = engine.generate([1, 2, 3, 1, 2, 3], max_tokens=12, mode="plain").tokens
+    r = engine.generate([1, 2, 3, 1, 2, 3], max_tokens=12)
+    assert r.tokens == ref and any("does not fit the memory budget" in n for n in r.stats.notes)
+    assert "drafter" not in r.stats.accepted_by_source
     engine.memory_budget = need
-    assert engine.resolve_mode(make_options()) == "speculative"
+    r = engine.generate([1, 2, 3, 1, 2, 3], max_tokens=12)
+    assert r.tokens == ref and not any("memory budget" in n for n in r.stats.notes)
     assert engine.resolve_mode(make_options(mode="plain")) == "plain"  # explicit modes are kept
 
 

@@ -163,7 +163,7 @@ def test_engine_speculative_mode_and_auto(tmp_path):
     with pytest.raises(EdgespecError, match="needs a drafter"):
         engine.generate([1, 2, 3], max_tokens=4, mode="speculative")
     engine.drafter = SelfSpecDrafter(engine.model, [0, 1, 3])
-    assert engine.resolve_mode(GenerateOptions()) == "speculative"
+    assert engine.resolve_mode(GenerateOptions()) == "adaptive"  # auto: the adaptive decoder, drafter included
     for k in ("auto", 2):
         res = engine.generate([1, 2, 3], max_tokens=16, mode="speculative", draft_tokens=k, pipeline=True)
         assert res.tokens == ref

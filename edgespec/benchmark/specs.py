@@ -76,18 +76,19 @@ def parse_mode_spec(text: str) -> ModeSpec:
     spec = ModeSpec(
         label=label, mode=name, draft_tokens=draft_tokens, options=options, drafter=drafter
     )
-    # Validate the knobs now (before a model is loaded): GenerateOptions checks draft_tokens.
+    # Validate the knobs now (before a model is loaded): GenerateOptions checks the mode name,
+    # draft_tokens and the options against the mode's declared schema.
     from edgespec.engine import make_options
 
-    make_options(mode=name, draft_tokens=draft_tokens)
+    make_options(mode=name, draft_tokens=draft_tokens, **options)
     return spec
 
 
 def parse_mode_specs(text: str | list[str] | None, available: list[str]) -> list[ModeSpec]:
     """Spec list -> ModeSpecs with the plain reference first (added when missing).
 
-    None means every registered mode. Unknown names are kept (the runner
-    reports them as unavailable rather than failing the whole run).
+    None means every registered mode. An unknown name or option fails here,
+    before any model is loaded.
     """
     if text is None:
         items = list(available)

@@ -48,6 +48,11 @@ class NgramPool:
 
     def text_candidates(self, seq: list[int], limit: int) -> list[list[int]]:
         """Up to `limit` distinct continuations of seq[-1] copied from the sequence."""
+        return [cont for _, cont in self.text_matches(seq, limit)]
+
+    def text_matches(self, seq: list[int], limit: int) -> list[tuple[int, list[int]]]:
+        """Like text_candidates, with each continuation's matching context length (0..CONTEXT_CHECK):
+        how many tokens before seq[-1] also match before the copied occurrence."""
         occ = self.text.get(seq[-1])
         if not occ or limit <= 0:
             return []
@@ -62,11 +67,11 @@ class NgramPool:
             scored.append((k, i))
         scored.sort(reverse=True)  # longest matching context, then most recent
         out, seen = [], set()
-        for _, i in scored:
+        for k, i in scored:
             cont = tuple(seq[i + 1 : i + 1 + self.span])
             if cont and cont not in seen:
                 seen.add(cont)
-                out.append(list(cont))
+                out.append((k, list(cont)))
                 if len(out) == limit:
                     break
         return out

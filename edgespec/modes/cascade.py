@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from edgespec.errors import EdgespecError
 from edgespec.modes import register_mode
+from edgespec.modes.schema import PIPELINE, Option
 from edgespec.tree.cascade import CascadeDrafter
 
 _ATTR = "_cascade_drafters"
@@ -71,7 +72,7 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
         inner_k = int(inner_k)
     if not isinstance(inner_k, int) or isinstance(inner_k, bool) or not 1 <= inner_k <= 8:
         raise ValueError(f"cascade option 'inner_k' must be an integer in 1..8, got {inner_k!r}")
-    adaptive = str(opts.get("adaptive", 1)).lower() not in ("0", "false", "no")
+    adaptive = bool(opts.get("adaptive", True))
     layers = opts.get("mid_layers")
     key = (id(tiny), str(layers), inner_k, adaptive)
     store = engine.__dict__.setdefault(_ATTR, {})
@@ -84,9 +85,18 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
     return store[key]
 
 
+OPTIONS = [
+    Option("mid_layers", "str", None, OPTION_HELP["mid_layers"], check=str),
+    Option("inner_k", "int", 3, OPTION_HELP["inner_k"], 1, 8),
+    Option("adaptive", "bool", True, OPTION_HELP["adaptive"]),
+    PIPELINE,
+]
+
+
 @register_mode(
     "cascade",
     "tiny drafter -> self-speculative mid level -> verifier, lossless (controller decides)",
+    options=OPTIONS,
 )
 def make_cascade(engine, options):
     from edgespec.modes.speculative import SpeculativeMode, engine_costs

@@ -32,6 +32,7 @@ from edgespec.lookahead import (
     tree_forward,
 )
 from edgespec.modes import register_mode
+from edgespec.modes.schema import Option
 from edgespec.sampling import Sampler
 
 # CPU: measured with SmolLM2-135M on the project's 2-core Linux machine (a sweep of
@@ -41,7 +42,13 @@ from edgespec.sampling import Sampler
 # paper's larger window (not measured here: no Mac).
 DEFAULTS = {"window": 2, "ngram": 3, "guesses": 2, "span": 8, "adaptive": True}
 DEFAULTS_GPU = {"window": 5, "ngram": 4, "guesses": 5, "span": 8, "adaptive": True}
-LIMITS = {"window": (0, 32), "ngram": (2, 8), "guesses": (0, 32), "span": (1, 32)}
+OPTIONS = [
+    Option("window", "int", None, "Jacobi window columns W (0 = pooled n-grams only)", 0, 32),
+    Option("ngram", "int", None, "n-gram size N: Jacobi levels + 1", 2, 8),
+    Option("guesses", "int", None, "pooled candidates G verified per step", 0, 32),
+    Option("span", "int", None, "tokens of the best copied candidate", 1, 32),
+    Option("adaptive", "bool", None, "1: the step controller may drop the window or step plainly; 0: never"),
+]
 
 
 def default_options() -> dict:
@@ -50,22 +57,10 @@ def default_options() -> dict:
 
 
 def parse_options(mode_options: dict) -> dict:
-    """Lookahead settings from GenerateOptions.mode_options, validated."""
-    out = default_options()
-    for key, (lo, hi) in LIMITS.items():
-        if mode_options.get(key) is None:
-            continue
-        v = mode_options[key]
-        if isinstance(v, str) and v.strip().isdigit():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ValueError(
-                f"lookahead option {key!r} must be an integer in {lo}..{hi}, got {v!r}"
-            )
-        out[key] = v
-    if mode_options.get("adaptive") is not None:
-        out["adaptive"] = bool(mode_options["adaptive"])
-    return out
+    """Lookahead settings: the device defaults, overridden by the validated mode_options."""
+    from edgespec.modes import validate_mode_options
+
+    return {**default_options(), **validate_mode_options("lookahead", mode_options)}
 
 
 class LookaheadMode:
@@ -168,7 +163,9 @@ class LookaheadMode:
 
 
 @register_mode(
-    "lookahead", "weight-free lookahead decoding: Jacobi window + n-gram pool in one verifier pass"
+    "lookahead",
+    "weight-free lookahead decoding: Jacobi window + n-gram pool in one verifier pass",
+    options=OPTIONS,
 )
 def make_lookahead(engine, options):
     return LookaheadMode(engine.model, **parse_options(options.mode_options))

@@ -4,29 +4,27 @@ from __future__ import annotations
 
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.modes import register_mode
+from edgespec.modes.schema import PIPELINE, Option
 
 _ATTR = "_prompt_lookup_drafter"
-
-
-def _int_option(opts: dict, key: str, default: int) -> int:
-    v = opts.get(key, default)
-    if isinstance(v, str) and v.strip().isdigit():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16:
-        raise ValueError(f"prompt_lookup option {key!r} must be an integer in 1..16, got {v!r}")
-    return v
+OPTIONS = [
+    Option("ngram_max", "int", 3, "longest context suffix looked up", 1, 16),
+    Option("ngram_min", "int", 1, "shortest context suffix looked up", 1, 16),
+    PIPELINE,
+]
 
 
 @register_mode(
     "prompt_lookup",
     "speculative decoding with n-grams copied from the context (no drafter weights)",
+    options=OPTIONS,
 )
 def make_prompt_lookup(engine, options):
     from edgespec.modes.speculative import SpeculativeMode, engine_costs
 
     opts = options.mode_options
-    nmax = _int_option(opts, "ngram_max", 3)
-    nmin = _int_option(opts, "ngram_min", 1)
+    nmax = opts.get("ngram_max", 3)
+    nmin = opts.get("ngram_min", 1)
     # One drafter per engine and settings, so the controller's cost calibration
     # (keyed by drafter) is measured once, not per request.
     cache = engine.__dict__.setdefault(_ATTR, {})

@@ -31,6 +31,7 @@ from edgespec.drafters.base import Draft
 from edgespec.errors import EdgespecError
 from edgespec.generate import Token, prefill
 from edgespec.modes import register_mode
+from edgespec.modes.schema import PIPELINE
 from edgespec.rejection import rejection_sample
 from edgespec.sampling import Sampler
 
@@ -356,7 +357,9 @@ def engine_costs(engine, drafter) -> CostModel:
     return cache[key]
 
 
-@register_mode("speculative", "draft with the attached drafter, verify K+1 tokens per pass (lossless)")
+@register_mode(
+    "speculative", "draft with the attached drafter, verify K+1 tokens per pass (lossless)", options=[PIPELINE]
+)
 def make_speculative(engine, options):
     drafter = engine.drafter
     if drafter is None:

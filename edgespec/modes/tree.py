@@ -32,6 +32,7 @@ from edgespec.generate import GenerationStats, Token, prefill
 from edgespec.kernels import commit_kv
 from edgespec.lookahead import NgramPool, StepController, greedy_pass, sample_walk, tree_forward
 from edgespec.modes import register_mode
+from edgespec.modes.schema import PIPELINE, Option
 from edgespec.sampling import Sampler
 from edgespec.tree.candidates import SourceTree
 from edgespec.tree.controller import TreeBudget, calibrate_tree
@@ -53,6 +54,33 @@ OPTION_HELP = {
     "guesses": "pool candidates per pass (0..16)",
     "adaptive": "1: the controller may fall back to weight-free or plain steps; 0: always full trees",
 }
+
+
+def _budget(v):
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or isinstance(v, bool) or not 2 <= n <= MAX_TREE:
+        raise ValueError(f"tree option 'budget' must be 'auto' or an integer in 2..{MAX_TREE}, got {v!r}")
+    return n
+
+
+OPTIONS = [
+    Option("shape", "choice", "dynamic", OPTION_HELP["shape"], choices=("static", "dynamic")),
+    Option("branching", "str", "3x2x1x1", OPTION_HELP["branching"], check=str),
+    Option("depth", "int", 5, OPTION_HELP["depth"], 1, 12),
+    Option("width", "int", 3, OPTION_HELP["width"], 1, 16),
+    Option("topk", "int", 3, OPTION_HELP["topk"], 1, 8),
+    Option("budget", "str", "auto", OPTION_HELP["budget"], check=_budget),
+    Option("sources", "str", "drafter", OPTION_HELP["sources"], check=str),
+    Option("window", "int", 0, OPTION_HELP["window"], 0, 8),
+    Option("guesses", "int", 2, OPTION_HELP["guesses"], 0, 16),
+    Option("adaptive", "bool", True, OPTION_HELP["adaptive"]),
+    PIPELINE,
+]
 
 
 def _int(opts, key, default, lo, hi, what="tree"):
@@ -298,6 +326,7 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
 @register_mode(
     "tree",
     "tree speculation: drafter branches (static/dynamic), prompt-lookup and pool candidates in one verifier pass",
+    options=OPTIONS,
 )
 def make_tree(engine, options):
     return make_tree_mode(engine, options)

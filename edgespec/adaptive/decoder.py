@@ -1,0 +1,296 @@
+"""The adaptive decoder: each round, verify whatever the sources offer that pays most.
+
+One round, with x0 the last committed token (not yet in the verifier's cache):
+1. gather candidates from the cheap sources (context n-grams, history);
+2. price them (`estimate.plan_tree`: running acceptance by source, bucket and
+   depth; the measured verify-cost curve) and decide whether a drafter chain
+   of k tokens would add more than its drafting time costs (probed now and
+   then when it does not, so a drafter that starts to pay is noticed);
+3. verify the chosen tree in ONE verifier pass (`tree_forward`: tree mask and
+   positions), draw at every node the token plain decoding would draw there
+   (greedy: the argmax; sampling: `Sampler.sample_at`, Gumbel noise keyed by
+   the sequence position, so the draw depends on (seed, position, prefix)
+   only), keep the deepest path whose tokens equal those draws (`tree_accept`)
+   plus the draw after it, and commit its KV entries (`commit_kv`);
+4. score every candidate of the round (verified or pruned) against the
+   committed tokens: the acceptance statistics learn from all of them.
+
+When nothing is expected to beat a plain step, the decoder runs plain steps
+the way plain decoding does (the next step queued before the current token
+is handed out) and looks at the sources after each token, so silent sources
+cost a dictionary look-up per token.
+
+Lossless by construction: every committed token is the token plain decoding
+draws at that position given the same prefix, greedy or sampled, so the output
+equals plain decoding's for the same seed token for token (and so follows its
+distribution). For point-mass candidates this "draw, then match" accepts a
+candidate x with probability p(x), the same as recursive rejection; a drafter
+token is treated as one too (drafted greedily), which gives up rejection
+sampling's min(1, p/q) under sampling in exchange for seed-reproducible output
+whatever the sources did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from edgespec.adaptive.estimate import AcceptanceStats, Costs, merge_candidates, plan_tree
+from edgespec.adaptive.sources import Candidate, DrafterSource
+from edgespec.generate import GenerationStats, Token, prefill
+from edgespec.kernels import commit_kv, tree_accept
+from edgespec.lookahead import tree_forward
+from edgespec.sampling import Sampler, SamplingParams
+from edgespec.tree.candidates import SourceTree
+
+KMAX = 8  # longest drafter chain considered
+PRIORS = {
+    # First guesses of the per-depth acceptance before anything is measured.
+    "context:(4, False)": 0.8, "context:(3, False)": 0.6, "context:(2, False)": 0.45,
+    "context:(1, False)": 0.3, "context:(0, False)": 0.15, "context": 0.1,
+    "history": 0.4,
+}
+
+
+@dataclass
+class Plan:
+    kind: str  # "plain" | "tree"
+    cands: list[Candidate]
+    draft_k: int = 0
+    rate: float = 0.0
+    probe: bool = False
+
+
+class AdaptiveDecoder:
+    name = "adaptive"
+
+    def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None, history=None,
+                 guesses: int = 3, span: int = 16, max_tree: int = 32, probe_start: int = 8, probe_max: int = 128,
+                 margin: float = 1.02):
+        self.model = model
+        self.sources = list(sources)
+        self.drafter = drafter
+        self.history = history
+        self.costs = costs
+        self.guesses, self.span = guesses, span
+        self.max_tree = max(2, min(max_tree, costs.max_tokens))
+        self.probe_start, self.probe_max = probe_start, probe_max
+        self.margin = margin
+        priors = dict(PRIORS)
+        if drafter is not None:
+            priors["drafter"] = drafter.expected_acceptance
+        self.priors = priors
+
+    # ------------------------------------------------------------------ planning
+    def _cheap(self, seq: list[int]) -> list[Candidate]:
+        out = []
+        for s in self.sources:
+            out.extend(c for c in s.propose(seq, self.guesses, self.span) if c.tokens)
+        return out
+
+    def _probs(self, c: Candidate) -> np.ndarray:
+        return self.acc.path_probs(c.source, c.bucket, len(c.tokens))
+
+    def _plan(self, seq: list[int], greedy: bool) -> Plan:
+        cands = self._cheap(seq)
+        host, plain_s = self.host_s, self.plain_s
+        nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
+        kept, rate = plan_tree(nodes, self.costs, host, plain_s, self.max_tree, self.margin)
+        best = Plan("tree" if kept else "plain", cands, 0, rate)
+        d = self.drafter
+        if d is None:
+            return best
+        # Would a drafter chain of k tokens pay for its drafting time? Its tokens are not
+        # known yet: count what it adds where the cheap candidates are likely wrong.
+        self.since_draft += 1
+        ks = np.arange(1, KMAX + 1)
+        pd = np.cumsum(self.acc.path_probs("drafter", 0, KMAX))
+        e_tree = 1.0 + sum(nodes[i].prob for i in kept)
+        p1 = min(1.0, sum(nodes[i].prob for i in kept if nodes[i].parent < 0))
+        gain = e_tree + (1.0 - p1) * pd
+        t_tree = 1 + len(kept)
+        cost = host + ks * d.caps.cost_per_token + np.interp(t_tree + ks, self.costs.sizes, self.costs.verify_s)
+        rates = gain / cost
+        k = int(np.argmax(rates))
+        probe = False
+        if rates[k] > best.rate * (1.0 if kept else self.margin):
+            self.probe_wait = self.probe_start
+        elif self.since_draft >= self.probe_wait:
+            probe = True  # measure the drafter again, now and then (waits grow while it loses)
+        else:
+            return best
+        return Plan("tree", cands, int(ks[k]), float(rates[k]), probe)
+
+    # ------------------------------------------------------------------ steps
+    def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
+        model = self.model
+        greedy = sampler.params.greedy
+        self.acc = AcceptanceStats(self.priors)
+        self.host_s = 0.0  # EMA: round seconds beyond the calibrated verifier pass
+        self.plain_s = self.costs.verify(1)  # EMA: seconds of a plain step
+        self.since_draft = 0
+        self.probe_wait = self.probe_start
+        self._draft_time = 0.0
+        self._greedy = Sampler(SamplingParams(temperature=0.0))
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        logits = prefill(model, cache, prompt)
+        lp = sampler.logprobs(logits)
+        tok = sampler.sample_at(lp[None], [len(prompt)])[0]
+        mx.eval(tok, lp)
+        x0 = int(tok.item())
+        seq = list(prompt) + [x0]
+        for s in self.sources:
+            s.begin(seq)
+        if self.drafter is not None:
+            td = time.perf_counter()
+            self.drafter.begin(prompt)
+            stats.draft_s += time.perf_counter() - td
+        stats.prefill_s += time.perf_counter() - t0
+        yield Token(x0, float(lp[x0].item()), "verifier")
+
+        while True:
+            plan = self._plan(seq, greedy)
+            if plan.kind == "plain":
+                yield from self._plain_run(cache, seq, sampler, stats, greedy)
+                continue
+            t_round = time.perf_counter()
+            out = self._tree_round(cache, seq, plan, sampler, stats)
+            if out is None:  # the drafter proposed nothing and nothing else pays: one plain step
+                yield from self._plain_run(cache, seq, sampler, stats, greedy, max_steps=1)
+                continue
+            new, lps, srcs, T = out
+            dt = time.perf_counter() - t_round
+            predicted = self.costs.verify(T)
+            spent = dt - predicted - (self._draft_time if plan.draft_k else 0.0)
+            self.host_s = 0.8 * self.host_s + 0.2 * max(spent, 0.0)
+            seq.extend(new)
+            for t, lpv, src in zip(new, lps, srcs, strict=True):
+                yield Token(t, lpv, src)
+
+    def _drafted(self, plan: Plan) -> None:
+        self.since_draft = 0
+        if plan.probe:
+            self.probe_wait = min(self.probe_wait * 2, self.probe_max)
+
+    def _score(self, cands: list[Candidate], new: list[int], skip: str | None = None) -> None:
+        """Learn from every candidate of the round: how far it agreed with what was committed."""
+        for c in cands:
+            if c.source == skip:
+                continue
+            m = 0
+            limit = min(len(c.tokens), len(new))
+            while m < limit and c.tokens[m] == new[m]:
+                m += 1
+            # A mismatch inside the committed tokens is a known rejection at depth m+1;
+            # agreeing with all of them leaves deeper positions unknown.
+            tried = m + 1 if m < limit else m
+            self.acc.record(c.source, c.bucket, m, tried)
+
+    def _tree_round(self, cache, seq, plan: Plan, sampler, stats):
+        cands = list(plan.cands)
+        self._draft_time = 0.0
+        if plan.draft_k:
+            td = time.perf_counter()
+            # Drafted greedily: its tokens are point-mass candidates like every other source's.
+            dc = self.drafter.draft(seq, plan.draft_k, self._greedy)
+            self._draft_time = time.perf_counter() - td
+            stats.draft_s += self._draft_time
+            self._drafted(plan)
+            if dc.tokens:
+                cands.append(dc)
+        nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
+        kept, _ = plan_tree(nodes, self.costs, self.host_s, self.plain_s, self.max_tree, margin=0.0)
+        if not kept:
+            return None
+        # Which source put each node there first (for stats and Token.source).
+        src_of: dict[tuple, str] = {}
+        for c in cands:
+            for j in range(len(c.tokens)):
+                src_of.setdefault(tuple(c.tokens[: j + 1]), c.source)
+        tree = SourceTree.rooted(seq[-1])
+        node_of, prefix_of = {-1: 0}, {-1: ()}
+        for i in kept:
+            n = nodes[i]
+            prefix_of[i] = prefix_of[n.parent] + (n.token,)
+            node_of[i] = tree.child(node_of[n.parent], n.token, src_of.get(prefix_of[i], "drafter"))
+        p = cache[0].offset
+        T = len(tree)
+        tv = time.perf_counter()
+        logits = tree_forward(self.model, cache, tree)  # (T, V)
+        parents = mx.array(tree.parents, dtype=mx.int32)
+        if sampler.params.greedy:
+            draws = mx.argmax(logits, axis=-1).astype(mx.int32)
+            lp = None
+        else:
+            depth = [0] * T
+            for t in range(1, T):
+                depth[t] = depth[tree.parents[t]] + 1
+            lp = sampler.logprobs(logits)
+            noise = sampler.position_noise([len(seq) + d for d in range(max(depth) + 1)], lp.shape[-1])
+            draws = mx.argmax(lp + noise[mx.array(depth)], axis=-1).astype(mx.int32)
+        result = tree_accept(mx.array(tree.tokens, dtype=mx.int32), parents, draws)
+        mx.eval(result)
+        best, _, nxt = (int(v) for v in result.tolist())
+        path = tree.path_to(best)
+        commit_kv(cache, p, [0] + path)
+        new = [tree.tokens[n] for n in path] + [nxt]
+        if lp is None:
+            lps = [0.0] * len(new)
+        else:
+            rows = [0] + path  # node whose distribution drew each new token
+            lps = lp[mx.array(rows), mx.array(new)].tolist()
+        stats.verify_s += time.perf_counter() - tv
+        stats.verifier_passes += 1
+        srcs = [tree.sources[n] for n in path] + ["verifier"]
+        stats.record_draft(tree.depth(), len(path))
+        stats.draft_tokens = T - 1
+        for n in path:
+            stats.accepted_by_source[tree.sources[n]] = stats.accepted_by_source.get(tree.sources[n], 0) + 1
+        self._score(cands, new)
+        return new, lps, srcs, T
+
+    def _plain_run(self, cache, seq, sampler, stats, greedy, max_steps: int | None = None):
+        """Plain steps, each queued before the previous token is handed out, until a plan pays."""
+        model = self.model
+
+        def queue(tok, position):
+            logits = model(tok.reshape(1, 1), cache)[0, -1]
+            if greedy:
+                t = mx.argmax(logits, axis=-1)
+                return t, mx.array(0.0)
+            lp = sampler.logprobs(logits)
+            t = sampler.sample_at(lp[None], [position])[0]
+            return t, lp[t]
+
+        pending = queue(mx.array(seq[-1], dtype=mx.int32), len(seq))
+        mx.async_eval(*pending)
+        steps = 0
+        go_on = True
+        while True:
+            t0 = time.perf_counter()
+            if go_on:
+                nxt = queue(pending[0], len(seq) + 1)
+                mx.async_eval(*nxt)
+            t = int(pending[0].item())
+            lp_t = float(pending[1].item())
+            dt = time.perf_counter() - t0
+            stats.verify_s += dt
+            stats.verifier_passes += 1
+            self.plain_s = 0.9 * self.plain_s + 0.1 * max(dt, 1e-6)
+            seq.append(t)
+            steps += 1
+            yield Token(t, lp_t, "verifier")
+            if not go_on:
+                return
+            pending = nxt
+            if max_steps is not None and steps >= max_steps:
+                go_on = False  # one more (already queued) step, then back to planning
+                continue
+            # Would a round pay from the context after the queued step? Look now (cheap).
+            go_on = self._plan(seq, greedy).kind == "plain"
+

@@ -1,0 +1,179 @@
+"""What a round of candidates is worth: running acceptance per source, and the best tree to verify.
+
+Every candidate continuation comes from a source and a *bucket* of that
+source (e.g. how long the context match behind it was). For each
+(source, bucket) the `AcceptanceStats` keep, per draft depth d, the running
+conditional acceptance a(d) = P(token d accepted | tokens 1..d-1 accepted),
+as exponentially forgotten successes / trials started from a prior.
+
+A candidate's node at depth d is then kept with probability
+P(node) = a(1) * ... * a(d); where candidates share a prefix (one trie) a
+node takes the highest estimate of any candidate through it, and sibling
+estimates are scaled down when they sum past their parent's (the verifier's
+next token is one token: siblings are disjoint events). Verifying the n most
+probable nodes (an ancestor-closed set: P never grows along a path) commits
+    E(n) = 1 + sum of their P
+tokens, in verify(n + 1) seconds (the measured cost curve) plus fixed costs.
+`plan_tree` picks the n maximising E(n) / cost(n); n = 0 is a plain step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_DEPTH = 32
+
+
+@dataclass
+class _Table:
+    succ: np.ndarray
+    trials: np.ndarray
+
+
+class AcceptanceStats:
+    """Running per-depth conditional acceptance of each (source, bucket)."""
+
+    def __init__(self, priors: dict[str, float] | None = None, decay: float = 0.97, prior_weight: float = 2.0,
+                 default_prior: float = 0.3):
+        self.priors = dict(priors or {})
+        self.default_prior = default_prior
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.tables: dict[tuple[str, object], _Table] = {}
+
+    def _table(self, source: str, bucket) -> _Table:
+        key = (source, bucket)
+        t = self.tables.get(key)
+        if t is None:
+            a = self.prior(source, bucket)
+            w = self.prior_weight
+            t = _Table(np.full(MAX_DEPTH, a * w), np.full(MAX_DEPTH, w))
+            self.tables[key] = t
+        return t
+
+    def prior(self, source: str, bucket) -> float:
+        for key in ((source, bucket), source):
+            name = f"{key[0]}:{key[1]}" if isinstance(key, tuple) else key
+            if name in self.priors:
+                return self.priors[name]
+        return self.default_prior
+
+    def rates(self, source: str, bucket, depth: int) -> np.ndarray:
+        """a(1..depth) for this source and bucket."""
+        t = self._table(source, bucket)
+        d = min(depth, MAX_DEPTH)
+        return t.succ[:d] / t.trials[:d]
+
+    def path_probs(self, source: str, bucket, depth: int) -> np.ndarray:
+        """P(node at depth 1..depth kept) = cumulative product of the conditional rates."""
+        return np.cumprod(self.rates(source, bucket, depth))
+
+    def record(self, source: str, bucket, accepted: int, tried: int) -> None:
+        """Depths 1..accepted were kept; depth accepted+1 was rejected if accepted < tried."""
+        t = self._table(source, bucket)
+        n = min(accepted, MAX_DEPTH)
+        end = min(tried, MAX_DEPTH)
+        seen = min(n + (1 if accepted < tried else 0), end)
+        if seen <= 0:
+            return
+        d = self.decay
+        t.succ[:seen] *= d
+        t.trials[:seen] *= d
+        t.succ[:n] += 1.0
+        t.trials[:seen] += 1.0
+
+
+@dataclass
+class Costs:
+    """Seconds of one verifier pass over T tokens (interpolated), and per drafted token."""
+
+    sizes: list[int]
+    verify_s: list[float]
+    draft_s: float = 0.0
+
+    def verify(self, T: int) -> float:
+        return float(np.interp(T, self.sizes, self.verify_s))
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.sizes[-1])
+
+
+@dataclass
+class Node:
+    token: int
+    parent: int  # index in the node list; -1 = the root (the last committed token)
+    prob: float
+    children: dict[int, int] = field(default_factory=dict)
+
+
+def merge_candidates(cands: list[tuple[list[int], np.ndarray]]) -> list[Node]:
+    """Candidates (tokens, P per depth) -> trie nodes (topological order) with normalised P.
+
+    A node shared by several candidates takes the largest estimate; children whose
+    estimates sum past their parent's are scaled to it, recursively.
+    """
+    nodes: list[Node] = []
+    root_children: dict[int, int] = {}
+    for tokens, probs in cands:
+        kids = root_children
+        parent = -1
+        for tok, p in zip(tokens, probs, strict=False):
+            i = kids.get(tok)
+            if i is None:
+                i = len(nodes)
+                nodes.append(Node(int(tok), parent, float(p)))
+                kids[tok] = i
+            else:
+                nodes[i].prob = max(nodes[i].prob, float(p))
+            parent, kids = i, nodes[i].children
+    # Scale siblings top-down (parents precede children in `nodes`).
+    def scale(kids: dict[int, int], cap: float) -> None:
+        total = sum(nodes[i].prob for i in kids.values())
+        if total > cap > 0:
+            f = cap / total
+            for i in kids.values():
+                nodes[i].prob *= f
+        for i in kids.values():
+            nodes[i].prob = min(nodes[i].prob, cap)
+
+    scale(root_children, 1.0)
+    for n in nodes:
+        scale(n.children, n.prob)
+    return nodes
+
+
+def plan_tree(nodes: list[Node], costs: Costs, fixed_s: float = 0.0, plain_s: float | None = None,
+              max_tokens: int | None = None, margin: float = 1.0) -> tuple[list[int], float]:
+    """Choose the nodes to verify -> (kept node indices in topological order, expected tokens/s).
+
+    fixed_s: seconds the round costs beyond the verifier pass (drafting, host work).
+    plain_s: seconds of a plain step (default verify(1)); an empty choice means a plain step.
+    The chosen set must beat the plain rate by `margin`.
+    """
+    plain_s = costs.verify(1) if plain_s is None else plain_s
+    plain_rate = 1.0 / plain_s
+    if not nodes:
+        return [], plain_rate
+    cap = (max_tokens or costs.max_tokens) - 1
+    depth = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        depth[i] = 1 + (depth[n.parent] if n.parent >= 0 else 0)
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].prob, depth[i], i))[:cap]
+    gain = 1.0 + np.cumsum([nodes[i].prob for i in order])
+    cost = np.array([fixed_s + costs.verify(n + 2) for n in range(len(order))])
+    rate = gain / cost
+    best = int(np.argmax(rate))
+    if rate[best] <= margin * plain_rate:
+        return [], plain_rate
+    keep = set(order[: best + 1])
+    # Ancestor closure (ties could break a path): drop any node whose parent is not kept.
+    kept: list[int] = []
+    have: set[int] = set()
+    for i in range(len(nodes)):
+        if i in keep and (nodes[i].parent < 0 or nodes[i].parent in have):
+            kept.append(i)
+            have.add(i)
+    return kept, float(rate[best])

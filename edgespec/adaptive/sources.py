@@ -1,0 +1,131 @@
+"""Candidate sources of the adaptive decoder: one small protocol, capabilities declared.
+
+A source proposes continuations of the committed sequence (which ends with
+x0, the last committed token, not yet in the verifier's cache). What the
+decoder needs to know about a source is declared, not probed:
+
+- `point_mass`: proposals are fixed tokens, verified by recursive rejection
+  (lossless under sampling for any proposal drawn independently of the
+  verifier's randomness);
+- `has_q`: proposals come with the drafter's log-probs q, so under sampling
+  they go through `rejection_sample` (accept with min(1, p/q));
+- `cost_per_token`: seconds per proposed token (0 for look-ups); a source
+  with a cost is only asked when the planner expects it to pay.
+
+Sources: "context" (n-grams of this request's prompt and output, ranked by
+match length: prompt lookup generalised to several candidates), "history"
+(the engine's earlier prompts and replies, see `history.py`), "drafter" (an
+attached drafter's chain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from edgespec.lookahead.pool import NgramPool
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    point_mass: bool = True
+    has_q: bool = False
+    cost_per_token: float = 0.0
+
+
+@dataclass
+class Candidate:
+    tokens: list[int]
+    source: str
+    bucket: object = 0  # the stats bucket (e.g. match length) its acceptance is tracked under
+    logprobs: mx.array | None = None  # (k, V) q of a has_q source
+
+
+class Source(Protocol):
+    name: str
+    caps: Capabilities
+
+    def begin(self, prompt: list[int]) -> None: ...
+
+    def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]: ...
+
+    def close(self) -> None: ...
+
+
+class ContextSource:
+    """Continuations copied from this request's own prompt and output (several, ranked)."""
+
+    name = "context"
+    caps = Capabilities()
+    MAX_BUCKET = 4
+
+    def __init__(self, span: int = 16):
+        self.pool = NgramPool(span, 1)
+        self.span = span
+
+    def begin(self, prompt: list[int]) -> None:
+        self.pool = NgramPool(self.span, 1)
+        self.pool.add_text(list(prompt))
+
+    def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
+        self.pool.add_text(seq)
+        out = []
+        for rank, (k, cont) in enumerate(self.pool.text_matches(seq, limit)):
+            out.append(Candidate(cont[:span], self.name, (min(k, self.MAX_BUCKET), rank > 0)))
+        return out
+
+    def close(self) -> None:
+        self.pool = NgramPool(self.span, 1)
+
+
+class HistorySource:
+    """Continuations from earlier generations of this engine (see HistoryStore)."""
+
+    name = "history"
+    caps = Capabilities()
+
+    def __init__(self, store):
+        self.store = store
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
+        return [
+            Candidate(cont, self.name, (n, rank > 0))
+            for rank, (n, cont) in enumerate(self.store.lookup(seq, limit, span))
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+class DrafterSource:
+    """A drafter's chain of k tokens (with its q), asked only when the planner expects it to pay."""
+
+    name = "drafter"
+
+    def __init__(self, drafter, draft_s: float):
+        if getattr(drafter, "needs_features", False):
+            raise ValueError(f"drafter {drafter.name!r} reads verifier features; it drafts in mode 'speculative' only")
+        if not hasattr(drafter, "sync"):
+            raise ValueError(f"drafter {drafter.name!r} cannot follow another source's tokens (no sync)")
+        self.drafter = drafter
+        self.caps = Capabilities(point_mass=False, has_q=True, cost_per_token=float(draft_s))
+        self.expected_acceptance = float(getattr(drafter, "expected_acceptance", 0.5))
+
+    def begin(self, prompt: list[int]) -> None:
+        self.drafter.begin(list(prompt))
+
+    def draft(self, seq: list[int], k: int, sampler) -> Candidate:
+        self.drafter.sync(list(seq))
+        d = self.drafter.draft(k, sampler)
+        return Candidate(list(d.tokens), self.name, 0, d.logprobs)
+
+    def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
+        return []  # costly: drafted on the planner's request only (see draft)
+
+    def close(self) -> None:
+        pass  # the drafter belongs to the engine
