@@ -155,3 +155,30 @@ def pytest_sessionfinish(session, exitstatus):
     from edgespec.modes.speculative import _Worker
 
     _Worker._shutdown()
+
+
+class PacedModel:
+    """A model whose every forward call also takes `seconds` of wall time, whatever its width.
+
+    Stands in for an accelerator where a verifier pass costs about the same for 1 or 32
+    tokens and dwarfs the host's bookkeeping (a tiny model on a CPU is the opposite), so
+    tests of cost-driven choices see the regime the choices are made for.
+    """
+
+    def __init__(self, model, seconds: float = 0.005):
+        self._model = model
+        self._seconds = seconds
+
+    def __call__(self, *args, **kwargs):
+        import time
+
+        time.sleep(self._seconds)
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def make_paced_engine(seed: int = 0, seconds: float = 0.005, **overrides) -> Engine:
+    model = make_tiny_model(seed, **overrides)
+    return Engine(LoadedModel(PacedModel(model, seconds), make_tiny_tokenizer(model.args.vocab_size), None))

@@ -40,10 +40,10 @@ import mlx.core as mx
 import numpy as np
 
 from edgespec.adaptive.estimate import AcceptanceStats, Costs, merge_candidates, plan_tree
-from edgespec.adaptive.sources import Candidate, DrafterSource
+from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
 from edgespec.generate import GenerationStats, Token, prefill
 from edgespec.kernels import commit_kv, tree_accept
-from edgespec.lookahead import tree_forward
+from edgespec.lookahead import StepController, tree_forward
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.tree.candidates import SourceTree
 
@@ -70,9 +70,13 @@ class AdaptiveDecoder:
 
     def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None, history=None,
                  guesses: int = 3, span: int = 16, max_tree: int = 32, probe_start: int = 8, probe_max: int = 128,
-                 margin: float = 1.02):
+                 margin: float = 1.02, jacobi: JacobiSource | None = None, memory: dict | None = None):
+        """memory: a dict kept by the engine across requests (what acceptance and costs were
+        measured); each request starts from it and writes back what it learned."""
         self.model = model
-        self.sources = list(sources)
+        self.sources = list(sources) + ([jacobi] if jacobi is not None else [])
+        self.jacobi = jacobi
+        self.memory = memory if memory is not None else {}
         self.drafter = drafter
         self.history = history
         self.costs = costs
@@ -129,13 +133,17 @@ class AdaptiveDecoder:
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
         model = self.model
         greedy = sampler.params.greedy
-        self.acc = AcceptanceStats(self.priors)
-        self.host_s = 0.0  # EMA: round seconds beyond the calibrated verifier pass
-        self.plain_s = self.costs.verify(1)  # EMA: seconds of a plain step
+        mem = self.memory
+        self.acc = mem["acc"].carried() if "acc" in mem else AcceptanceStats(self.priors)
+        self.host_s = mem.get("host_s", 0.0)  # EMA: round seconds beyond the calibrated verifier pass
+        self.plain_s = mem.get("plain_s", self.costs.verify(1))  # EMA: seconds of a plain step
         self.since_draft = 0
-        self.probe_wait = self.probe_start
+        self.probe_wait = mem.get("probe_wait", self.probe_start)
         self._draft_time = 0.0
         self._greedy = Sampler(SamplingParams(temperature=0.0))
+        # Whether the Jacobi window rides along: measured tokens/s with ("full") and
+        # without it ("lean"), the slower one re-probed now and then (lookahead's controller).
+        self.wctl = StepController(kinds=("full", "lean")) if self.jacobi is not None else None
         cache = model.make_cache()
         t0 = time.perf_counter()
         logits = prefill(model, cache, prompt)
@@ -147,30 +155,40 @@ class AdaptiveDecoder:
         for s in self.sources:
             s.begin(seq)
         if self.drafter is not None:
-            td = time.perf_counter()
-            self.drafter.begin(prompt)
-            stats.draft_s += time.perf_counter() - td
+            self.drafter.begin(prompt)  # lazy: the drafter reads the prompt at its first draft
         stats.prefill_s += time.perf_counter() - t0
         yield Token(x0, float(lp[x0].item()), "verifier")
+        try:
+            yield from self._rounds(cache, seq, sampler, stats, greedy)
+        finally:
+            mem.update(acc=self.acc, host_s=self.host_s, plain_s=self.plain_s, probe_wait=self.probe_wait)
 
+    def _rounds(self, cache, seq, sampler, stats, greedy):
         while True:
             plan = self._plan(seq, greedy)
-            if plan.kind == "plain":
+            window = self._window_now()
+            if plan.kind == "plain" and not window:
                 yield from self._plain_run(cache, seq, sampler, stats, greedy)
                 continue
             t_round = time.perf_counter()
-            out = self._tree_round(cache, seq, plan, sampler, stats)
+            out = self._tree_round(cache, seq, plan, sampler, stats, window)
             if out is None:  # the drafter proposed nothing and nothing else pays: one plain step
                 yield from self._plain_run(cache, seq, sampler, stats, greedy, max_steps=1)
                 continue
             new, lps, srcs, T = out
             dt = time.perf_counter() - t_round
-            predicted = self.costs.verify(T)
-            spent = dt - predicted - (self._draft_time if plan.draft_k else 0.0)
-            self.host_s = 0.8 * self.host_s + 0.2 * max(spent, 0.0)
+            if self.wctl is not None:
+                self.wctl.record("full" if window else "lean", len(new), dt)
+            if not window:
+                predicted = self.costs.verify(T)
+                spent = dt - predicted - (self._draft_time if plan.draft_k else 0.0)
+                self.host_s = 0.8 * self.host_s + 0.2 * max(spent, 0.0)
             seq.extend(new)
             for t, lpv, src in zip(new, lps, srcs, strict=True):
                 yield Token(t, lpv, src)
+
+    def _window_now(self) -> bool:
+        return self.wctl is not None and self.wctl.choose() == "full"
 
     def _drafted(self, plan: Plan) -> None:
         self.since_draft = 0
@@ -191,7 +209,7 @@ class AdaptiveDecoder:
             tried = m + 1 if m < limit else m
             self.acc.record(c.source, c.bucket, m, tried)
 
-    def _tree_round(self, cache, seq, plan: Plan, sampler, stats):
+    def _tree_round(self, cache, seq, plan: Plan, sampler, stats, window: bool = False):
         cands = list(plan.cands)
         self._draft_time = 0.0
         if plan.draft_k:
@@ -205,7 +223,7 @@ class AdaptiveDecoder:
                 cands.append(dc)
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         kept, _ = plan_tree(nodes, self.costs, self.host_s, self.plain_s, self.max_tree, margin=0.0)
-        if not kept:
+        if not kept and not window:
             return None
         # Which source put each node there first (for stats and Token.source).
         src_of: dict[tuple, str] = {}
@@ -218,24 +236,20 @@ class AdaptiveDecoder:
             n = nodes[i]
             prefix_of[i] = prefix_of[n.parent] + (n.token,)
             node_of[i] = tree.child(node_of[n.parent], n.token, src_of.get(prefix_of[i], "drafter"))
+        if window:
+            tree.add_window(self.jacobi.levels)
         p = cache[0].offset
         T = len(tree)
         tv = time.perf_counter()
         logits = tree_forward(self.model, cache, tree)  # (T, V)
         parents = mx.array(tree.parents, dtype=mx.int32)
-        if sampler.params.greedy:
-            draws = mx.argmax(logits, axis=-1).astype(mx.int32)
-            lp = None
-        else:
-            depth = [0] * T
-            for t in range(1, T):
-                depth[t] = depth[tree.parents[t]] + 1
-            lp = sampler.logprobs(logits)
-            noise = sampler.position_noise([len(seq) + d for d in range(max(depth) + 1)], lp.shape[-1])
-            draws = mx.argmax(lp + noise[mx.array(depth)], axis=-1).astype(mx.int32)
+        draws, lp = draw_tokens(logits, tree.parents, len(seq), sampler)
         result = tree_accept(mx.array(tree.tokens, dtype=mx.int32), parents, draws)
-        mx.eval(result)
+        mx.eval(result, draws)
         best, _, nxt = (int(v) for v in result.tolist())
+        if window:
+            d = draws.tolist()
+            self.jacobi.harvest([d[n] for n in tree.window[-1]])
         path = tree.path_to(best)
         commit_kv(cache, p, [0] + path)
         new = [tree.tokens[n] for n in path] + [nxt]
@@ -282,6 +296,8 @@ class AdaptiveDecoder:
             stats.verify_s += dt
             stats.verifier_passes += 1
             self.plain_s = 0.9 * self.plain_s + 0.1 * max(dt, 1e-6)
+            if self.wctl is not None:
+                self.wctl.record("lean", 1, dt)
             seq.append(t)
             steps += 1
             yield Token(t, lp_t, "verifier")
@@ -292,5 +308,21 @@ class AdaptiveDecoder:
                 go_on = False  # one more (already queued) step, then back to planning
                 continue
             # Would a round pay from the context after the queued step? Look now (cheap).
-            go_on = self._plan(seq, greedy).kind == "plain"
+            go_on = self._plan(seq, greedy).kind == "plain" and not self._window_now()
 
+
+def draw_tokens(logits: mx.array, parents: list[int], position: int, sampler: Sampler):
+    """Per tree node, the token plain decoding would draw there -> (draws (T,), log-probs (T, V) or None).
+
+    Node t sits at depth d(t) and predicts sequence position `position + d(t)`;
+    greedy draws the argmax, sampling the Gumbel-max draw with that position's
+    noise (`Sampler.position_noise`), the same draw plain decoding makes there.
+    """
+    if sampler.params.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+    depth = [0] * len(parents)
+    for t in range(1, len(parents)):
+        depth[t] = depth[parents[t]] + 1
+    lp = sampler.logprobs(logits)
+    noise = sampler.position_noise([position + d for d in range(max(depth) + 1)], lp.shape[-1])
+    return mx.argmax(lp + noise[mx.array(depth)], axis=-1).astype(mx.int32), lp

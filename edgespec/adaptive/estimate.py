@@ -70,6 +70,15 @@ class AcceptanceStats:
         """P(node at depth 1..depth kept) = cumulative product of the conditional rates."""
         return np.cumprod(self.rates(source, bucket, depth))
 
+    def carried(self, weight: float = 6.0) -> AcceptanceStats:
+        """A copy for the next request: the same rates, worth at most `weight` trials per depth,
+        so what earlier traffic taught is the starting point and new traffic soon outweighs it."""
+        out = AcceptanceStats(self.priors, self.decay, self.prior_weight, self.default_prior)
+        for key, t in self.tables.items():
+            f = np.minimum(1.0, weight / np.maximum(t.trials, 1e-9))
+            out.tables[key] = _Table(t.succ * f, t.trials * f)
+        return out
+
     def record(self, source: str, bucket, accepted: int, tried: int) -> None:
         """Depths 1..accepted were kept; depth accepted+1 was rejected if accepted < tried."""
         t = self._table(source, bucket)

@@ -115,11 +115,16 @@ class DrafterSource:
         self.drafter = drafter
         self.caps = Capabilities(point_mass=False, has_q=True, cost_per_token=float(draft_s))
         self.expected_acceptance = float(getattr(drafter, "expected_acceptance", 0.5))
+        self._prompt: list[int] | None = None
 
     def begin(self, prompt: list[int]) -> None:
-        self.drafter.begin(list(prompt))
+        # Deferred to the first draft: a request the drafter never drafts for costs it nothing.
+        self._prompt = list(prompt)
 
     def draft(self, seq: list[int], k: int, sampler) -> Candidate:
+        if self._prompt is not None:
+            self.drafter.begin(self._prompt)
+            self._prompt = None
         self.drafter.sync(list(seq))
         d = self.drafter.draft(k, sampler)
         return Candidate(list(d.tokens), self.name, 0, d.logprobs)
@@ -129,3 +134,43 @@ class DrafterSource:
 
     def close(self) -> None:
         pass  # the drafter belongs to the engine
+
+
+class JacobiSource:
+    """Lookahead's Jacobi window and the n-grams it harvests (weight-free, for open-ended text).
+
+    The window (W columns x N-1 levels of guesses) rides along in a verifier pass
+    when the decoder's window controller says it pays; each pass advances it one
+    Jacobi level and stores every column's N-gram in a pool keyed by its first
+    token. `propose` offers the pooled continuations of x0.
+    """
+
+    name = "jacobi"
+    caps = Capabilities()
+
+    def __init__(self, window: int, ngram: int):
+        if window < 1 or ngram < 2:
+            raise ValueError("the Jacobi source needs window >= 1 and ngram >= 2")
+        self.W, self.N = window, ngram
+        self.pool = NgramPool(1, ngram - 1)
+        self.levels: list[list[int]] = []
+
+    def begin(self, prompt: list[int]) -> None:
+        import random
+
+        self.pool = NgramPool(1, self.N - 1)
+        rng = random.Random(len(prompt))  # any guesses do; seeded, so runs repeat
+        self.levels = [[rng.choice(prompt) for _ in range(self.W)] for _ in range(self.N - 1)]
+
+    def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
+        return [Candidate(c[:span], self.name, 0) for c in self.pool.jacobi_candidates(seq[-1], limit)]
+
+    def harvest(self, top: list[int]) -> None:
+        """Advance the window: `top` are the verifier's draws at the top level's nodes."""
+        for i in range(self.W):
+            column = [lv[i] for lv in self.levels] + [int(top[i])]
+            self.pool.add_jacobi(column[0], column[1:])
+        self.levels = self.levels[1:] + [[int(t) for t in top]]
+
+    def close(self) -> None:
+        self.levels = []

@@ -158,9 +158,12 @@ def run_benchmark(
         )
 
     drafters: dict[str, object] = {}  # per-spec drafters, loaded once, by drafter spec
+    history = _EarlierPrompts(engine.history, ids) if engine.history is not None else None
 
     def generate(spec: ModeSpec, i: int):
         default = engine.drafter
+        if history is not None:
+            engine.history = history.before(i)
         if spec.drafter is not None:
             if spec.drafter not in drafters:
                 from edgespec.drafters import load_drafter
@@ -170,9 +173,13 @@ def run_benchmark(
         try:
             t0 = time.perf_counter()
             res = engine.generate(ids[i], options=options(spec, prompts[i]))
+            if history is not None and spec.is_reference:
+                history.answered(i, res.tokens)
             return res, time.perf_counter() - t0
         finally:
             engine.drafter = default
+            if history is not None:
+                engine.history = history.real
 
     def drop(spec: ModeSpec, err: BaseException, remaining: int):
         run.errors[spec.label] = f"{type(err).__name__}: {err}"
@@ -228,6 +235,53 @@ def run_benchmark(
             d.close()
     check_equality(run, greedy)
     return run
+
+
+class _EarlierPrompts:
+    """The history a bench generation may draft from: the replies to *earlier* prompts of the run.
+
+    Prompt i sees prompts 0..i-1 (file order) with plain's replies, and nothing of
+    itself, in every repeat: a warm-up or repeat never replays the answer being measured.
+    The engine's own history is left untouched.
+    """
+
+    def __init__(self, real, ids: list[list[int]]):
+        self.real = real
+        self.ids = ids
+        self.replies: dict[int, list[int]] = {}
+        self.stores: dict[int, object] = {}
+
+    def answered(self, i: int, tokens: list[int]) -> None:
+        self.replies.setdefault(i, list(tokens))
+
+    def before(self, i: int):
+        from edgespec.adaptive.history import HistoryStore
+
+        store = self.stores.get(i)
+        if store is None:
+            store = _ReadOnly(HistoryStore(self.real.max_bytes))
+            for j in range(i):
+                if j in self.replies:
+                    store.store.add(self.ids[j] + self.replies[j])
+            if all(j in self.replies for j in range(i)):
+                self.stores[i] = store  # complete: reuse in later repeats
+        return store
+
+
+class _ReadOnly:
+    """A history store whose add() is a no-op (the bench decides what goes in)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def add(self, tokens) -> None:
+        pass
+
+    def lookup(self, *args, **kwargs):
+        return self.store.lookup(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:

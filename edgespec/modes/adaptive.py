@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.estimate import Costs
-from edgespec.adaptive.sources import ContextSource, DrafterSource, HistorySource
+from edgespec.adaptive.sources import ContextSource, DrafterSource, HistorySource, JacobiSource
 from edgespec.errors import EdgespecError
 from edgespec.modes import register_mode
 from edgespec.modes.schema import Option
 
-SOURCES = ("context", "history", "drafter")
+SOURCES = ("context", "history", "jacobi", "drafter")
 
 
 def _sources(value) -> str:
@@ -34,7 +34,11 @@ def _sources(value) -> str:
 OPTIONS = [
     Option("sources", "str", "auto",
            "candidate sources joined by '+': context (n-grams of this request), history (earlier requests), "
-           "drafter; auto = every one available", check=_sources),
+           "jacobi (lookahead's Jacobi window and its n-gram pool), drafter; auto = every one available",
+           check=_sources),
+    Option("window", "int", None, "Jacobi window columns W when the jacobi source is on (device default: "
+           "lookahead's)", 1, 16),
+    Option("ngram", "int", None, "Jacobi n-gram size N (levels + 1)", 2, 8),
     Option("guesses", "int", 3, "candidates per cheap source and round", 1, 8),
     Option("span", "int", 16, "longest candidate continuation, in tokens", 1, 32),
     Option("max_tree", "int", 32, "most tokens one verifier pass may check", 2, 64),
@@ -75,11 +79,22 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
     history = getattr(engine, "history", None)
     if "history" in names and history is not None:
         sources.append(HistorySource(history))
+    jacobi = None
+    if "jacobi" in names:
+        from edgespec.modes.lookahead import default_options
+
+        d = default_options()
+        jacobi = JacobiSource(o.get("window", d["window"]), o.get("ngram", d["ngram"]))
     return AdaptiveDecoder(
         engine.model,
         sources,
         costs,
         drafter=dsrc,
+        jacobi=jacobi,
+        # What earlier requests measured (acceptance per source, costs, probe waits), per source set.
+        memory=engine.__dict__.setdefault("_adaptive_memory", {}).setdefault(
+            (names, id(drafter) if drafter is not None else None), {}
+        ),
         guesses=o.get("guesses", 3),
         span=span,
         max_tree=min(o.get("max_tree", 32), MAX_TREE),
