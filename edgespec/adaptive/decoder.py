@@ -101,9 +101,9 @@ class AdaptiveDecoder:
 
     def _plan(self, seq: list[int], greedy: bool) -> Plan:
         cands = self._cheap(seq)
-        host, plain_s = self.host_s, self.plain_s
+        plain_s = self.plain_s
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
-        kept, rate = plan_tree(nodes, self.costs, host, plain_s, self.max_tree, self.margin)
+        kept, rate = plan_tree(nodes, self.costs, 0.0, plain_s, self.max_tree, self.margin)
         best = Plan("tree" if kept else "plain", cands, 0, rate)
         d = self.drafter
         if d is None:
@@ -117,7 +117,7 @@ class AdaptiveDecoder:
         p1 = min(1.0, sum(nodes[i].prob for i in kept if nodes[i].parent < 0))
         gain = e_tree + (1.0 - p1) * pd
         t_tree = 1 + len(kept)
-        cost = host + ks * d.caps.cost_per_token + np.interp(t_tree + ks, self.costs.sizes, self.costs.verify_s)
+        cost = ks * d.caps.cost_per_token + np.array([self.costs.verify(int(t)) for t in t_tree + ks])
         rates = gain / cost
         k = int(np.argmax(rates))
         probe = False
@@ -134,8 +134,8 @@ class AdaptiveDecoder:
         model = self.model
         greedy = sampler.params.greedy
         mem = self.memory
+        self.costs = mem.get("costs", self.costs)  # what earlier requests measured, else the calibration
         self.acc = mem["acc"].carried() if "acc" in mem else AcceptanceStats(self.priors)
-        self.host_s = mem.get("host_s", 0.0)  # EMA: round seconds beyond the calibrated verifier pass
         self.plain_s = mem.get("plain_s", self.costs.verify(1))  # EMA: seconds of a plain step
         self.since_draft = 0
         self.probe_wait = mem.get("probe_wait", self.probe_start)
@@ -143,7 +143,10 @@ class AdaptiveDecoder:
         self._greedy = Sampler(SamplingParams(temperature=0.0))
         # Whether the Jacobi window rides along: measured tokens/s with ("full") and
         # without it ("lean"), the slower one re-probed now and then (lookahead's controller).
-        self.wctl = StepController(kinds=("full", "lean")) if self.jacobi is not None else None
+        # Kept across requests: a window that did not pay is not warmed up again for every reply.
+        if self.jacobi is not None and "wctl" not in mem:
+            mem["wctl"] = StepController(kinds=("full", "lean"))
+        self.wctl = mem.get("wctl") if self.jacobi is not None else None
         cache = model.make_cache()
         t0 = time.perf_counter()
         logits = prefill(model, cache, prompt)
@@ -161,7 +164,7 @@ class AdaptiveDecoder:
         try:
             yield from self._rounds(cache, seq, sampler, stats, greedy)
         finally:
-            mem.update(acc=self.acc, host_s=self.host_s, plain_s=self.plain_s, probe_wait=self.probe_wait)
+            mem.update(acc=self.acc, costs=self.costs, plain_s=self.plain_s, probe_wait=self.probe_wait)
 
     def _rounds(self, cache, seq, sampler, stats, greedy):
         while True:
@@ -179,10 +182,8 @@ class AdaptiveDecoder:
             dt = time.perf_counter() - t_round
             if self.wctl is not None:
                 self.wctl.record("full" if window else "lean", len(new), dt)
-            if not window:
-                predicted = self.costs.verify(T)
-                spent = dt - predicted - (self._draft_time if plan.draft_k else 0.0)
-                self.host_s = 0.8 * self.host_s + 0.2 * max(spent, 0.0)
+            if not window:  # a window round's extra tokens are priced by the window controller
+                self.costs.observe(T, dt - (self._draft_time if plan.draft_k else 0.0))
             seq.extend(new)
             for t, lpv, src in zip(new, lps, srcs, strict=True):
                 yield Token(t, lpv, src)
@@ -222,7 +223,7 @@ class AdaptiveDecoder:
             if dc.tokens:
                 cands.append(dc)
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
-        kept, _ = plan_tree(nodes, self.costs, self.host_s, self.plain_s, self.max_tree, margin=0.0)
+        kept, _ = plan_tree(nodes, self.costs, 0.0, self.plain_s, self.max_tree, margin=0.0)
         if not kept and not window:
             return None
         # Which source put each node there first (for stats and Token.source).

@@ -96,14 +96,32 @@ class AcceptanceStats:
 
 @dataclass
 class Costs:
-    """Seconds of one verifier pass over T tokens (interpolated), and per drafted token."""
+    """Seconds of one verifier pass over T tokens, and per drafted token.
+
+    Starts from a calibration (`sizes`, `verify_s`, interpolated) and learns from the
+    rounds actually run (`observe`): a size seen in use takes its measured time, the
+    others the calibration scaled by how far measurements have run from it (longer
+    contexts, a busy machine).
+    """
 
     sizes: list[int]
     verify_s: list[float]
     draft_s: float = 0.0
+    seen: dict[int, float] = field(default_factory=dict)
+    factor: float = 1.0
+
+    def calibrated(self, T: int) -> float:
+        return float(np.interp(T, self.sizes, self.verify_s))
 
     def verify(self, T: int) -> float:
-        return float(np.interp(T, self.sizes, self.verify_s))
+        s = self.seen.get(T)
+        return s if s is not None else self.calibrated(T) * self.factor
+
+    def observe(self, T: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.seen[T] = 0.7 * self.verify(T) + 0.3 * seconds
+        self.factor = 0.9 * self.factor + 0.1 * seconds / max(self.calibrated(T), 1e-9)
 
     @property
     def max_tokens(self) -> int:

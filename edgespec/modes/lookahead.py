@@ -74,8 +74,12 @@ class LookaheadMode:
         guesses: int = 2,
         span: int = 8,
         adaptive: bool = True,
+        memory: dict | None = None,
     ):
+        """memory: kept by the engine across requests; holds the step controller, so a window
+        that did not pay on earlier replies is not warmed up again for every new one."""
         self.model = model
+        self.memory = memory if memory is not None else {}
         self.W, self.N, self.G = window, ngram, guesses
         self.span = max(span, ngram - 1)
         self.adaptive = adaptive
@@ -103,9 +107,11 @@ class LookaheadMode:
         pool = NgramPool(self.span, N - 1)
         pool.add_text(seq)
         levels = self._init_window(prompt) if W > 0 else []
-        ctl = StepController(
-            adaptive=self.adaptive, kinds=("full", "lean", "plain") if W > 0 else ("lean", "plain")
-        )
+        if "ctl" not in self.memory:
+            self.memory["ctl"] = StepController(
+                adaptive=self.adaptive, kinds=("full", "lean", "plain") if W > 0 else ("lean", "plain")
+            )
+        ctl = self.memory["ctl"]
         fell_back_noted = False
         while True:
             kind = ctl.choose()
@@ -168,4 +174,6 @@ class LookaheadMode:
     options=OPTIONS,
 )
 def make_lookahead(engine, options):
-    return LookaheadMode(engine.model, **parse_options(options.mode_options))
+    o = parse_options(options.mode_options)
+    memory = engine.__dict__.setdefault("_lookahead_memory", {}).setdefault(tuple(sorted(o.items())), {})
+    return LookaheadMode(engine.model, **o, memory=memory)
