@@ -24,17 +24,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--memory-budget",
         default=None,
         help="memory the model may use, e.g. 800M or 2G (default: the free memory detected); "
-        "when the drafter would not fit, mode auto uses weight-free lookahead decoding instead",
+        "when the drafter would not fit, mode auto drafts from weight-free sources only",
+    )
+    g.add_argument(
+        "--history",
+        default=None,
+        choices=["memory", "disk", "off"],
+        help="earlier prompts and replies as a draft source for mode auto: memory (default; this process "
+        "only, at most 64 MB), disk (also kept in $EDGESPEC_HOME/history, reloaded next time) or off; "
+        "default: $EDGESPEC_HISTORY, else memory. History only shapes drafts, never the output",
     )
 
 
-def _tree_help() -> str:
-    from edgespec.modes.cascade import OPTION_HELP as CASCADE
-    from edgespec.modes.tree import OPTION_HELP as TREE
+def _options_help() -> str:
+    from edgespec.modes import SCHEMAS
 
-    tree = "; ".join(f"{k} ({v})" for k, v in TREE.items())
-    cascade = "; ".join(f"{k} ({v})" for k, v in CASCADE.items())
-    return f"tree: {tree}. cascade: {cascade}"
+    return " ".join(f"{name}: {schema.help()}." for name, schema in SCHEMAS.items() if schema.options)
 
 
 def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,9 +47,11 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mode",
         default="auto",
-        help="decoding mode: auto (pick the fastest that pays), plain, speculative, lookahead, "
-        "prompt_lookup, tree (many drafted/looked-up continuations verified in one pass), cascade "
-        "(tiny drafter -> verifier's own layers -> verifier); all give the verifier's own output",
+        help="decoding mode: auto (= adaptive: each round verifies what pays most of the drafter, "
+        "n-grams of the context, earlier replies and a Jacobi window, or steps plainly), plain, "
+        "speculative, lookahead, prompt_lookup, tree (many drafted/looked-up continuations verified in "
+        "one pass), cascade (tiny drafter -> verifier's own layers -> verifier); all give the "
+        "verifier's own output",
     )
     g.add_argument(
         "--draft-tokens",
@@ -57,8 +64,8 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="setting of the decoding mode (repeatable), e.g. lookahead: window=4 ngram=4 "
-        "guesses=4 span=8 adaptive=0; prompt_lookup: ngram_max=3; " + _tree_help(),
+        help="setting of the decoding mode (repeatable), checked before the model loads. "
+        + _options_help(),
     )
     g.add_argument("--max-tokens", type=int, default=256, help="maximum tokens in a reply")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -105,7 +112,9 @@ def options_from_args(args):
 def load_engine(args, progress: bool = True):
     import edgespec
 
-    engine = edgespec.load(args.model, drafter=getattr(args, "drafter", None), progress=progress)
+    engine = edgespec.load(
+        args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None)
+    )
     if getattr(args, "memory_budget", None):
         from edgespec.lookahead.memory import parse_size
 

@@ -42,13 +42,20 @@ def load(
     drafter: str | Path | None = None,
     progress: bool = True,
     verify_hashes: bool = True,
+    history: str | None = None,
 ) -> Engine:
     """Load a bundle, HF folder or GGUF file (default: SmolLM2-135M-Instruct) into an Engine.
 
     `drafter`: a drafter folder/bundle, "none" to disable, or None to use the
     bundle's own drafter when it has one (see edgespec.drafters).
+    `history`: earlier prompts and replies as a draft source for mode auto: "memory"
+    (this process only), "disk" ($EDGESPEC_HOME/history) or "off"; None =
+    $EDGESPEC_HISTORY, else "memory". History shapes drafts only, never the output.
     """
+    from edgespec.adaptive.history import history_mode
     from edgespec.loader import load as load_any
+
+    history_mode(history)  # a bad setting fails before the model is fetched or loaded
 
     if model is None:
         from edgespec.default_model import default_bundle_path
@@ -57,6 +64,6 @@ def load(
     loaded = load_any(model, verify_hashes=verify_hashes)
     from edgespec.drafters import attach_drafter
 
-    engine = Engine(loaded)
+    engine = Engine(loaded, history=history)
     attach_drafter(engine, drafter)
     return engine

@@ -80,8 +80,12 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
     @app.get("/health")
     async def health():
+        h = engine.history
+        history = {"mode": "off"} if h is None else {
+            "mode": "disk" if h.path is not None else "memory", "documents": h.documents,
+            "bytes": h.nbytes, "max_bytes": h.max_bytes}
         return {"status": "ok", "model": settings.model_id, "modes": ["auto", *available_modes()],
-                "queue": scheduler.snapshot()}
+                "queue": scheduler.snapshot(), "history": history}
 
     def model_card(mid: str) -> dict:
         return {"id": mid, "object": "model", "created": created, "owned_by": "edgespec"}
