@@ -1,6 +1,6 @@
 """Repetitive traffic through `edgespec serve`: does the history source make later requests faster?
 
-    python benchmarks/history_traffic.py [--model PATH] [--prompts benchmarks/prompts/repetitive_json.jsonl]
+    python benchmarks/history_traffic.py [--model PATH] [--prompts benchmarks/prompts/repetitive_unittest.jsonl]
                                          [--max-tokens 96]
 
 Starts the server twice on a free loopback port, once with `--history memory` and
@@ -69,7 +69,7 @@ def serve(model: str | None, history: str, prompts: list[dict], max_tokens: int)
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="bundle/GGUF to serve (default: the default model)")
-    ap.add_argument("--prompts", default=str(HERE / "prompts" / "repetitive_json.jsonl"),
+    ap.add_argument("--prompts", default=str(HERE / "prompts" / "repetitive_unittest.jsonl"),
                     help="JSONL requests, sent in file order")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per reply at most")
     args = ap.parse_args()
