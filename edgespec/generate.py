@@ -88,7 +88,8 @@ class GenerationStats:
         if self.drafted:
             parts.append(f"acceptance {self.acceptance_rate:.1%}")
             if self.draft_tokens:
-                parts.append(f"K={self.draft_tokens}")
+                # adaptive: candidate tokens in the last verified tree; speculative modes: K
+                parts.append(f"tree {self.draft_tokens}" if self.mode == "adaptive" else f"K={self.draft_tokens}")
         if self.draft_s or self.verify_s:
             parts.append(f"draft {self.draft_s:.2f}s / verify {self.verify_s:.2f}s")
         if self.hidden_draft_s:

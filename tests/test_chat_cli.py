@@ -38,7 +38,7 @@ def test_piped_stdin_keeps_the_conversation_and_commands(bundle):
     r = run_cli(["chat", "--model", str(bundle), "--max-tokens", "5"], stdin="abc\n/stats\n/reset\nxyz\n/quit\nnever\n")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip().splitlines()) == 2  # two replies; nothing after /quit
-    assert "mode plain" in r.stderr and "conversation cleared" in r.stderr
+    assert "mode adaptive" in r.stderr and "conversation cleared" in r.stderr  # auto = adaptive
 
 
 def test_generate_reports_bad_sampling_settings(bundle):

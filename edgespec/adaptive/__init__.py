@@ -3,7 +3,13 @@
 from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.estimate import AcceptanceStats, Costs, merge_candidates, plan_tree
 from edgespec.adaptive.history import HistoryStore, make_history
-from edgespec.adaptive.sources import Candidate, Capabilities, ContextSource, DrafterSource, HistorySource
+from edgespec.adaptive.sources import (
+    Candidate,
+    Capabilities,
+    ContextSource,
+    DrafterSource,
+    HistorySource,
+)
 
 __all__ = [
     "AcceptanceStats",

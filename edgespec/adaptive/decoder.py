@@ -68,7 +68,7 @@ class Plan:
 class AdaptiveDecoder:
     name = "adaptive"
 
-    def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None, history=None,
+    def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None,
                  guesses: int = 3, span: int = 16, max_tree: int = 32, probe_start: int = 8, probe_max: int = 128,
                  margin: float = 1.02, jacobi: JacobiSource | None = None, memory: dict | None = None):
         """memory: a dict kept by the engine across requests (what acceptance and costs were
@@ -78,7 +78,6 @@ class AdaptiveDecoder:
         self.jacobi = jacobi
         self.memory = memory if memory is not None else {}
         self.drafter = drafter
-        self.history = history
         self.costs = costs
         self.guesses, self.span = guesses, span
         self.max_tree = max(2, min(max_tree, costs.max_tokens))
@@ -99,7 +98,7 @@ class AdaptiveDecoder:
     def _probs(self, c: Candidate) -> np.ndarray:
         return self.acc.path_probs(c.source, c.bucket, len(c.tokens))
 
-    def _plan(self, seq: list[int], greedy: bool) -> Plan:
+    def _plan(self, seq: list[int]) -> Plan:
         cands = self._cheap(seq)
         plain_s = self.plain_s
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
@@ -168,7 +167,7 @@ class AdaptiveDecoder:
 
     def _rounds(self, cache, seq, sampler, stats, greedy):
         while True:
-            plan = self._plan(seq, greedy)
+            plan = self._plan(seq)
             window = self._window_now()
             if plan.kind == "plain" and not window:
                 yield from self._plain_run(cache, seq, sampler, stats, greedy)
@@ -196,11 +195,9 @@ class AdaptiveDecoder:
         if plan.probe:
             self.probe_wait = min(self.probe_wait * 2, self.probe_max)
 
-    def _score(self, cands: list[Candidate], new: list[int], skip: str | None = None) -> None:
+    def _score(self, cands: list[Candidate], new: list[int]) -> None:
         """Learn from every candidate of the round: how far it agreed with what was committed."""
         for c in cands:
-            if c.source == skip:
-                continue
             m = 0
             limit = min(len(c.tokens), len(new))
             while m < limit and c.tokens[m] == new[m]:
@@ -309,7 +306,7 @@ class AdaptiveDecoder:
                 go_on = False  # one more (already queued) step, then back to planning
                 continue
             # Would a round pay from the context after the queued step? Look now (cheap).
-            go_on = self._plan(seq, greedy).kind == "plain" and not self._window_now()
+            go_on = self._plan(seq).kind == "plain" and not self._window_now()
 
 
 def draw_tokens(logits: mx.array, parents: list[int], position: int, sampler: Sampler):

@@ -166,7 +166,10 @@ def recommend(report: dict, drafter: str | None = None) -> dict:
             f"{label} was {speedup:.2f}x plain over all prompts (greedy output identical to plain)"
         )
         if m.get("draft_tokens") and spec["draft_tokens"] == "auto":
-            reason += f"; the K controller settled mostly on K={m['draft_tokens']}"
+            if spec["mode"] in ("auto", "adaptive"):
+                reason += f"; its verifier passes checked mostly {m['draft_tokens']} candidate tokens"
+            else:
+                reason += f"; the K controller settled mostly on K={m['draft_tokens']}"
     per_domain = {}
     for dom in report["domains"]:
         lab, sp = best(dom)
