@@ -17,7 +17,7 @@ import scipy.stats as sps
 from conftest import make_tiny_model
 from stats_support import continuation_law
 
-import edgespec.modes.lookahead as la_mode
+import edgespec.lookahead.verify as verify_mod  # verify_step walks with its sample_walk
 from edgespec.generate import GenerationStats
 from edgespec.lookahead import StepTree, sample_walk
 from edgespec.modes.lookahead import LookaheadMode
@@ -115,7 +115,7 @@ def test_lookahead_sampling_matches_plain_law(monkeypatch, wrong):
     n = 2
     law = continuation_law(model, prompt, SamplingParams(**PARAMS), n)
     if wrong:
-        monkeypatch.setattr(la_mode, "sample_walk", wrong_walk)
+        monkeypatch.setattr(verify_mod, "sample_walk", wrong_walk)
     counts, accepted = Counter(), 0
     runs = 600
     for seed in range(runs):

@@ -14,7 +14,7 @@ import pytest
 from conftest import make_tiny_model
 from stats_support import chisq_pvalue, continuation_counts, continuation_law
 
-import edgespec.modes.tree as tree_mod
+import edgespec.lookahead.verify as verify_mod  # verify_step walks with its sample_walk
 from edgespec.drafters.self_spec import SelfSpecDrafter
 from edgespec.lookahead import sample_walk
 from edgespec.modes.tree import TreeMode
@@ -53,7 +53,7 @@ def test_tree_sampling_matches_plain_law(monkeypatch, walk, ok):
     model = make_tiny_model(1, scale=1.5, vocab_size=8)
     law = continuation_law(model, PROMPT, SamplingParams(**PARAMS), 3)
     keys = sorted(law)
-    monkeypatch.setattr(tree_mod, "sample_walk", walk)
+    monkeypatch.setattr(verify_mod, "sample_walk", walk)
     mode = TreeMode(
         model,
         SelfSpecDrafter(model, [0]),

@@ -223,39 +223,15 @@ class AdaptiveDecoder:
         kept, _ = plan_tree(nodes, self.costs, 0.0, self.plain_s, self.max_tree, margin=0.0)
         if not kept and not window:
             return None
-        # Which source put each node there first (for stats and Token.source).
-        src_of: dict[tuple, str] = {}
-        for c in cands:
-            for j in range(len(c.tokens)):
-                src_of.setdefault(tuple(c.tokens[: j + 1]), c.source)
-        tree = SourceTree.rooted(seq[-1])
-        node_of, prefix_of = {-1: 0}, {-1: ()}
-        for i in kept:
-            n = nodes[i]
-            prefix_of[i] = prefix_of[n.parent] + (n.token,)
-            node_of[i] = tree.child(node_of[n.parent], n.token, src_of.get(prefix_of[i], "drafter"))
+        tree = build_tree(seq[-1], nodes, kept, cands)
         if window:
             tree.add_window(self.jacobi.levels)
-        p = cache[0].offset
         T = len(tree)
         tv = time.perf_counter()
-        logits = tree_forward(self.model, cache, tree)  # (T, V)
-        parents = mx.array(tree.parents, dtype=mx.int32)
-        draws, lp = draw_tokens(logits, tree.parents, len(seq), sampler)
-        result = tree_accept(mx.array(tree.tokens, dtype=mx.int32), parents, draws)
-        mx.eval(result, draws)
-        best, _, nxt = (int(v) for v in result.tolist())
+        path, nxt, lps, draws = verify_round(self.model, cache, tree, len(seq), sampler)
         if window:
-            d = draws.tolist()
-            self.jacobi.harvest([d[n] for n in tree.window[-1]])
-        path = tree.path_to(best)
-        commit_kv(cache, p, [0] + path)
+            self.jacobi.harvest([draws[n] for n in tree.window[-1]])
         new = [tree.tokens[n] for n in path] + [nxt]
-        if lp is None:
-            lps = [0.0] * len(new)
-        else:
-            rows = [0] + path  # node whose distribution drew each new token
-            lps = lp[mx.array(rows), mx.array(new)].tolist()
         stats.verify_s += time.perf_counter() - tv
         stats.verifier_passes += 1
         srcs = [tree.sources[n] for n in path] + ["verifier"]
@@ -324,3 +300,45 @@ def draw_tokens(logits: mx.array, parents: list[int], position: int, sampler: Sa
     lp = sampler.logprobs(logits)
     noise = sampler.position_noise([position + d for d in range(max(depth) + 1)], lp.shape[-1])
     return mx.argmax(lp + noise[mx.array(depth)], axis=-1).astype(mx.int32), lp
+
+
+def build_tree(x0: int, nodes, kept: list[int], cands: list[Candidate]) -> SourceTree:
+    """The verifier's tree: root x0 and the kept trie nodes, each tagged with the source
+    that proposed it first (for stats and Token.source)."""
+    src_of: dict[tuple, str] = {}
+    for c in cands:
+        for j in range(len(c.tokens)):
+            src_of.setdefault(tuple(c.tokens[: j + 1]), c.source)
+    tree = SourceTree.rooted(x0)
+    node_of, prefix_of = {-1: 0}, {-1: ()}
+    for i in kept:
+        n = nodes[i]
+        prefix_of[i] = prefix_of[n.parent] + (n.token,)
+        node_of[i] = tree.child(node_of[n.parent], n.token, src_of.get(prefix_of[i], "drafter"))
+    return tree
+
+
+def verify_round(model, cache, tree: SourceTree, position: int, sampler: Sampler):
+    """Verify, accept, commit: one verifier pass over `tree` (root = the last committed token,
+    which predicts sequence position `position`).
+
+    Draws at every node the token plain decoding would draw there (`draw_tokens`), keeps
+    the deepest path whose tokens match those draws (`tree_accept`) and the draw after it,
+    and packs the path's KV entries into place. Returns (path nodes, next token, log-probs
+    of the path's tokens and the next one, every node's draw).
+    """
+    start = cache[0].offset
+    logits = tree_forward(model, cache, tree)  # (T, V)
+    draws, lp = draw_tokens(logits, tree.parents, position, sampler)
+    result = tree_accept(mx.array(tree.tokens, dtype=mx.int32), mx.array(tree.parents, dtype=mx.int32), draws)
+    mx.eval(result, draws)
+    best, _, nxt = (int(v) for v in result.tolist())
+    path = tree.path_to(best)
+    commit_kv(cache, start, [0] + path)
+    new = [tree.tokens[n] for n in path] + [nxt]
+    if lp is None:
+        lps = [0.0] * len(new)
+    else:
+        rows = [0] + path  # the node whose distribution drew each new token
+        lps = lp[mx.array(rows), mx.array(new)].tolist()
+    return path, nxt, lps, draws.tolist()

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from edgespec.lookahead.pool import NgramPool
+from edgespec.lookahead.pool import JacobiWindow, NgramPool
 
 
 @dataclass(frozen=True)
@@ -139,10 +139,10 @@ class DrafterSource:
 class JacobiSource:
     """Lookahead's Jacobi window and the n-grams it harvests (weight-free, for open-ended text).
 
-    The window (W columns x N-1 levels of guesses) rides along in a verifier pass
-    when the decoder's window controller says it pays; each pass advances it one
-    Jacobi level and stores every column's N-gram in a pool keyed by its first
-    token. `propose` offers the pooled continuations of x0.
+    The window (W columns x N-1 levels of guesses, `JacobiWindow`) rides along in a
+    verifier pass when the decoder's window controller says it pays; each such pass
+    advances it one Jacobi level and stores every column's N-gram in a pool keyed by
+    its first token. `propose` offers the pooled continuations of x0.
     """
 
     name = "jacobi"
@@ -153,24 +153,22 @@ class JacobiSource:
             raise ValueError("the Jacobi source needs window >= 1 and ngram >= 2")
         self.W, self.N = window, ngram
         self.pool = NgramPool(1, ngram - 1)
-        self.levels: list[list[int]] = []
+        self.window: JacobiWindow | None = None
+
+    @property
+    def levels(self) -> list[list[int]]:
+        return self.window.levels
 
     def begin(self, prompt: list[int]) -> None:
-        import random
-
         self.pool = NgramPool(1, self.N - 1)
-        rng = random.Random(len(prompt))  # any guesses do; seeded, so runs repeat
-        self.levels = [[rng.choice(prompt) for _ in range(self.W)] for _ in range(self.N - 1)]
+        self.window = JacobiWindow(self.W, self.N, prompt)
 
     def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
         return [Candidate(c[:span], self.name, 0) for c in self.pool.jacobi_candidates(seq[-1], limit)]
 
     def harvest(self, top: list[int]) -> None:
         """Advance the window: `top` are the verifier's draws at the top level's nodes."""
-        for i in range(self.W):
-            column = [lv[i] for lv in self.levels] + [int(top[i])]
-            self.pool.add_jacobi(column[0], column[1:])
-        self.levels = self.levels[1:] + [[int(t) for t in top]]
+        self.window.advance(self.pool, top)
 
     def close(self) -> None:
-        self.levels = []
+        self.window = None

@@ -95,3 +95,30 @@ class NgramPool:
         n_text = min(len(text), max(guesses - len(jac), (guesses + 1) // 2))
         out = text[:n_text] + jac[: guesses - n_text]
         return out + text[n_text : n_text + guesses - len(out)]
+
+
+class JacobiWindow:
+    """Lookahead's W x (N-1) window of guesses; each verified pass advances it one Jacobi level.
+
+    `levels[j][i]` is column i's guess at level j (level 0 continues x0). After a pass,
+    `advance(pool, top)` takes the verifier's predictions `top` at the top level's nodes,
+    stores every column's N-gram (its guesses plus the prediction) in the pool keyed by
+    the column's first token, and shifts the levels up.
+    """
+
+    def __init__(self, window: int, ngram: int, prompt: list[int]):
+        import random
+
+        if window < 1 or ngram < 2:
+            raise ValueError("a Jacobi window needs window >= 1 and ngram >= 2")
+        self.W, self.N = window, ngram
+        # Any guesses do (verification keeps the output exact); prompt tokens converge
+        # faster than random ids. Seeded, so runs are reproducible.
+        rng = random.Random(len(prompt))
+        self.levels = [[rng.choice(prompt) for _ in range(window)] for _ in range(ngram - 1)]
+
+    def advance(self, pool: NgramPool, top: list[int]) -> None:
+        for i in range(self.W):
+            column = [lv[i] for lv in self.levels] + [int(top[i])]
+            pool.add_jacobi(column[0], column[1:])
+        self.levels = self.levels[1:] + [[int(t) for t in top]]

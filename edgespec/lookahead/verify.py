@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from edgespec.kernels import tree_accept, tree_mask
+from edgespec.kernels import commit_kv, tree_accept, tree_mask
 from edgespec.lookahead.tree import StepTree
 
 
@@ -87,3 +87,27 @@ def sample_walk(tree: StepTree, logits: mx.array, sampler) -> tuple[list[int], i
         path.append(child)
         lps.append(float(lp_np[tok]))
         node = child
+
+
+def verify_step(model, cache, tree: StepTree, sampler, want_pred: bool = False):
+    """One verifier pass over `tree` after the cached prefix, accepted path committed to the cache.
+
+    Greedy keeps the deepest node the verifier agrees with (`tree_accept`); sampling walks
+    the tree with recursive rejection (`sample_walk`). Returns (accepted nodes, next token,
+    log-probs of the path's tokens and the next one, per-node argmax list when `want_pred`:
+    what a Jacobi window advances to).
+    """
+    p = cache[0].offset
+    out = tree_forward(model, cache, tree)  # (T, V)
+    if sampler.params.greedy:
+        pred, result = greedy_pass(tree, out)
+        mx.eval(pred, result)
+        best, _, nxt = (int(v) for v in result.tolist())
+        path = tree.path_to(best)
+        lps = [0.0] * (len(path) + 1)
+        pred_l = pred.tolist() if want_pred else None
+    else:
+        path, nxt, lps = sample_walk(tree, out, sampler)
+        pred_l = mx.argmax(out, axis=-1).tolist() if want_pred else None
+    commit_kv(cache, p, [0] + path)
+    return path, nxt, lps, pred_l

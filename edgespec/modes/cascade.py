@@ -99,8 +99,9 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_cascade(engine, options):
-    from edgespec.modes.speculative import SpeculativeMode, engine_costs
+    from edgespec.modes.speculative import SpeculativeMode, engine_costs, engine_memory
 
     drafter = cascade_drafter(engine, options.mode_options)
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    return SpeculativeMode(engine.model, drafter, options, stats_name="cascade", costs=costs)
+    return SpeculativeMode(engine.model, drafter, options, stats_name="cascade", costs=costs,
+                           memory=engine_memory(engine, drafter, "cascade"))

@@ -15,22 +15,13 @@ and runs the fastest, so lookahead never settles on something slower than plain.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 
 import mlx.core as mx
 
 from edgespec.generate import GenerationStats, Token, prefill
-from edgespec.kernels import commit_kv
-from edgespec.lookahead import (
-    NgramPool,
-    StepController,
-    StepTree,
-    greedy_pass,
-    sample_walk,
-    tree_forward,
-)
+from edgespec.lookahead import JacobiWindow, NgramPool, StepController, StepTree, verify_step
 from edgespec.modes import register_mode
 from edgespec.modes.schema import Option
 from edgespec.sampling import Sampler
@@ -84,15 +75,8 @@ class LookaheadMode:
         self.span = max(span, ngram - 1)
         self.adaptive = adaptive
 
-    def _init_window(self, prompt: list[int]) -> list[list[int]]:
-        # Any guesses do (verification keeps the output exact); prompt tokens
-        # converge faster than random ids. Seeded, so runs are reproducible.
-        rng = random.Random(len(prompt))
-        return [[rng.choice(prompt) for _ in range(self.W)] for _ in range(self.N - 1)]
-
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
         model, W, N = self.model, self.W, self.N
-        greedy = sampler.params.greedy
         cache = model.make_cache()
         t0 = time.perf_counter()
         logits = prefill(model, cache, prompt)
@@ -106,7 +90,7 @@ class LookaheadMode:
         seq = list(prompt) + [x0]
         pool = NgramPool(self.span, N - 1)
         pool.add_text(seq)
-        levels = self._init_window(prompt) if W > 0 else []
+        window = JacobiWindow(W, N, prompt) if W > 0 else None
         if "ctl" not in self.memory:
             self.memory["ctl"] = StepController(
                 adaptive=self.adaptive, kinds=("full", "lean", "plain") if W > 0 else ("lean", "plain")
@@ -123,33 +107,14 @@ class LookaheadMode:
             if kind == "lean" and len(tree) == 1:
                 kind = "plain"
             if kind == "full":
-                tree.add_window(levels)
-            p = cache[0].offset
+                tree.add_window(window.levels)
             T = len(tree)
-            out = tree_forward(model, cache, tree)  # (T, V)
-
-            if greedy:
-                pred, result = greedy_pass(tree, out)
-                mx.eval(pred, result)
-                best, _, nxt = (int(v) for v in result.tolist())
-                path = tree.path_to(best)
-                lps = [0.0] * (len(path) + 1)
-                pred_l = pred.tolist() if kind == "full" else None
-            else:
-                path, nxt, lps = sample_walk(tree, out, sampler)
-                pred_l = mx.argmax(out, axis=-1).tolist() if kind == "full" else None
-
-            commit_kv(cache, p, [0] + path)
+            path, nxt, lps, pred_l = verify_step(model, cache, tree, sampler, want_pred=kind == "full")
             new = [tree.tokens[n] for n in path] + [nxt]
             seq.extend(new)
             pool.add_text(seq)
-            if kind == "full":
-                # Advance the window one Jacobi level and harvest each column's N-gram.
-                top = [pred_l[n] for n in tree.window[-1]]
-                for i in range(W):
-                    column = [lv[i] for lv in levels] + [top[i]]
-                    pool.add_jacobi(column[0], column[1:])
-                levels = levels[1:] + [top]
+            if kind == "full":  # advance the window one Jacobi level, harvesting each column's N-gram
+                window.advance(pool, [pred_l[n] for n in tree.window[-1]])
             x0 = nxt
             dt = time.perf_counter() - t_step
             ctl.record(kind, len(new), dt)

@@ -20,7 +20,7 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_prompt_lookup(engine, options):
-    from edgespec.modes.speculative import SpeculativeMode, engine_costs
+    from edgespec.modes.speculative import SpeculativeMode, engine_costs, engine_memory
 
     opts = options.mode_options
     nmax = opts.get("ngram_max", 3)
@@ -30,4 +30,5 @@ def make_prompt_lookup(engine, options):
     cache = engine.__dict__.setdefault(_ATTR, {})
     drafter = cache.setdefault((nmax, nmin), PromptLookupDrafter(nmax, nmin))
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    return SpeculativeMode(engine.model, drafter, options, stats_name="prompt_lookup", costs=costs)
+    return SpeculativeMode(engine.model, drafter, options, stats_name="prompt_lookup", costs=costs,
+                           memory=engine_memory(engine, drafter, "prompt_lookup"))

@@ -105,11 +105,15 @@ def _seed(base: int, *ids: int) -> int:
 
 
 class SpeculativeMode:
-    def __init__(self, model, drafter, options=None, stats_name: str = "speculative", costs=None, prior_alpha=None):
+    def __init__(self, model, drafter, options=None, stats_name: str = "speculative", costs=None, prior_alpha=None,
+                 memory: dict | None = None):
         """options: GenerateOptions (draft_tokens 'auto'|K, mode_options['pipeline']).
 
         costs: a CostModel for the controller (measured on first need when None).
+        memory: kept by the engine across requests: holds the K controller, so acceptance
+        and the plain fallback learnt on earlier replies carry over to the next one.
         """
+        self.memory = memory if memory is not None else {}
         self.model = model
         self.drafter = drafter
         self.name = stats_name
@@ -190,7 +194,10 @@ class SpeculativeMode:
         stats.notes.extend(getattr(self, "extra_notes", []))
         if self.fixed_k is None and self.costs is None:
             self.costs = calibrate(self.model, self.drafter, KMAX)
-        ctl = KController(self.costs, self.fixed_k, prior_alpha=self.prior_alpha)
+        if self.fixed_k is None:
+            ctl = self.memory.setdefault("ctl", KController(self.costs, None, prior_alpha=self.prior_alpha))
+        else:
+            ctl = KController(self.costs, self.fixed_k, prior_alpha=self.prior_alpha)
         base = 0 if sampler.params.greedy else int.from_bytes(bytes(memoryview(sampler.next_key())), "little")
         worker = _Worker() if self.pipeline else _Direct()
         try:
@@ -348,6 +355,11 @@ def default_pipeline(drafter) -> bool:
 _COSTS_ATTR = "_speculative_costs"
 
 
+def engine_memory(engine, drafter, name: str) -> dict:
+    """The per-engine dict a speculative mode keeps its controller in, per drafter and mode."""
+    return engine.__dict__.setdefault("_speculative_memory", {}).setdefault((id(drafter), name), {})
+
+
 def engine_costs(engine, drafter) -> CostModel:
     """Calibrated costs for this engine/drafter pair, measured once and kept on the engine."""
     cache = engine.__dict__.setdefault(_COSTS_ATTR, {})
@@ -368,7 +380,8 @@ def make_speculative(engine, options):
             "verifier), 'prompt_lookup', or a drafter folder/bundle"
         )
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    mode = SpeculativeMode(engine.model, drafter, options, costs=costs)
+    mode = SpeculativeMode(engine.model, drafter, options, costs=costs,
+                           memory=engine_memory(engine, drafter, "speculative"))
     # Notes from attaching the drafter (e.g. Core ML unavailable -> MLX copy); apps show each once.
     mode.extra_notes = list(getattr(engine, "drafter_notes", []))
     return mode

@@ -20,7 +20,6 @@ the measured verify cost.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 
@@ -29,8 +28,7 @@ import mlx.core as mx
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import EdgespecError
 from edgespec.generate import GenerationStats, Token, prefill
-from edgespec.kernels import commit_kv
-from edgespec.lookahead import NgramPool, StepController, greedy_pass, sample_walk, tree_forward
+from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
 from edgespec.modes import register_mode
 from edgespec.modes.schema import PIPELINE, Option
 from edgespec.sampling import Sampler
@@ -195,7 +193,7 @@ class TreeMode:
         return tuple(kinds)
 
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
-        model, greedy, plan = self.model, sampler.params.greedy, self.plan
+        model, plan = self.model, self.plan
         cache = model.make_cache()
         t0 = time.perf_counter()
         lp = sampler.logprobs(prefill(model, cache, prompt))
@@ -215,12 +213,7 @@ class TreeMode:
         pool = NgramPool(self.span, self.N - 1) if ("pool" in self.sources or self.W) else None
         if pool is not None:
             pool.add_text(seq)
-        rng = random.Random(len(prompt))
-        levels = (
-            [[rng.choice(prompt) for _ in range(self.W)] for _ in range(self.N - 1)]
-            if self.W
-            else []
-        )
+        window = JacobiWindow(self.W, self.N, prompt) if self.W else None
         ctl = StepController(adaptive=self.adaptive, kinds=self._kinds())
         fell_back_noted = False
         while True:
@@ -240,25 +233,13 @@ class TreeMode:
                     for cand in pool.candidates(seq, self.G):
                         tree.add_path(cand, "pool")
             if kind == "full" and self.W:
-                tree.add_window(levels)
+                tree.add_window(window.levels)
             if kind != "plain" and len(tree) == 1:
                 kind = "plain" if kind == "lean" else kind
-            p = cache[0].offset
             T = len(tree)
             tv = time.perf_counter()
-            out = tree_forward(model, cache, tree)  # (T, V)
-            want_pred = kind == "full" and self.W
-            if greedy:
-                pred, result = greedy_pass(tree, out)
-                mx.eval(pred, result)
-                best, _, nxt = (int(v) for v in result.tolist())
-                path = tree.path_to(best)
-                lps = [0.0] * (len(path) + 1)
-                pred_l = pred.tolist() if want_pred else None
-            else:
-                path, nxt, lps = sample_walk(tree, out, sampler)
-                pred_l = mx.argmax(out, axis=-1).tolist() if want_pred else None
-            commit_kv(cache, p, [0] + path)
+            want_pred = bool(kind == "full" and self.W)
+            path, nxt, lps, pred_l = verify_step(model, cache, tree, sampler, want_pred)
             stats.verify_s += time.perf_counter() - tv
             if td is not None and kind == "full":
                 td.commit(path, tree)
@@ -269,11 +250,7 @@ class TreeMode:
             if pool is not None:
                 pool.add_text(seq)
             if want_pred:
-                top = [pred_l[n] for n in tree.window[-1]]
-                for i in range(self.W):
-                    column = [lv[i] for lv in levels] + [top[i]]
-                    pool.add_jacobi(column[0], column[1:])
-                levels = levels[1:] + [top]
+                window.advance(pool, [pred_l[n] for n in tree.window[-1]])
             x0 = nxt
             ctl.record(kind, len(new), time.perf_counter() - t_step)
             stats.verifier_passes += 1
