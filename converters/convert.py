@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from edgespec.converters.bundle import (
     atomic_folder,
+    check_destination,
     finish_manifest,
     link_or_copy,
     write_model_files,
@@ -87,6 +88,9 @@ def convert(
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if not src.exists():
         raise ModelLoadError(f"{src}: no such file or folder")
+    check_destination(src, out, force)  # before the work, and never over the source
+    if drafter is not None:
+        check_destination(drafter, out, force=True)  # nor over the drafter's checkpoint
     quantize = quantize or default_quantize(is_gguf(src))
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")

@@ -1,6 +1,7 @@
 """Loading and converting: round trips, clear errors on bad inputs, atomic writes."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -176,3 +177,48 @@ def test_gguf_native_quantization_is_exact(real_gguf):
         np.testing.assert_allclose(np.array(w), dequantized(t), rtol=0, atol=1e-6)
     assert seen == {"Q4_1", "Q8_0"}
     assert gguf is not None
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "inside"])
+def test_convert_refuses_an_out_that_overlaps_the_source(tmp_path, where, monkeypatch):
+    """--force over SRC (or a folder holding it) would delete the checkpoint: refused, nothing touched."""
+    import edgespec.converters.convert as conv
+
+    src = write_tiny_hf_folder(tmp_path / "work" / "hf")
+    out = {"same": src, "parent": tmp_path / "work", "inside": src / "bundle"}[where]
+    before = sorted(p.name for p in src.iterdir())
+    monkeypatch.setattr(conv, "_read_source", lambda *a, **k: pytest.fail("the work started"))
+    with pytest.raises(ValueError, match="overlaps SRC"):
+        convert(src, out, quantize="none", force=True, progress=False)
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_existing_out_is_refused_before_the_work(tmp_path, monkeypatch):
+    import edgespec.converters.convert as conv
+
+    src = write_tiny_hf_folder(tmp_path / "hf")
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(conv, "_read_source", lambda *a, **k: pytest.fail("the work started"))
+    with pytest.raises(FileExistsError, match="--force"):
+        convert(src, tmp_path / "b", quantize="none", progress=False)
+
+
+def test_temp_folders_of_killed_conversions_are_cleaned_but_not_running_ones(tmp_path):
+    from edgespec.converters.bundle import PID_MARKER
+
+    src = write_tiny_hf_folder(tmp_path / "hf")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    killed = tmp_path / ".b.tmp-killed"
+    killed.mkdir()
+    (killed / PID_MARKER).write_text(str(dead.pid))
+    (killed / "model.safetensors").write_bytes(b"\0" * 1024)
+    running = tmp_path / ".b.tmp-running"
+    running.mkdir()
+    (running / PID_MARKER).write_text(str(os.getppid()))  # a live process (pytest's parent)
+    other = tmp_path / ".c.tmp-killed"  # another bundle's: not ours to judge
+    other.mkdir()
+    (other / PID_MARKER).write_text(str(dead.pid))
+    convert(src, tmp_path / "b", quantize="none", progress=False)
+    assert not killed.exists() and running.exists() and other.exists()
+    assert not any(p.name.startswith(".b.tmp-") and p != running for p in tmp_path.iterdir())
