@@ -112,13 +112,14 @@ def options_from_args(args):
 def load_engine(args, progress: bool = True):
     import edgespec
 
+    from edgespec.lookahead.memory import parse_size
+
+    budget = parse_size(getattr(args, "memory_budget", None))  # a bad size fails before the model loads
     engine = edgespec.load(
         args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None)
     )
-    if getattr(args, "memory_budget", None):
-        from edgespec.lookahead.memory import parse_size
-
-        engine.memory_budget = parse_size(args.memory_budget)
+    if budget:
+        engine.memory_budget = budget
     return engine
 
 

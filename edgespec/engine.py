@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -89,7 +90,19 @@ class Engine:
                 raise ValueError("prompt is empty")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            if isinstance(prompt, (bytes, bytearray, memoryview)):
+                raise ValueError("prompt is bytes: decode it to text first (e.g. data.decode('utf-8')), "
+                                 "or pass a list of token ids")
+            try:
+                items = list(prompt)
+            except TypeError:
+                raise ValueError(
+                    f"prompt must be text or a list of token ids, got {type(prompt).__name__}"
+                ) from None
+            bad_type = [t for t in items if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad_type:
+                raise ValueError(f"token ids must be integers, got {bad_type[:3]!r}")
+            ids = [int(t) for t in items]
             if not ids:
                 raise ValueError("prompt is empty")
             V = self.model.args.vocab_size

@@ -23,6 +23,23 @@ def _token_str(tok: Any) -> str | None:
     return str(tok)
 
 
+
+def valid_text(text: str) -> str:
+    """`text` with lone surrogates replaced by U+FFFD.
+
+    Invalid UTF-8 read from a terminal, a pipe or argv reaches Python as lone
+    surrogates (surrogateescape), which the tokenizer cannot take; each bad byte
+    becomes the replacement character instead, as a UTF-8 decoder would make it.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class Tokenizer:
     def __init__(self, backend, config: dict[str, Any]):
         self._tok = backend
@@ -80,7 +97,7 @@ class Tokenizer:
 
     # --- encode / decode ----------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(valid_text(text), add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
@@ -120,7 +137,7 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
         text = self.apply_chat_template(messages)
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(valid_text(text), add_special_tokens=False).ids
         if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             if not (self.bos_token and text.startswith(self.bos_token)):
                 ids = [self.bos_token_id] + ids

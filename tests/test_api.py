@@ -133,3 +133,20 @@ def test_docs_api_examples_run(engine, monkeypatch, capsys):
         exec(compile(code, "README.md", "exec"), {"__name__": "docs_example"})
     out = capsys.readouterr().out
     assert "tokens before the deadline" in out and "plain" in out
+
+
+def test_prompts_of_the_wrong_kind_are_refused_not_reinterpreted(engine):
+    """bytes are not token ids, 1.7 is not a token id, and a misspelt keyword is not ignored."""
+    for prompt, msg in [
+        (b"hello", "prompt is bytes: decode it"),
+        ([1.7, 2], "token ids must be integers"),
+        ([True, 2], "token ids must be integers"),
+        (5, "prompt must be text or a list of token ids"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            engine.generate(prompt, max_tokens=2)
+    with pytest.raises(ValueError, match="unknown option.*'temprature'"):
+        engine.generate("hello", max_tokens=2, temprature=0.9)
+    import numpy as np
+
+    assert engine.generate(list(np.array([1, 2, 3])), max_tokens=2).prompt_tokens == 3  # numpy ints are ints

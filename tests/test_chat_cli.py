@@ -99,3 +99,23 @@ def test_prompt_past_the_context_window_is_refused_and_session_survives():
     session = ChatSession(engine, make_options(max_tokens=5), None, out=out, err=err)
     assert session.handle("a" * 600)
     assert "context window" in err.getvalue() and session.history == []
+
+
+def test_invalid_utf8_in_a_chat_line_or_prompt_is_replaced_not_fatal(bundle):
+    """Bad bytes become U+FFFD (as a UTF-8 decoder makes them); the session goes on."""
+    r = subprocess.run(
+        [sys.executable, "-m", "edgespec.cli", "chat", "--model", str(bundle), "--max-tokens", "4"],
+        input=b"ab\xff\xfec\nxyz\n", capture_output=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert len(r.stdout.decode().strip().splitlines()) == 2 and b"Traceback" not in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "edgespec.cli", "generate", "--model", str(bundle), "--max-tokens", "4",
+         "--prompt", b"ab\xffc"], capture_output=True, timeout=300,
+    )
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()
+
+
+def test_bad_memory_budget_fails_before_the_model_loads(tmp_path):
+    r = run_cli(["generate", "--model", str(tmp_path / "missing"), "--prompt", "a", "--memory-budget", "lots"])
+    assert r.returncode == 1 and "memory budget 'lots'" in r.stderr and "missing" not in r.stderr, r.stderr
