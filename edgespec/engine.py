@@ -186,19 +186,21 @@ class Engine:
                 reset_peak()
             steps = mode.steps(ids, sampler, stats)
             reply: list[int] = []
+            chunks = stream_tokens(
+                steps,
+                self.tokenizer,
+                stats,
+                options.max_tokens,
+                options.stop,
+                context_left=self.context_length - len(ids),
+                cancel=cancel,
+            )
             try:
-                for chunk in stream_tokens(
-                    steps,
-                    self.tokenizer,
-                    stats,
-                    options.max_tokens,
-                    options.stop,
-                    context_left=self.context_length - len(ids),
-                    cancel=cancel,
-                ):
+                for chunk in chunks:
                     reply.extend(chunk.tokens)
                     yield chunk
             finally:
+                chunks.close()  # a reply stopped early still gets its timing (stats.decode_s)
                 if self.history is not None and reply:
                     self.history.add(list(ids) + reply)
                 get_peak = getattr(mx, "get_peak_memory", None)

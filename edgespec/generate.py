@@ -241,6 +241,8 @@ def stream_tokens(
         stats.decode_s = max(time.perf_counter() - t0 - stats.prefill_s, 1e-9)
         yield Chunk(pending_text, pending_tokens, finish)
     finally:
+        if stats.decode_s == 0.0:  # stopped early (Ctrl-C, a closed stream): time what ran
+            stats.decode_s = max(time.perf_counter() - t0 - stats.prefill_s, 1e-9)
         close = getattr(steps, "close", None)
         if close is not None:
             close()

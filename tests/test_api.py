@@ -150,3 +150,15 @@ def test_prompts_of_the_wrong_kind_are_refused_not_reinterpreted(engine):
     import numpy as np
 
     assert engine.generate(list(np.array([1, 2, 3])), max_tokens=2).prompt_tokens == 3  # numpy ints are ints
+
+
+def test_a_reply_stopped_early_still_reports_its_speed(engine):
+    """Ctrl-C in chat closes the stream mid-reply: the stats must still time what ran (not 0 tok/s)."""
+    from edgespec.generate import GenerationStats
+
+    stats = GenerationStats()
+    it = engine.stream("hello world", max_tokens=50, stats=stats, mode="plain")
+    for _ in range(3):
+        next(it)
+    it.close()
+    assert stats.generated_tokens >= 3 and stats.decode_s > 0 and stats.tokens_per_s > 0
