@@ -14,8 +14,12 @@ else
   RUNENV  :=
 endif
 PYTEST_ARGS ?=
+# The Swift package (apps/swift, EdgespecKit) is built and tested after pytest when a
+# Swift toolchain is found: `swift` on PATH, else /opt/swift. Without one it is skipped.
+SWIFT     ?= $(shell command -v swift 2>/dev/null || { test -x /opt/swift/usr/bin/swift && echo /opt/swift/usr/bin/swift; })
+SWIFT_FIXTURE := .cache/swift-test
 
-.PHONY: chat test setup openblas clean
+.PHONY: chat test swift-test setup openblas clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +43,19 @@ chat: setup
 
 test: setup
 	$(RUNENV) $(PY) -m pytest $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory swift-test
+
+# The Swift tests start real `edgespec serve` processes on a tiny random bundle, and
+# compare with the Python API's replies, both written by tests/swift_fixture.py.
+swift-test: setup
+ifeq ($(strip $(SWIFT)),)
+	@echo "swift-test: SKIPPED: no Swift toolchain (no swift on PATH, no /opt/swift/usr/bin/swift); EdgespecKit not built or tested"
+else
+	$(RUNENV) $(PY) tests/swift_fixture.py $(SWIFT_FIXTURE)
+	cd apps/swift && $(SWIFT) build
+	cd apps/swift && EDGESPEC_TEST_PYTHON=$(abspath $(PY)) EDGESPEC_TEST_FIXTURE=$(abspath $(SWIFT_FIXTURE)) \
+	  EDGESPEC_TEST_PRELOAD="$(if $(RUNENV),$(OPENBLAS))" $(SWIFT) test
+endif
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) .cache .pytest_cache apps/swift/.build
