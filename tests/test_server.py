@@ -390,3 +390,26 @@ def test_command_line_defaults_become_request_defaults():
     assert d["mode"] == "lookahead" and d["window"] == 5 and d["stop"] == ["##"]
     with pytest.raises(ValueError, match="top_p"):
         server_defaults(build_parser().parse_args(["serve", "--top-p", "0"]))
+
+
+def test_oversized_chunked_body_is_refused_without_reading_it_whole(server):
+    """No Content-Length (Transfer-Encoding: chunked): the limit still applies as the bytes arrive."""
+    sent = [0]
+
+    def chunks():
+        piece = b'{"model": "default", "prompt": "' + b"a" * (1 << 16)
+        yield piece
+        sent[0] += len(piece)
+        while sent[0] < (64 << 20):  # would be 64 MiB if the server kept reading
+            yield b"a" * (1 << 16)
+            sent[0] += 1 << 16
+        yield b'"}'
+
+    try:
+        r = httpx.post(server.url + COMP, content=chunks(), headers={**AUTH, "content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    except (httpx.RemoteProtocolError, httpx.WriteError, httpx.ReadError):
+        pass  # the server answered 413 and closed while the client was still sending
+    assert sent[0] < (32 << 20)  # the server stopped reading near the 4 MiB limit
+    assert post(server, COMP, OK_COMP).status_code == 200

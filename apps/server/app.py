@@ -48,6 +48,59 @@ class ServerSettings:
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
+class BodyLimit:
+    """ASGI wrapper: a request body past `limit` bytes gets 413 however it is sent.
+
+    The Content-Length check in the app refuses a declared oversize body before it is
+    read; this counts the bytes as they arrive, so a chunked upload (no Content-Length)
+    is cut off at the limit too, and never read whole into memory.
+    """
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        seen = 0
+        refused = False
+        started = False
+
+        async def counted():
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    refused = True
+                    if not started:
+                        body = json.dumps(error_body(413, f"request body over {self.limit} bytes",
+                                                     code="body_too_large")).encode()
+                        await send({"type": "http.response.start", "status": 413,
+                                    "headers": [(b"content-type", b"application/json"),
+                                                (b"content-length", str(len(body)).encode()),
+                                                (b"connection", b"close")]})
+                        await send({"type": "http.response.body", "body": body})
+                    return {"type": "http.disconnect"}  # the app stops reading; its answer is dropped
+            return msg
+
+        async def guarded_send(msg):
+            nonlocal started
+            if refused:
+                return
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, counted, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+
+
 def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = None) -> FastAPI:
     scheduler = scheduler or Scheduler(engine, settings.max_waiting, clear_cache=_clear_mlx_cache)
 
@@ -57,6 +110,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
         scheduler.close()  # cancel what runs, stop the worker
 
     app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # chunked bodies too
     app.state.engine, app.state.scheduler, app.state.settings = engine, scheduler, settings
     install_error_handlers(app)
     created = int(time.time())
