@@ -111,7 +111,6 @@ def options_from_args(args):
 
 def load_engine(args, progress: bool = True):
     import edgespec
-
     from edgespec.lookahead.memory import parse_size
 
     budget = parse_size(getattr(args, "memory_budget", None))  # a bad size fails before the model loads

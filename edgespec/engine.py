@@ -75,7 +75,12 @@ class Engine:
 
     @property
     def modes(self) -> list[str]:
-        return available_modes()
+        """The modes this engine can run now ("auto" resolves to one of them).
+
+        speculative, tree (its default source is the drafter) and cascade need a drafter.
+        """
+        needs_drafter = ("speculative", "tree", "cascade")
+        return [m for m in available_modes() if self.drafter is not None or m not in needs_drafter]
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:

@@ -162,3 +162,20 @@ def test_a_reply_stopped_early_still_reports_its_speed(engine):
         next(it)
     it.close()
     assert stats.generated_tokens >= 3 and stats.decode_s > 0 and stats.tokens_per_s > 0
+
+
+def test_engine_lists_only_the_modes_it_can_run_and_a_bad_drafter_is_a_load_error(engine, tmp_path):
+    from edgespec.drafters import attach_drafter
+    from edgespec.drafters.prompt_lookup import PromptLookupDrafter
+
+    assert engine.drafter is None
+    assert "speculative" not in engine.modes and {"plain", "adaptive", "lookahead"} <= set(engine.modes)
+    for m in engine.modes:  # every listed mode runs
+        assert engine.generate("hello", max_tokens=3, mode=m).tokens
+    with pytest.raises(edgespec.ModelLoadError, match="no such file or folder"):
+        attach_drafter(engine, tmp_path / "nope")
+    engine.drafter = PromptLookupDrafter()
+    try:
+        assert "speculative" in engine.modes
+    finally:
+        engine.drafter = None

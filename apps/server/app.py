@@ -138,7 +138,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
         history = {"mode": "off"} if h is None else {
             "mode": "disk" if h.path is not None else "memory", "documents": h.documents,
             "bytes": h.nbytes, "max_bytes": h.max_bytes}
-        return {"status": "ok", "model": settings.model_id, "modes": ["auto", *available_modes()],
+        return {"status": "ok", "model": settings.model_id, "modes": ["auto", *engine.modes],
                 "queue": scheduler.snapshot(), "history": history}
 
     def model_card(mid: str) -> dict:

@@ -79,7 +79,9 @@ def load_drafter(engine, spec):
         return PromptLookupDrafter()
     path = Path(s).expanduser()
     if not path.exists():
-        raise ValueError(f"drafter {s!r}: no such file or folder (valid: none, self, prompt_lookup, or a path)")
+        from edgespec.errors import ModelLoadError
+
+        raise ModelLoadError(f"drafter {s!r}: no such file or folder (valid: none, self, prompt_lookup, or a path)")
     if path.suffix == ".mlpackage":
         from edgespec.drafters.coreml import CoreMLDrafter
 

@@ -140,6 +140,7 @@ public final class EdgespecServer: @unchecked Sendable {
     private var stopping = false
     private var restartTimes: [Date] = []
     private var _restartCount = 0
+    private var _lastExit: Exit?
     private var lastPort: Int?
     private var _onStateChange: (@Sendable (State) -> Void)?
     private let log = LogTail()
@@ -169,6 +170,16 @@ public final class EdgespecServer: @unchecked Sendable {
 
     /// Restarts after the process died (not counting `start()` calls).
     public var restartCount: Int { locked { _restartCount } }
+
+    /// How a child process ended: its exit status, or the signal that killed it.
+    public struct Exit: Sendable, Equatable {
+        public let status: Int32
+        /// Killed by a signal (`status` is the signal), rather than exiting by itself.
+        public let signalled: Bool
+    }
+
+    /// How the last child process ended (`stop()` ends it cleanly: status 0).
+    public var lastExit: Exit? { locked { _lastExit } }
 
     /// The last lines the server wrote to stderr.
     public var recentLog: String { log.text }
@@ -271,6 +282,9 @@ public final class EdgespecServer: @unchecked Sendable {
     private func finishStop(_ p: Process) {
         locked {
             if process === p { process = nil }
+            if !p.isRunning {
+                _lastExit = Exit(status: p.terminationStatus, signalled: p.terminationReason == .uncaughtSignal)
+            }
             transition(.stopped)
         }
     }
@@ -305,7 +319,8 @@ public final class EdgespecServer: @unchecked Sendable {
         let log = self.log
         process.terminationHandler = { [weak self] p in
             banner.resolve(.failure(ServerError.exitedDuringStartup(status: p.terminationStatus, log: log.text)))
-            self?.processExited(launchID: launchID)
+            self?.processExited(launchID: launchID,
+                                exit: Exit(status: p.terminationStatus, signalled: p.terminationReason == .uncaughtSignal))
         }
         Self.readLines(stdout.fileHandleForReading, onEnd: {}) { line in
             if let url = Self.parseBanner(line) { banner.resolve(.success(url)) }
@@ -316,7 +331,7 @@ public final class EdgespecServer: @unchecked Sendable {
         }
         log.file = configuration.logFile
         do {
-            try process.run()
+            try Self.run(process)
         } catch {
             throw ServerError.launchFailed("\(executable): \(error.localizedDescription)")
         }
@@ -372,8 +387,9 @@ public final class EdgespecServer: @unchecked Sendable {
         }
     }
 
-    private func processExited(launchID: Int) {
+    private func processExited(launchID: Int, exit: Exit) {
         let restart: Bool = locked {
+            _lastExit = exit
             guard launchID == launchCount else { return false }  // an earlier process
             process = nil
             if stopping {
@@ -457,6 +473,33 @@ public final class EdgespecServer: @unchecked Sendable {
             if FileManager.default.isExecutableFile(atPath: candidate) { return (candidate, rest) }
         }
         throw ServerError.launcherNotFound(first)
+    }
+
+    /// Starts `process` from a thread of its own with no signal blocked. A child inherits
+    /// the signal mask of the thread that spawns it, and the threads Swift concurrency and
+    /// Dispatch run on block most signals: a server started from one of them would never
+    /// see the SIGTERM that asks it to shut down cleanly.
+    private static func run(_ process: Process) throws {
+        final class Outcome: @unchecked Sendable {
+            var error: Error?
+            let done = DispatchSemaphore(value: 0)
+        }
+        let outcome = Outcome()
+        let thread = Thread {
+            var none = sigset_t()
+            sigemptyset(&none)
+            pthread_sigmask(SIG_SETMASK, &none, nil)
+            do {
+                try process.run()
+            } catch {
+                outcome.error = error
+            }
+            outcome.done.signal()
+        }
+        thread.name = "edgespec-serve-spawn"
+        thread.start()
+        outcome.done.wait()
+        if let error = outcome.error { throw error }
     }
 
     /// `edgespec serve: <model id> on http://127.0.0.1:<port>/v1` -> the root URL.

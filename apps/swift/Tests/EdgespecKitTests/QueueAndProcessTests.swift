@@ -105,6 +105,7 @@ final class ProcessManagerTests: XCTestCase {
         // Kill it; the manager notices and starts a new one.
         let first = try XCTUnwrap(server.processIdentifier)
         XCTAssertEqual(kill(first, SIGKILL), 0)
+        try await eventually("the manager sees the kill") { server.lastExit == .init(status: SIGKILL, signalled: true) }
         try await eventually(timeout: 300, "a new server process after the kill") {
             if case .running = server.state, let pid = server.processIdentifier, pid != first { return true }
             if case .failed(let why) = server.state { XCTFail("failed: \(why)\n\(server.recentLog)"); return true }
@@ -128,6 +129,7 @@ final class ProcessManagerTests: XCTestCase {
         XCTAssertEqual(server.state, .stopped)
         XCTAssertNil(server.processIdentifier)
         XCTAssertEqual(server.restartCount, 1, "a stop is not a death")
+        XCTAssertEqual(server.lastExit, .init(status: 0, signalled: false), "stop() shuts it down cleanly (SIGTERM)")
         try await eventually("the stopped process is gone") { kill(second, 0) != 0 }
         guard case .connection? = await caught({ try await restarted.health() }) as? EdgespecError else {
             return XCTFail("a stopped server still answers")
