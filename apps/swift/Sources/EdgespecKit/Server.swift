@@ -178,7 +178,8 @@ public final class EdgespecServer: @unchecked Sendable {
         public let signalled: Bool
     }
 
-    /// How the last child process ended (`stop()` ends it cleanly: status 0).
+    /// How the last child process ended (after `stop()`: SIGTERM, which the server handles
+    /// by shutting down cleanly, then re-raises).
     public var lastExit: Exit? { locked { _lastExit } }
 
     /// The last lines the server wrote to stderr.

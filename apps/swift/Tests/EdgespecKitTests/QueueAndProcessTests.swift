@@ -129,7 +129,10 @@ final class ProcessManagerTests: XCTestCase {
         XCTAssertEqual(server.state, .stopped)
         XCTAssertNil(server.processIdentifier)
         XCTAssertEqual(server.restartCount, 1, "a stop is not a death")
-        XCTAssertEqual(server.lastExit, .init(status: 0, signalled: false), "stop() shuts it down cleanly (SIGTERM)")
+        // stop() sends SIGTERM, and the server shuts down by itself (uvicorn re-raises the
+        // signal once it is done), well before the SIGKILL that would follow a hang.
+        let clean: [EdgespecServer.Exit] = [.init(status: 0, signalled: false), .init(status: SIGTERM, signalled: true)]
+        XCTAssertTrue(clean.contains(server.lastExit ?? .init(status: -1, signalled: false)), "\(String(describing: server.lastExit))")
         try await eventually("the stopped process is gone") { kill(second, 0) != 0 }
         guard case .connection? = await caught({ try await restarted.health() }) as? EdgespecError else {
             return XCTFail("a stopped server still answers")
