@@ -38,15 +38,39 @@ def is_bundle(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file()
 
 
+def _check_manifest_shape(path: Path, manifest) -> None:
+    """The fields `read_manifest` relies on, with the types it relies on (a clear error, not a traceback)."""
+    def bad(what: str):
+        raise ModelLoadError(f"{path}: malformed manifest: {what}; re-run `edgespec convert`")
+
+    if not isinstance(manifest, dict):
+        bad(f"expected a JSON object, got {type(manifest).__name__}")
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        bad('"files" must be an object of file name -> {"size", "sha256"}')
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts:
+            bad(f"file name {name!r} must be a relative path inside the bundle")
+        if not isinstance(entry, dict):
+            bad(f'"files"[{name!r}] must be an object with "size" and "sha256"')
+        size, digest = entry.get("size"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            bad(f'"files"[{name!r}].size must be a non-negative integer, got {size!r}')
+        if not isinstance(digest, str):
+            bad(f'"files"[{name!r}].sha256 must be a string, got {digest!r}')
+
+
 def read_manifest(folder: str | Path, verify_hashes: bool = True) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
         raise ModelLoadError(f"{folder}: no {MANIFEST} (not an edgespec bundle; run `edgespec convert`)")
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: invalid JSON ({e}); re-run `edgespec convert`") from None
+    _check_manifest_shape(path, manifest)
     if manifest.get("format") != "edgespec-bundle":
         raise ModelLoadError(f"{path}: not an edgespec bundle manifest")
     if manifest.get("format_version") != FORMAT_VERSION:

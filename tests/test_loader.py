@@ -99,12 +99,24 @@ def test_corrupted_bundle_weights_are_reported(tmp_path):
         load(b)
 
 
+def _edit_manifest(b, **fields):
+    m = json.loads((b / "manifest.json").read_text())
+    m.update(fields)
+    (b / "manifest.json").write_text(json.dumps(m))
+
+
 @pytest.mark.parametrize(
     "damage, match",
     [
         (lambda b: (b / "manifest.json").write_text("{not json"), "invalid JSON"),
         (lambda b: (b / "tokenizer.json").unlink(), "missing"),
         (lambda b: (b / "manifest.json").unlink(), "neither an edgespec bundle"),
+        # Valid JSON of the wrong shape: a clear error, not an AttributeError/KeyError traceback.
+        (lambda b: (b / "manifest.json").write_text("[1, 2]"), "malformed manifest: expected a JSON object"),
+        (lambda b: _edit_manifest(b, files=["model.safetensors"]), 'malformed manifest: "files" must be'),
+        (lambda b: _edit_manifest(b, files={"model.safetensors": {"sha256": "x"}}), "size must be"),
+        (lambda b: _edit_manifest(b, files={"../escape": {"size": 1, "sha256": "x"}}), "relative path inside"),
+        (lambda b: (b / "manifest.json").write_bytes(b'{"format": "\xff"}'), "invalid JSON"),
     ],
 )
 def test_damaged_bundles_are_reported(tmp_path, damage, match):
