@@ -32,6 +32,11 @@ def add_arguments(p) -> None:
                    help="requests allowed to wait behind the running one; more are refused with 503")
     n.add_argument("--model-id", default=None,
                    help="model name clients send (default: the bundle's folder name); 'default' always works")
+    n.add_argument("--allow-anyone", action="store_true",
+                   help="serve a non-loopback --host without --api-key (anyone who reaches the port can use "
+                   "the model); without this flag such a server refuses to start")
+    n.add_argument("--max-tokens-limit", type=int, default=8192,
+                   help="largest max_tokens a request may ask for (larger ones get a 400)")
     n.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (info logs every request)")
 
@@ -67,10 +72,17 @@ def run(args) -> int:
         args.api_key = os.environ.get("EDGESPEC_API_KEY") or None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
+    if args.max_tokens_limit < 1:
+        raise ValueError(f"--max-tokens-limit must be >= 1, got {args.max_tokens_limit}")
     defaults = server_defaults(args)
     if not is_loopback(args.host):
+        if not args.api_key and not args.allow_anyone:
+            raise ValueError(
+                f"--host {args.host} would let anyone who reaches this machine use the model: set --api-key "
+                "(or $EDGESPEC_API_KEY), or pass --allow-anyone to serve without one"
+            )
         print(f"edgespec serve: warning: binding {args.host} makes the model reachable from other machines"
-              + ("" if args.api_key else "; anyone who can reach it can use it (set --api-key)"),
+              + ("" if args.api_key else "; anyone who can reach it can use it (--allow-anyone)"),
               file=sys.stderr)
 
     import uvicorn
@@ -91,7 +103,7 @@ def run(args) -> int:
     if engine.loaded.path is not None and engine.loaded.path.is_file():
         model_id = args.model_id or engine.loaded.path.stem  # a GGUF file
     settings = ServerSettings(model_id=model_id, api_key=args.api_key, max_waiting=args.max_queue,
-                              defaults=defaults)
+                              defaults=defaults, max_tokens_limit=args.max_tokens_limit)
     app = create_app(engine, settings)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if family == socket.AF_INET6 else args.host

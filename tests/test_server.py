@@ -413,3 +413,22 @@ def test_oversized_chunked_body_is_refused_without_reading_it_whole(server):
         pass  # the server answered 413 and closed while the client was still sending
     assert sent[0] < (32 << 20)  # the server stopped reading near the 4 MiB limit
     assert post(server, COMP, OK_COMP).status_code == 200
+
+
+def test_max_tokens_over_the_server_limit_is_a_400(server):
+    r = post(server, COMP, {**OK_COMP, "max_tokens": 10**9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "limit of 8192" in r.json()["error"]["message"]
+    assert post(server, COMP, {**OK_COMP, "max_tokens": 4}).status_code == 200
+
+
+def test_non_loopback_host_without_a_key_refuses_to_start(bundle, monkeypatch):
+    """Before any model loads: a public bind needs --api-key, or --allow-anyone said out loud."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("EDGESPEC_API_KEY", raising=False)
+    cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--model", str(bundle), "--host", "0.0.0.0", "--port", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--api-key" in r.stderr and "--allow-anyone" in r.stderr, r.stderr
+    assert "edgespec serve:" not in r.stdout  # never started serving

@@ -44,6 +44,7 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting: int = 16
     max_body_bytes: int = 4 << 20
+    max_tokens_limit: int = 8192  # the most tokens one request may ask for
     # Server-side defaults for fields a request leaves out (make_options keywords).
     defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -167,7 +168,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
     async def _submit(body, prompt=None, messages=None) -> Job:
         _check_model(body.model, model_ids)
-        options = _options(body, settings.defaults)
+        options = _options(body, settings.defaults, settings.max_tokens_limit)
         try:
             # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
             ids = await run_in_threadpool(engine.encode_prompt, prompt, messages)
@@ -217,8 +218,12 @@ def _check_model(model: str, model_ids) -> None:
                        "model", "model_not_found")
 
 
-def _options(body, defaults: dict[str, Any]):
+def _options(body, defaults: dict[str, Any], max_tokens_limit: int | None = None):
     """Request fields over server defaults -> GenerateOptions (ValueError -> 400 naming the field)."""
+    asked = body.token_limit()
+    if max_tokens_limit is not None and asked is not None and asked > max_tokens_limit:
+        raise APIError(400, f"max_tokens {asked} is over this server's limit of {max_tokens_limit} "
+                       "(edgespec serve --max-tokens-limit)", "max_tokens", "invalid_value")
     req = {
         "max_tokens": body.token_limit(), "stop": body.stop_list(), "temperature": body.temperature,
         "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p, "seed": body.seed,
