@@ -432,3 +432,11 @@ def test_non_loopback_host_without_a_key_refuses_to_start(bundle, monkeypatch):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--api-key" in r.stderr and "--allow-anyone" in r.stderr, r.stderr
     assert "edgespec serve:" not in r.stdout  # never started serving
+
+
+def test_deeply_nested_json_is_invalid_json(server):
+    """Nesting past Python's recursion limit fails inside FastAPI's parser: still the documented code."""
+    deep = '{"model": "default", "prompt": "a", "x": ' + "[" * 100000 + "]" * 100000 + "}"
+    r = post(server, COMP, None, raw=deep)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert post(server, COMP, OK_COMP).status_code == 200

@@ -80,7 +80,12 @@ def install_error_handlers(app: FastAPI) -> None:
         messages = {404: f"no such endpoint: {request.method} {request.url.path}",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         message = messages.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+        code = None
+        if exc.status_code == 400:
+            # FastAPI's own body parsing failed (e.g. JSON nested past Python's recursion limit):
+            # the documented code for a body that is not usable JSON.
+            message, code = f"malformed JSON body: {exc.detail} (not parseable, or nested too deeply)", "invalid_json"
+        return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
