@@ -18,6 +18,8 @@ PYTEST_ARGS ?=
 # Swift toolchain is found: `swift` on PATH, else /opt/swift. Without one it is skipped.
 SWIFT     ?= $(shell command -v swift 2>/dev/null || { test -x /opt/swift/usr/bin/swift && echo /opt/swift/usr/bin/swift; })
 SWIFT_FIXTURE := .cache/swift-test
+# A hung Swift test ends the run after 15 minutes instead of holding CI (they take ~10 s).
+SWIFT_TIMEOUT := $(shell command -v timeout >/dev/null 2>&1 && echo timeout 900)
 
 .PHONY: chat test swift-test setup openblas clean
 
@@ -54,7 +56,7 @@ else
 	$(RUNENV) $(PY) tests/swift_fixture.py $(SWIFT_FIXTURE)
 	cd apps/swift && $(SWIFT) build
 	cd apps/swift && EDGESPEC_TEST_PYTHON=$(abspath $(PY)) EDGESPEC_TEST_FIXTURE=$(abspath $(SWIFT_FIXTURE)) \
-	  EDGESPEC_TEST_PRELOAD="$(if $(RUNENV),$(OPENBLAS))" $(SWIFT) test
+	  EDGESPEC_TEST_PRELOAD="$(if $(RUNENV),$(OPENBLAS))" $(SWIFT_TIMEOUT) $(SWIFT) test
 endif
 
 clean:

@@ -142,6 +142,7 @@ final class LiveServerTests: XCTestCase {
         let stream = client.streamCompletion(request)
         let (started, startedSignal) = AsyncStream<Void>.makeStream()
         let consumer = Task {
+            defer { startedSignal.finish() }  // never leave the test waiting if the stream fails early
             var pieces = 0
             for try await chunk in stream where !chunk.text.isEmpty {
                 pieces += 1

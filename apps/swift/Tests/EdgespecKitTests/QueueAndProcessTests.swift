@@ -27,6 +27,7 @@ final class QueueFullTests: XCTestCase {
         for _ in 0..<5 where refusal == nil {
             let (started, signal) = AsyncStream<Void>.makeStream()
             let long = Task {
+                defer { signal.finish() }  // never leave the test waiting if the stream fails early
                 for try await chunk in client.streamCompletion(CompletionRequest(prompt: prompt, options: .init(maxTokens: 480)))
                     where !chunk.text.isEmpty
                 {
