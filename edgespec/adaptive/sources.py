@@ -4,11 +4,11 @@ A source proposes continuations of the committed sequence (which ends with
 x0, the last committed token, not yet in the verifier's cache). What the
 decoder needs to know about a source is declared, not probed:
 
-- `point_mass`: proposals are fixed tokens, verified by recursive rejection
-  (lossless under sampling for any proposal drawn independently of the
-  verifier's randomness);
-- `has_q`: proposals come with the drafter's log-probs q, so under sampling
-  they go through `rejection_sample` (accept with min(1, p/q));
+- `point_mass`: proposals are fixed tokens, not samples of a distribution;
+- `has_q`: proposals are drawn from a model distribution q that the source can
+  also return (mode `speculative` uses it for rejection sampling). The adaptive
+  decoder verifies every proposal by "draw, then match" (see decoder.py), so it
+  asks such a source for its greedy chain and treats it as point-mass;
 - `cost_per_token`: seconds per proposed token (0 for look-ups); a source
   with a cost is only asked when the planner expects it to pay.
 
