@@ -49,6 +49,7 @@ test: setup
 
 # The Swift tests start real `edgespec serve` processes on a tiny random bundle, and
 # compare with the Python API's replies, both written by tests/swift_fixture.py.
+# Steps: the fixture, then `swift build` and `swift test` in apps/swift.
 swift-test: setup
 ifeq ($(strip $(SWIFT)),)
 	@echo "swift-test: SKIPPED: no Swift toolchain (no swift on PATH, no /opt/swift/usr/bin/swift); EdgespecKit not built or tested"

@@ -68,15 +68,15 @@ def test_auto_is_adaptive_and_equals_plain(engine_and_refs):
 
 
 def test_silent_sources_cost_one_plain_pass_per_token():
-    """With nothing to copy and no drafter, every token is one plain verifier pass and no tree is built."""
+    """With every source silent, every token is one plain verifier pass and no tree is built."""
     engine = make_tiny_engine(2, scale=3.0)
-    engine.history = None
-    prompt = list(range(1, 40))  # no repeats: the context source has nothing to offer
-    r = engine.generate(prompt, max_tokens=20, mode="adaptive", sources="context")
+    engine.history = HistoryStore()  # empty until this generation ends: the only source, and silent
+    prompt = list(range(1, 40))
+    r = engine.generate(prompt, max_tokens=20, mode="adaptive", sources="history")
     ref = engine.generate(prompt, max_tokens=20, mode="plain")
     assert r.tokens == ref.tokens
-    if r.stats.drafted == 0:  # the output itself never repeated a bigram
-        assert r.stats.verifier_passes == r.stats.generated_tokens - 1
+    # One pass per token read after the prefill (the EOS that ended it included), no tree.
+    assert r.stats.drafted == 0 and r.stats.verifier_passes == len(r.tokens) - 1 + (r.finish_reason == "stop")
 
 
 # ---------------------------------------------------------------- sampling
