@@ -1,0 +1,45 @@
+"""Architecture registry: Hugging Face `model_type` -> the module that implements it.
+
+Every architecture module defines `ModelArgs` (with `from_dict(config)`) and `Model`
+(the model contract: args, make_cache, embed, layers, head, project, __call__ with
+mask / positions / layer_ids / return_hidden). A new architecture is one file in
+this folder plus one line here. Modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+# model_type -> module name in edgespec.models
+ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "smollm": "llama",
+    "smollm2": "llama",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def get_architecture(model_type: str | None) -> ModuleType:
+    """The module implementing `model_type`; ModelLoadError naming the supported ones otherwise."""
+    from edgespec.errors import ModelLoadError
+
+    name = ARCHITECTURES.get(model_type or "llama")
+    if name is None:
+        raise ModelLoadError(
+            f"unsupported architecture (model_type) {model_type!r}; edgespec supports "
+            f"{', '.join(supported_model_types())}"
+        )
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def model_from_config(config: dict[str, Any]):
+    """An uninitialised Model for an HF-style config dict (bad configs raise ValueError)."""
+    arch = get_architecture(config.get("model_type", "llama"))
+    return arch.Model(arch.ModelArgs.from_dict(config))

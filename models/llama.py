@@ -135,16 +135,20 @@ class RoPE(nn.Module):
         self._freqs = freqs
 
     def __call__(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
-        """x: (B, H, T, D). `positions` (T,) overrides the contiguous `offset + arange(T)`."""
+        """x: (B, H, T, D). `positions` (T,) or (B, T) overrides the contiguous `offset + arange(T)`."""
         kw = dict(traditional=self.traditional, base=self.base, scale=self.scale, freqs=self._freqs)
         if positions is None:
             return mx.fast.rope(x, self.dims, offset=offset, **kw)
-        # Per-token positions (tree / lookahead steps): treat each token as its own
-        # batch row so the same kernel as the contiguous path computes it.
+        # Per-token positions (tree / lookahead steps, batched rows at different offsets):
+        # treat each (row, token) as its own batch entry with its own offset, so one call
+        # of the same kernel as the contiguous path computes it.
         B, H, T, D = x.shape
-        xt = x.transpose(2, 0, 1, 3).reshape(T, B * H, 1, D)  # (T, B*H, 1, D)
-        xt = mx.fast.rope(xt, self.dims, offset=positions.astype(mx.int32), **kw)
-        return xt.reshape(T, B, H, D).transpose(1, 2, 0, 3)
+        pos = positions.astype(mx.int32)
+        if pos.ndim == 1:
+            pos = mx.broadcast_to(pos[None], (B, T))
+        xt = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)  # (B*T, H, 1, D)
+        xt = mx.fast.rope(xt, self.dims, offset=pos.reshape(-1), **kw)
+        return xt.reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
 
 class Attention(nn.Module):
@@ -223,6 +227,10 @@ class Model(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.model.layers]
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids (B, T) -> input embeddings (B, T, E)."""
+        return self.model.embed_tokens(inputs)
+
     def head(self, h: mx.array) -> mx.array:
         """Final norm and output projection: hidden (B, T, E) -> logits (B, T, V)."""
         return self.project(self.model.norm(h))
@@ -245,14 +253,17 @@ class Model(nn.Module):
         """Forward pass.
 
         inputs: (B, T) token ids. mask: None means causal over cache + new tokens;
-        an explicit boolean (T, S) mask serves tree/lookahead steps, with `positions`
-        (T,) giving each new token's RoPE position. `layer_ids` runs only those
+        an explicit boolean mask (True = attend) of shape (T, S) or broadcastable to
+        (B, 1, T, S) serves tree/lookahead steps and batches of rows at different
+        offsets (left padding is masked out; a padded query row should still attend
+        to itself so no row is all-False). `positions` (T,) or (B, T) gives each new
+        token's RoPE position (default: cache offset + arange(T)). `layer_ids` runs only those
         layers (self-speculative drafting); `cache` must then hold one entry per
         model layer, and only the listed ones are touched. `return_hidden` also
         returns the final-norm hidden states (B, T, E), the features a feature
         drafter reads: (logits, hidden).
         """
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         if mask is None:
             mask = "causal" if inputs.shape[1] > 1 else None
         ids = range(len(self.layers)) if layer_ids is None else layer_ids
