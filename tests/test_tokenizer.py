@@ -67,3 +67,36 @@ def test_gguf_tokenizer_matches_transformers(real_gguf):
     want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert ours.encode_chat(msgs) == list(want)
+
+
+def test_long_text_is_encoded_without_holding_the_gil(bytelevel_tokenizer):
+    """A multi-megabyte prompt must not freeze other threads (the server's event loop)
+    while it is tokenized, and must get the same ids as the short-text path."""
+    import threading
+    import time
+
+    from edgespec.tokenizer import LONG_TEXT_CHARS
+
+    tok = bytelevel_tokenizer
+    text = ("hello world, café naïve 🙂 " * 60_000)[:1_500_000]
+    assert len(text) > LONG_TEXT_CHARS
+    started, finished = threading.Event(), threading.Event()
+    ticks_during = []
+
+    def ticker():
+        started.wait()
+        n = 0
+        while not finished.is_set():
+            time.sleep(0.0005)  # waking up needs the GIL: no wake-ups while encode holds it
+            n += 1
+        ticks_during.append(n)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    started.set()
+    ids = tok.encode(text)
+    finished.set()
+    t.join()
+    assert ids == tok._tok.encode(text, add_special_tokens=False).ids
+    # Held for the whole call, the GIL allows the ticker one wake-up at most.
+    assert ticks_during[0] >= 5, ticks_during
