@@ -77,7 +77,7 @@ def run(args) -> int:
 
     verifier = args.verifier
     if verifier is None:
-        from edgespec.default_model import default_bundle_path
+        from edgespec.converters.default_model import default_bundle_path
 
         verifier = default_bundle_path(progress=not args.quiet)
     cfg = DistillConfig(

@@ -33,10 +33,9 @@ def main() -> int:
 
     from coreml_support import executor_logits, fp16_weights, reference_logits, rel_err
     from edgespec.converters.coreml_export import export_drafter
+    from edgespec.converters.default_model import default_bundle_path
     from edgespec.converters.mil_executor import MILExecutor
     from test_coreml_real import TEXT, truncated_real
-
-    from edgespec.default_model import default_bundle_path
 
     make, tok = truncated_real(args.model or default_bundle_path(progress=False), args.layers)
     tokens = tok.encode(TEXT, add_special_tokens=False)[: args.tokens]

@@ -60,6 +60,7 @@ def main() -> int:
     import numpy as np
     from edgespec.converters.coreml_calibrate import calibration_sequences, compress_model
     from edgespec.converters.coreml_compress import decode_packed
+    from edgespec.converters.default_model import default_bundle_path
     from edgespec.converters.distill.data import build_dataset, load_dataset
     from edgespec.converters.distill.evaluate import acceptance_fast
     from edgespec.converters.distill.prompts import (
@@ -70,7 +71,6 @@ def main() -> int:
     )
     from mlx.utils import tree_flatten
 
-    from edgespec.default_model import default_bundle_path
     from edgespec.drafters import DATA
     from edgespec.drafters.distilled import VocabMap
     from edgespec.loader import load, load_model_folder

@@ -56,11 +56,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
 
+    from edgespec.converters.default_model import default_bundle_path
     from mlx_lm.utils import load_model
     from tqdm import tqdm
 
     import edgespec
-    from edgespec.default_model import default_bundle_path
 
     bundle = args.model or str(default_bundle_path())
     engine = edgespec.load(bundle, drafter="none", progress=False)

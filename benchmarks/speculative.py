@@ -97,8 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench-out" / "speculative.json"), help="JSON results path")
     args = ap.parse_args(argv)
 
+    from edgespec.converters.default_model import default_bundle_path
+
     import edgespec
-    from edgespec.default_model import default_bundle_path
     from edgespec.drafters import attach_drafter, shipped_drafter_path
 
     bundle = args.model or default_bundle_path(progress=True)

@@ -70,8 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(REPO / "bench-out" / "tree.json"), help="results path")
     args = ap.parse_args(argv)
 
+    from edgespec.converters.default_model import default_bundle_path
+
     import edgespec
-    from edgespec.default_model import default_bundle_path
     from edgespec.drafters import load_drafter, shipped_drafter_path
     from edgespec.drafters.self_spec import SelfSpecDrafter, skip_set_for
 

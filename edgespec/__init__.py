@@ -58,10 +58,11 @@ def load(
     history_mode(history)  # a bad setting fails before the model is fetched or loaded
 
     if model is None:
-        from edgespec.default_model import default_bundle_path
+        from edgespec.default_model import load_default
 
-        model = default_bundle_path(progress=progress)
-    loaded = load_any(model, verify_hashes=verify_hashes)
+        loaded = load_default(progress=progress, verify_hashes=verify_hashes)
+    else:
+        loaded = load_any(model, verify_hashes=verify_hashes)
     from edgespec.drafters import attach_drafter
 
     engine = Engine(loaded, history=history)

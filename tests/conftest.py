@@ -102,7 +102,7 @@ def real_gguf() -> Path:
 @pytest.fixture(scope="session")
 def real_bundle() -> Path:
     """Dense bundle of the default model (converted once into the cache folder)."""
-    from edgespec.default_model import default_bundle_path
+    from edgespec.converters.default_model import default_bundle_path
 
     return default_bundle_path(progress=False)
 

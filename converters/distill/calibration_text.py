@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout", action="store_true",
                    help="DATA was built on the built-in held-out prompts: write the held-out file")  # fmt: skip
     args = p.parse_args(argv)
+    from edgespec.converters.default_model import default_bundle_path
     from edgespec.converters.distill.prompts import builtin_path
 
-    from edgespec.default_model import default_bundle_path
     from edgespec.loader import load
 
     tokenizer = load(args.model or default_bundle_path(progress=False), verify_hashes=False).tokenizer

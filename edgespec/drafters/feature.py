@@ -187,7 +187,7 @@ class FeatureDrafter:
     @classmethod
     def load(cls, path: str | Path, verifier) -> FeatureDrafter:
         """From a feature drafter folder; `verifier` (Engine or LoadedModel) supplies embedding and head."""
-        from edgespec.converters.hf import read_safetensors
+        from edgespec.formats.hf import read_safetensors
         from edgespec.models.feature_drafter import FeatureDraftModel
         from edgespec.models.llama import ModelArgs
 

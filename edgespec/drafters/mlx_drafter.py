@@ -62,7 +62,7 @@ class MLXDrafter(ModelDrafter):
         v_hash = (loaded.manifest or {}).get("vocab_hash")
         if v_hash is None and d_hash is not None and loaded.tokenizer is not None:
             v_hash = loaded.tokenizer.vocab_hash()
-        from edgespec.converters.hf import read_config
+        from edgespec.formats.hf import read_config
 
         cfg = read_config(path)
         check_vocabulary(int(cfg.get("vocab_size", -1)), loaded.model.args.vocab_size, d_hash, v_hash)

@@ -1,0 +1,149 @@
+"""Write GGUF files for tests with the `gguf` package's own writer, names and quantizers.
+
+The tensor names come from gguf's TensorNameMap (HF name -> GGUF name), not from
+edgespec's reader, so a reader bug cannot hide behind a matching writer bug. The
+per-architecture transforms are the ones llama.cpp's HF->GGUF converter applies
+(written out here from its documented behaviour): Llama's Q/K row permutation,
+Gemma's norm weights stored as 1 + w, Phi-3's fused QKV and gate/up tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+
+
+def byte_level_tokens() -> list[str]:
+    """The 256 byte-level BPE symbols (GPT-2's bytes->unicode table) in byte order."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def gpt2_tokenizer_meta(vocab_size: int) -> dict:
+    """A byte-level BPE vocabulary of `vocab_size` tokens: 256 bytes, merges, last = <|endoftext|>."""
+    tokens = byte_level_tokens()
+    merges = []
+    pairs = [("a", "b"), ("ab", "c"), ("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+    for a, b in pairs:
+        if len(tokens) >= vocab_size - 1:
+            break
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+    while len(tokens) < vocab_size - 1:
+        tokens.append(f"<unused{len(tokens)}>")
+    tokens.append("<|endoftext|>")
+    types = [1] * (vocab_size - 1) + [3]
+    return {"model": "gpt2", "tokens": tokens, "types": types, "merges": merges,
+            "bos": vocab_size - 1, "eos": vocab_size - 1}
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order: per head, the two RoPE halves interleaved."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF tensors as llama.cpp's converter stores them for `arch`, keyed by HF name."""
+    out = {}
+    for name, w in weights.items():
+        if "rotary_emb" in name:
+            continue
+        w = np.asarray(w, dtype=np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = permute_qk(w, config["num_attention_heads"])
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = permute_qk(w, config.get("num_key_value_heads", config["num_attention_heads"]))
+        elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
+            w = w + 1.0
+        out[name] = w
+    if arch == "phi3":  # fused in the HF checkpoint already (qkv_proj, gate_up_proj): kept as is
+        pass
+    if config.get("tie_word_embeddings", False):
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarray], tok: dict,
+               types: dict[str, int] | None = None, default_type=Q.F32, extra_kv: dict | None = None) -> Path:
+    """Write a GGUF: `weights` by HF name (already in llama.cpp's layout), `types` per HF name."""
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    n_layers = config["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch_enum, n_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w.add_block_count(n_layers)
+    w.add_context_length(config.get("max_position_embeddings", 512))
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config.get("num_key_value_heads", heads))
+    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(config["vocab_size"])
+    for key, value in (extra_kv or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, value)
+    w.add_tokenizer_model(tok["model"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    if tok.get("scores") is not None:
+        w.add_token_scores(tok["scores"])
+    if tok.get("merges"):
+        w.add_token_merges(tok["merges"])
+    for key, fn in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unk", w.add_unk_token_id),
+                    ("pad", w.add_pad_token_id)):
+        if tok.get(key) is not None:
+            fn(tok[key])
+    if tok.get("add_bos") is not None:
+        w.add_add_bos_token(tok["add_bos"])
+    if tok.get("chat_template"):
+        w.add_chat_template(tok["chat_template"])
+    for name, arr in weights.items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, f"gguf has no name for {name} in {arch}"
+        qtype = (types or {}).get(name, default_type if arr.ndim == 2 else Q.F32)
+        if qtype == Q.F32:
+            w.add_tensor(gname, arr.astype(np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(gname, arr.astype(np.float16))
+        else:
+            raw = gguf.quants.quantize(arr.astype(np.float32), qtype)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_llama_gguf(path: Path, seed: int = 0, types: dict | None = None, default_type=Q.F32, **overrides):
+    """A tiny random Llama (conftest's) with a byte-level BPE vocabulary, as GGUF. -> path."""
+    from conftest import make_tiny_model
+    from mlx.utils import tree_flatten
+
+    overrides.setdefault("vocab_size", 272)
+    model = make_tiny_model(seed, **overrides)
+    config = model.args.to_dict()
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    tensors = llama_cpp_tensors("llama", config, weights)
+    return write_gguf(path, "llama", config, tensors, gpt2_tokenizer_meta(config["vocab_size"]), types, default_type)
