@@ -15,3 +15,8 @@ class VocabularyMismatchError(EdgespecError, ValueError):
 
 class ContextLengthError(EdgespecError, ValueError):
     """The prompt does not fit the context window."""
+
+
+class DrafterRequiredError(EdgespecError, ValueError):
+    """The chosen mode (or draft source) needs a drafter the engine does not have (none, or
+    not of a kind that mode can use)."""

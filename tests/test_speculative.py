@@ -14,7 +14,7 @@ from edgespec.controller import CostModel, KController, expected_tokens
 from edgespec.drafters import attach_drafter
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter, search_skip_layers
-from edgespec.errors import EdgespecError, VocabularyMismatchError
+from edgespec.errors import DrafterRequiredError, VocabularyMismatchError
 from edgespec.generate import GenerationStats, PlainMode, prefill
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.options import GenerateOptions
@@ -160,8 +160,11 @@ def test_drafter_sync_rolls_back_a_wrong_guess(verifier):
 def test_engine_speculative_mode_and_auto(tmp_path):
     engine = make_tiny_engine(0, num_hidden_layers=4)
     ref = engine.generate([1, 2, 3], max_tokens=16, mode="plain").tokens
-    with pytest.raises(EdgespecError, match="needs a drafter"):
+    with pytest.raises(DrafterRequiredError, match="needs a drafter"):
         engine.generate([1, 2, 3], max_tokens=4, mode="speculative")
+    for mode, opts in (("tree", {}), ("cascade", {}), ("adaptive", {"sources": "drafter"})):
+        with pytest.raises(DrafterRequiredError):
+            engine.generate([1, 2, 3], max_tokens=4, mode=mode, **opts)
     engine.drafter = SelfSpecDrafter(engine.model, [0, 1, 3])
     assert engine.resolve_mode(GenerateOptions()) == "adaptive"  # auto: the adaptive decoder, drafter included
     for k in ("auto", 2):

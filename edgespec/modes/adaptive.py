@@ -11,7 +11,7 @@ from __future__ import annotations
 from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.estimate import Costs
 from edgespec.adaptive.sources import ContextSource, DrafterSource, HistorySource, JacobiSource
-from edgespec.errors import EdgespecError
+from edgespec.errors import DrafterRequiredError
 from edgespec.modes import register_mode
 from edgespec.modes.schema import Option
 
@@ -75,13 +75,13 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
     drafter = engine.drafter if use_drafter and "drafter" in names else None
     if drafter is not None and not drafter_usable(drafter):
         if wanted != "auto":
-            raise EdgespecError(
+            raise DrafterRequiredError(
                 f"adaptive source 'drafter' cannot use {drafter.name!r}: it must follow other sources' tokens "
                 "(sync) and not read verifier features; use mode 'speculative' for it"
             )
         drafter = None
     if wanted != "auto" and "drafter" in names and engine.drafter is None:
-        raise EdgespecError("adaptive source 'drafter' needs a drafter: load one (--drafter), or drop the source")
+        raise DrafterRequiredError("adaptive source 'drafter' needs a drafter: load one (--drafter), or drop the source")
     tree = adaptive_costs(engine)
     dsrc = None
     if drafter is not None:

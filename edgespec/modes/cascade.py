@@ -10,7 +10,7 @@ decoding from measured costs.
 
 from __future__ import annotations
 
-from edgespec.errors import EdgespecError
+from edgespec.errors import DrafterRequiredError
 from edgespec.modes import register_mode
 from edgespec.modes.schema import PIPELINE, Option
 from edgespec.tree.cascade import CascadeDrafter
@@ -49,7 +49,7 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
         )
     tiny = engine.drafter
     if tiny is None or not hasattr(tiny, "sync"):
-        raise EdgespecError(
+        raise DrafterRequiredError(
             "mode 'cascade' needs a tiny drafter that can roll back (a distilled/MLX drafter folder "
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
@@ -59,7 +59,7 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
 
         student = shipped_drafter_path(engine)
         if student is None:
-            raise EdgespecError(
+            raise DrafterRequiredError(
                 f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: a feature drafter reads the "
                 "verifier's hidden states and drafts in mode 'speculative' only; load a distilled or MLX drafter"
             )

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from edgespec.controller import CostModel, KController, calibrate
 from edgespec.drafters.base import Draft
-from edgespec.errors import EdgespecError
+from edgespec.errors import DrafterRequiredError
 from edgespec.generate import Token, prefill
 from edgespec.modes import register_mode
 from edgespec.modes.schema import PIPELINE
@@ -375,7 +375,7 @@ def engine_costs(engine, drafter) -> CostModel:
 def make_speculative(engine, options):
     drafter = engine.drafter
     if drafter is None:
-        raise EdgespecError(
+        raise DrafterRequiredError(
             "mode 'speculative' needs a drafter: load with drafter='self' (skip layers of the "
             "verifier), 'prompt_lookup', or a drafter folder/bundle"
         )

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
-from edgespec.errors import EdgespecError
+from edgespec.errors import DrafterRequiredError
 from edgespec.generate import GenerationStats, Token, prefill
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
 from edgespec.modes import register_mode
@@ -173,7 +173,7 @@ class TreeMode:
         self.plan = plan or TreePlan()
         self.sources = tuple(sources)
         if "drafter" in self.sources and drafter is None:
-            raise EdgespecError(
+            raise DrafterRequiredError(
                 "tree source 'drafter' needs a drafter: load one, or use sources=prompt_lookup+pool"
             )
         self.drafter = TreeDrafter(drafter) if "drafter" in self.sources else None
@@ -284,13 +284,13 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     o = parse_options(options.mode_options, shape, sources)
     drafter = engine.drafter if "drafter" in o["sources"] else None
     if "drafter" in o["sources"] and (drafter is None or getattr(drafter, "model", None) is None):
-        raise EdgespecError(
+        raise DrafterRequiredError(
             f"mode {name!r} with source 'drafter' needs an MLX drafter: load with drafter='self' "
             "(skip layers of the verifier) or a drafter folder/bundle, or set "
             "--mode-option sources=prompt_lookup+pool"
         )
     if getattr(drafter, "needs_features", False):
-        raise EdgespecError(
+        raise DrafterRequiredError(
             f"mode {name!r} cannot draft with {drafter.name!r}: a feature drafter reads the verifier's hidden "
             "states and drafts in mode 'speculative' only; use that mode, or drafter='self' for trees"
         )
