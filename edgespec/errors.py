@@ -20,3 +20,11 @@ class ContextLengthError(EdgespecError, ValueError):
 class DrafterRequiredError(EdgespecError, ValueError):
     """The chosen mode (or draft source) needs a drafter the engine does not have (none, or
     not of a kind that mode can use)."""
+
+
+class UnknownOptionError(EdgespecError, TypeError, ValueError):
+    """A keyword or mode option that does not exist (a typo such as `temprature=`).
+
+    A TypeError like any unexpected keyword argument in Python, and a ValueError so the
+    CLI and the server refuse it as the bad input it is.
+    """

@@ -145,8 +145,11 @@ def test_prompts_of_the_wrong_kind_are_refused_not_reinterpreted(engine):
     ]:
         with pytest.raises(ValueError, match=msg):
             engine.generate(prompt, max_tokens=2)
-    with pytest.raises(ValueError, match="unknown option.*'temprature'"):
+    # A misspelt keyword is a TypeError (as in any Python call) that names the valid ones.
+    with pytest.raises(TypeError, match="unknown option.*'temprature'"):
         engine.generate("hello", max_tokens=2, temprature=0.9)
+    with pytest.raises(TypeError, match="'window' for mode 'plain'"):
+        engine.generate("hello", max_tokens=2, mode="plain", window=3)
     import numpy as np
 
     assert engine.generate(list(np.array([1, 2, 3])), max_tokens=2).prompt_tokens == 3  # numpy ints are ints

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from edgespec.errors import UnknownOptionError
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -91,8 +93,8 @@ class Schema:
         unknown = sorted(set(raw) - set(self.options))
         if unknown:
             valid = ", ".join(self.options) or "none"
-            raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))} for mode {self.mode!r}; "
-                             f"valid: {valid}")
+            raise UnknownOptionError(f"unknown option(s) {', '.join(map(repr, unknown))} for mode "
+                                     f"{self.mode!r}; valid: {valid}")
         return {k: self.options[k].parse(self.mode, v) for k, v in raw.items() if v is not None}
 
     def get(self, values: dict[str, Any], name: str) -> Any:
