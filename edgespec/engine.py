@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
-
-from edgespec.errors import ContextLengthError
-from edgespec.generate import Chunk, GenerationStats, stream_tokens
+from edgespec.errors import ContextLengthError, UnknownOptionError
+from edgespec.generate import Chunk, GenerationStats
 from edgespec.loader import LoadedModel
 from edgespec.modes import available_modes, make_mode
 from edgespec.options import GenerateOptions
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.sampling import SamplingParams
 
 
 @dataclass
@@ -29,10 +29,11 @@ class GenerationResult:
 
 @dataclass
 class Engine:
-    """Owns the models; serialises generations with a lock so threads never share a cache.
+    """Owns the models; concurrent generations run together in one continuous batch.
 
-    Every generation builds its own KV caches, so concurrent callers only wait
-    for each other; they never see each other's state.
+    Every generation keeps its own KV caches, sampling settings, stop strings and
+    seed; `stream`/`generate` from several threads join the same batch
+    (edgespec.batch), up to `max_batch` at once (default: what the memory budget holds).
     """
 
     loaded: LoadedModel
@@ -42,6 +43,7 @@ class Engine:
     # Earlier prompts and replies as a draft source: "memory" (default, this process only),
     # "disk" ($EDGESPEC_HOME/history), "off"; None = $EDGESPEC_HISTORY or "memory".
     history: Any = None
+    max_batch: int | None = None  # generations decoded together; None = from the memory budget
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
@@ -170,47 +172,124 @@ class Engine:
         mode_name = self.resolve_mode(options)
         return self._stream(ids, options, mode_name, cancel, stats)
 
-    def _stream(self, ids, options, mode_name, cancel, stats=None) -> Iterator[Chunk]:
-        with self._lock:
-            if stats is None:
-                stats = GenerationStats()
-            stats.mode, stats.prompt_tokens = mode_name, len(ids)
-            if mode_name == "adaptive" and options.mode == "auto" and self.drafter is not None \
-                    and not self._drafter_fits():
-                from edgespec.modes.adaptive import make_adaptive_mode
+    def build_mode(self, options: GenerateOptions, mode_name: str, stats: GenerationStats):
+        """The decoding mode object for one generation (runs on the batch worker's thread)."""
+        if mode_name == "adaptive" and options.mode == "auto" and self.drafter is not None \
+                and not self._drafter_fits():
+            from edgespec.modes.adaptive import make_adaptive_mode
 
-                # No extra weights: the drafter would not fit the memory budget.
-                mode = make_adaptive_mode(self, options, use_drafter=False)
-                stats.notes.append("auto: the drafter does not fit the memory budget; weight-free sources only")
-            else:
-                mode = make_mode(mode_name, self, options)
-            stats.mode = getattr(mode, "name", mode_name)
-            sampler = Sampler(options.sampling)
-            reset_peak = getattr(mx, "reset_peak_memory", None)
-            if reset_peak:
-                reset_peak()
-            steps = mode.steps(ids, sampler, stats)
-            reply: list[int] = []
-            chunks = stream_tokens(
-                steps,
-                self.tokenizer,
-                stats,
-                options.max_tokens,
-                options.stop,
-                context_left=self.context_length - len(ids),
-                cancel=cancel,
-            )
-            try:
-                for chunk in chunks:
-                    reply.extend(chunk.tokens)
-                    yield chunk
-            finally:
-                chunks.close()  # a reply stopped early still gets its timing (stats.decode_s)
-                if self.history is not None and reply:
-                    self.history.add(list(ids) + reply)
-                get_peak = getattr(mx, "get_peak_memory", None)
-                stats.peak_memory_bytes = int(get_peak()) if get_peak else 0
-                self.last_stats = stats
+            # No extra weights: the drafter would not fit the memory budget.
+            mode = make_adaptive_mode(self, options, use_drafter=False)
+            stats.notes.append("auto: the drafter does not fit the memory budget; weight-free sources only")
+        else:
+            mode = make_mode(mode_name, self, options)
+        stats.mode = getattr(mode, "name", mode_name)
+        return mode
+
+    @property
+    def batcher(self):
+        """The continuous batcher every generation runs in (created at first use)."""
+        b = self.__dict__.get("_batcher")
+        if b is None:
+            with self._lock:
+                b = self.__dict__.get("_batcher")
+                if b is None:
+                    from edgespec.batch import Batcher
+
+                    b = self.__dict__["_batcher"] = Batcher(self, self.max_batch)
+        return b
+
+    def submit(self, ids, options, mode_name, emit, cancel=None, stats=None, ready=None):
+        """Queue one generation in the batch; `emit(kind, payload)` receives its events
+        (see edgespec.batch.Request) on the worker thread. Returns the Request (cancel())."""
+        from edgespec.batch import Request
+
+        stats = stats if stats is not None else GenerationStats()
+        stats.mode, stats.prompt_tokens = mode_name, len(ids)
+        req = Request(list(ids), options, mode_name, emit, stats, cancel, ready)
+        self.batcher.submit(req)
+        return req
+
+    def _stream(self, ids, options, mode_name, cancel, stats=None) -> Iterator[Chunk]:
+        # Joins the running batch: other threads' generations advance in the same passes.
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        untaken = [0]  # chunks emitted and not yet handed to our reader (flow control)
+
+        def emit(kind, payload):
+            if kind == "chunk":
+                untaken[0] += 1
+            events.put((kind, payload))
+
+        batcher = self.batcher
+        req = self.submit(ids, options, mode_name, emit, cancel, stats, ready=lambda: untaken[0] == 0)
+        finished = False
+        try:
+            while True:
+                kind, payload = events.get()
+                if kind == "chunk":
+                    untaken[0] -= 1
+                    batcher.wake()
+                    yield payload
+                elif kind in ("done", "error"):
+                    finished = True
+                    if kind == "error":
+                        raise payload
+                    return
+        finally:
+            if not finished:
+                # The caller stopped reading: free the row now, and return once the worker has
+                # let go of this generation (its stats are final, its caches released).
+                req.cancel()
+                batcher.wake()
+                while events.get()[0] not in ("done", "error"):
+                    pass
+
+    def generate_many(self, prompts: list, *, options=None, **kwargs) -> list[GenerationResult]:
+        """Generate a reply to every prompt (text, token ids or a messages list) in one batch;
+        results in the order given."""
+        options = options or make_options(**kwargs)
+        items = []
+        for p in prompts:
+            ids = self.encode_prompt(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict) \
+                else self.encode_prompt(p)
+            items.append(ids)
+        mode_name = self.resolve_mode(options)
+        results: list = [None] * len(items)
+        done = threading.Semaphore(0)
+        reqs = []
+
+        def collector(i):
+            parts: dict = {"text": [], "tokens": [], "finish": "length", "error": None}
+
+            def emit(kind, payload):
+                if kind == "chunk":
+                    parts["text"].append(payload.text)
+                    parts["tokens"].extend(payload.tokens)
+                    if payload.finish_reason:
+                        parts["finish"] = payload.finish_reason
+                elif kind in ("done", "error"):
+                    if kind == "error":
+                        parts["error"] = payload
+                    results[i] = parts
+                    done.release()
+
+            return emit
+
+        try:
+            for i, ids in enumerate(items):
+                reqs.append(self.submit(ids, options, mode_name, collector(i)))
+            for _ in reqs:
+                done.acquire()
+        finally:
+            for r in reqs:
+                r.cancel()
+        out = []
+        for ids, parts, req in zip(items, results, reqs, strict=True):
+            if parts["error"] is not None:
+                raise parts["error"]
+            out.append(GenerationResult("".join(parts["text"]), parts["tokens"], parts["finish"], req.stats,
+                                        len(ids)))
+        return out
 
     def generate(self, prompt=None, *, messages=None, options=None, cancel=None, **kwargs) -> GenerationResult:
         options = options or make_options(**kwargs)
@@ -241,11 +320,15 @@ def make_options(
     **mode_options,
 ) -> GenerateOptions:
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    return GenerateOptions(
-        max_tokens=max_tokens,
-        stop=list(stop) if isinstance(stop, (list, tuple)) else ([stop] if stop else []),
-        sampling=sampling,
-        mode=mode,
-        draft_tokens=draft_tokens,
-        mode_options=mode_options,
-    )
+    try:
+        return GenerateOptions(
+            max_tokens=max_tokens,
+            stop=list(stop) if isinstance(stop, (list, tuple)) else ([stop] if stop else []),
+            sampling=sampling,
+            mode=mode,
+            draft_tokens=draft_tokens,
+            mode_options=mode_options,
+        )
+    except UnknownOptionError as e:
+        keywords = ", ".join(inspect.signature(make_options).parameters)
+        raise UnknownOptionError(f"{e} (other keywords: {keywords.replace(', mode_options', '')})") from None

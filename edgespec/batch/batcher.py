@@ -1,0 +1,347 @@
+"""Continuous batching: every live generation advances in the same verifier passes.
+
+One worker thread owns all generation (MLX streams are per thread). Each live
+sequence runs its decoding mode unchanged inside its own greenlet, with a
+`SeqModel` standing in for the verifier: a model call hands a forward request
+(`Row`) to the worker and is resumed with its logits. Each step the worker
+
+1. admits waiting requests (FIFO) while the batch has room (`max_batch`) and the
+   KV budget holds their reserve (edgespec.batch.memory);
+2. resumes every live sequence with the result of its last request (or, when its
+   client left, with `Cancelled`), which runs that sequence's Python (sampling,
+   acceptance, streaming text out) up to its next model call;
+3. runs the gathered requests in one pass (or a few, `group_rows`: rows padded to
+   their longest T; a long prompt's chunk is not padded onto decode rows).
+
+Outputs are each request's own: a row of a batched pass sees only its own cache
+and mask, and sampling draws with noise keyed by (seed, position)
+(`Sampler.sample_at`), so a request's tokens do not depend on its neighbours.
+A sequence alone runs its model calls exactly as it would without the batcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from greenlet import greenlet
+
+from edgespec.batch import memory
+from edgespec.batch.forward import Row, batched_forward, group_rows
+from edgespec.generate import Chunk, GenerationStats, stream_tokens
+
+log = logging.getLogger("edgespec.batch")
+
+PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
+
+
+class Cancelled(Exception):
+    """Thrown into a sequence whose client is gone: it stops at its pending model call."""
+
+
+@dataclass
+class Request:
+    """One generation. `emit(kind, payload)` gets ("start", None), ("chunk", Chunk),
+    then ("done", stats) or ("error", exception), from the worker thread."""
+
+    ids: list[int]
+    options: Any  # GenerateOptions
+    mode_name: str
+    emit: Callable[[str, Any], None]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancel_check: Callable[[], bool] | None = None
+    # Flow control for a reader that pulls (Engine.stream): False while it has not taken the
+    # last chunk yet. After each chunk the sequence waits for it (the others go on), so
+    # nothing is generated past the point where the reader would cancel. None = never wait.
+    ready: Callable[[], bool] | None = None
+    need_bytes: int = 0
+    submitted_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set() or (self.cancel_check is not None and bool(self.cancel_check()))
+
+
+class SeqModel:
+    """The verifier as one sequence sees it: calls become rows of the batch's next pass.
+
+    Everything but the call (args, make_cache, layers, head, ...) is the model's own.
+    Calls that cannot join a batch (no cache, a layer subset, several rows) run at once.
+    """
+
+    def __init__(self, model, batcher: Batcher):
+        self._model = model
+        self._batcher = batcher
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False):
+        if cache is None or layer_ids is not None or inputs.ndim != 2 or inputs.shape[0] != 1 \
+                or isinstance(mask, str):
+            return self._model(inputs, cache, mask=mask, positions=positions, layer_ids=layer_ids,
+                               return_hidden=return_hidden)
+        T = inputs.shape[1]
+        b = self._batcher
+        if mask is None and positions is None and T > PREFILL_CHUNK and b.others_live():
+            # A long causal call (a prompt) in chunks, so the others keep decoding meanwhile.
+            outs = []
+            for s in range(0, T, PREFILL_CHUNK):
+                outs.append(b.forward(Row(inputs[:, s : s + PREFILL_CHUNK], cache, return_hidden=return_hidden)))
+            if return_hidden:
+                return (mx.concatenate([o[0] for o in outs], axis=1), mx.concatenate([o[1] for o in outs], axis=1))
+            return mx.concatenate(outs, axis=1)
+        return b.forward(Row(inputs, cache, mask, positions, return_hidden))
+
+
+class _Seq:
+    def __init__(self, req: Request, glet: greenlet):
+        self.req, self.glet = req, glet
+        self.value: Any = None  # what the next resume sends: the last request's result
+        self.row: Row | None = None
+        self.started = False
+        self.on_reader = False  # paused after a chunk until its reader takes it
+
+
+class Batcher:
+    """Owns the worker thread; `submit` queues a request, the worker streams it out."""
+
+    def __init__(self, engine, max_batch: int | None = None):
+        self.engine = engine
+        self._free_at_start = memory.free_memory_now() if engine.memory_budget is None else None
+        self.max_batch = max_batch if max_batch is not None else memory.default_max_batch(engine, self.budget)
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._live: list[_Seq] = []
+        self._reserved = 0
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._hub: greenlet | None = None
+        self.steps = 0  # batched steps run (for tests and benchmarks)
+        self.batch_sizes: dict[int, int] = {}  # live sequences per step -> steps
+        self.on_idle: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------ caller side
+    @property
+    def budget(self) -> float:
+        return memory.cache_budget(self.engine, self._free_at_start)
+
+    def submit(self, req: Request) -> None:
+        """Queue `req`; raises MemoryBudgetError when it could never fit."""
+        req.need_bytes = memory.reserve_bytes(self.engine, len(req.ids), req.options.max_tokens)
+        memory.check_fits(req.need_bytes, self.budget)
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("the engine is shutting down")
+            self._waiting.append(req)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="edgespec-batch", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """A reader took a chunk: a sequence waiting on it may go on."""
+        with self._cv:
+            self._cv.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) right now."""
+        with self._cv:
+            return len(self._live), len(self._waiting)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._closing = True
+            for s in self._live:
+                s.req.cancel()
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ inside a sequence
+    def others_live(self) -> bool:
+        return len(self._live) > 1 or bool(self._waiting)
+
+    def forward(self, row: Row):
+        """Called from a sequence's greenlet: wait for the next batched pass, return this row's result."""
+        return self._hub.switch(row)
+
+    # ------------------------------------------------------------ worker side
+    def _admit(self) -> None:
+        with self._cv:
+            while True:
+                while not self._live and not self._waiting and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    for r in self._waiting:
+                        r.emit("error", RuntimeError("the server is shutting down"))
+                    self._waiting.clear()
+                    return
+                while self._waiting and len(self._live) < self.max_batch:
+                    req = self._waiting[0]
+                    if req.cancelled:  # its client left while it waited: never touch the model
+                        self._waiting.popleft()
+                        req.emit("done", req.stats)
+                        continue
+                    if self._live and self._reserved + req.need_bytes > self.budget:
+                        break  # waits for memory (FIFO: nobody overtakes it)
+                    self._waiting.popleft()
+                    self._reserved += req.need_bytes
+                    seq = _Seq(req, None)
+                    seq.glet = greenlet(functools.partial(self._run, seq), parent=self._hub)
+                    self._live.append(seq)
+                if self._live:
+                    return
+
+    def _work(self) -> None:
+        self._hub = greenlet.getcurrent()
+        while True:
+            self._admit()
+            if self._closing and not self._live:
+                return
+            self._step()
+
+    def _step(self) -> None:
+        n = len(self._live)
+        self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
+        self.steps += 1
+        resumed = 0
+        for seq in list(self._live):
+            if seq.on_reader and not seq.req.cancelled and not seq.req.ready():
+                continue
+            seq.on_reader = False
+            resumed += 1
+            try:
+                if not seq.started:
+                    if seq.req.cancelled:  # its client left before its first step
+                        self._finish(seq)
+                        seq.req.emit("done", seq.req.stats)
+                        continue
+                    seq.started = True
+                    seq.req.started_at = time.perf_counter()
+                    seq.req.emit("start", None)
+                    out = seq.glet.switch()
+                elif seq.req.cancelled:
+                    out = seq.glet.throw(Cancelled())
+                else:
+                    out = seq.glet.switch(seq.value)
+            except BaseException as e:  # _run reports its own errors; this is a bug in the batcher
+                log.exception("a sequence failed outside its own error handling")
+                seq.req.emit("error", e)
+                out = None
+            if seq.glet.dead:
+                self._finish(seq)
+            elif out is _WAIT:
+                seq.on_reader, seq.value = True, None
+            else:
+                seq.row, seq.value = out, None
+        rows = [s for s in self._live if s.row is not None]
+        if not rows:
+            if not resumed and self._live:  # every sequence waits for its reader
+                with self._cv:
+                    self._cv.wait(0.05)
+            return
+        for group in group_rows([s.row.T for s in rows], self._pass_cost):
+            seqs = [rows[i] for i in group]
+            try:
+                results = batched_forward(self.engine.model, [s.row for s in seqs])
+            except Exception as e:
+                for s in seqs:  # thrown into each sequence: it reports the error to its client
+                    s.value = _Raise(e)
+                continue
+            for s, r in zip(seqs, results, strict=True):
+                s.value = r
+        for s in rows:
+            s.row = None
+            if isinstance(s.value, _Raise):
+                err = s.value.error
+                s.value = None
+                out = s.glet.throw(err)
+                if s.glet.dead:
+                    self._finish(s)
+                else:
+                    s.row = out
+
+    def _finish(self, seq: _Seq) -> None:
+        with self._cv:
+            self._live.remove(seq)
+            self._reserved -= seq.req.need_bytes
+            idle = not self._live and not self._waiting
+        if idle:
+            mx.synchronize()  # nothing left computing behind the last reply (clean exit)
+        if idle and self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception:
+                log.exception("the idle callback failed")
+
+    def _pass_cost(self, tokens: int) -> float:
+        """Seconds of one pass over `tokens` tokens: the adaptive decoder's measured curve
+        when the engine has one, else a CPU-like shape (8 tokens ~1.4x one)."""
+        curve = self.engine.__dict__.get("_adaptive_tree_costs")
+        if curve is not None:
+            sizes, secs = list(curve.sizes), list(curve.verify_s)
+            if tokens <= sizes[-1]:
+                import numpy as np
+
+                return float(np.interp(tokens, sizes, secs))
+            slope = (secs[-1] - secs[-2]) / max(sizes[-1] - sizes[-2], 1)
+            return secs[-1] + slope * (tokens - sizes[-1])
+        return 1.0 + tokens / 20.0
+
+    def _run(self, seq: _Seq) -> None:
+        """A sequence's whole life, inside its greenlet: build the mode, stream, report."""
+        req, engine = seq.req, self.engine
+        stats = req.stats
+        reply: list[int] = []
+        try:
+            mode = engine.build_mode(req.options, req.mode_name, stats)
+            if getattr(mode, "model", None) is engine.model:
+                mode.model = SeqModel(engine.model, self)
+            from edgespec.sampling import Sampler
+
+            steps = mode.steps(req.ids, Sampler(req.options.sampling), stats)
+            chunks = stream_tokens(steps, engine.tokenizer, stats, req.options.max_tokens, req.options.stop,
+                                   context_left=engine.context_length - len(req.ids),
+                                   cancel=lambda: req.cancelled)
+            try:
+                for chunk in chunks:
+                    reply.extend(chunk.tokens)
+                    req.emit("chunk", chunk)
+                    if req.ready is not None and not chunk.finish_reason and not req.ready():
+                        self._hub.switch(_WAIT)  # resumed once the reader has taken it
+            except Cancelled:
+                req.emit("chunk", Chunk("", [], "cancelled"))
+            finally:
+                chunks.close()
+                if engine.history is not None and reply:
+                    engine.history.add(list(req.ids) + reply)
+                get_peak = getattr(mx, "get_peak_memory", None)
+                stats.peak_memory_bytes = int(get_peak()) if get_peak else 0
+                engine.last_stats = stats
+        except Exception as e:  # reported to this request's caller; the others keep going
+            req.emit("error", e)
+            return
+        req.emit("done", stats)
+
+
+_WAIT = object()  # a sequence's signal to the worker: paused for its reader
+
+
+class _Raise:
+    def __init__(self, error: Exception):
+        self.error = error

@@ -1,0 +1,151 @@
+"""One verifier pass over the pending forward requests of several sequences.
+
+Each sequence keeps its own KV caches (edgespec.cache.KVCache, one per layer), so
+every decoding mode's cache operations (trim, keep, commit_kv) stay per sequence.
+A batched pass pads the rows to the longest T and, per layer, gathers each row's
+cache into one (B, Hk, S_max, D) block:
+
+    row b: T_b new tokens, S_b = cached_b + T_b keys
+    inputs    (B, T_max)       ids, padded with 0
+    positions (B, T_max)       the row's own RoPE positions (padding: 0)
+    mask      (B, 1, T_max, S_max)  the row's own mask (causal, or the tree mask the mode
+                               gave) in the top-left (T_b, S_b) corner; padded keys are
+                               never attended, a padded query attends key 0 only (no
+                               all-False row: its output is thrown away)
+
+A row's new K/V are written into ITS cache only for its T_b real tokens, so a
+row's cache after the pass is what it would be after the same call alone.
+Why gather rather than one shared cache with per-row offsets: the modes roll
+back, reorder (tree commits) and grow caches per sequence; see docs/batching.md
+for the measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class Row:
+    """One sequence's model call: model(inputs, cache, mask=mask, positions=positions)."""
+
+    inputs: mx.array  # (1, T) ids
+    cache: list  # the sequence's KVCache per layer
+    mask: mx.array | None = None  # None = causal over cache + new; else (T, S) bool (or broadcastable)
+    positions: mx.array | None = None  # None = cache offset + arange(T); else (T,)
+    return_hidden: bool = False
+    offset: int = field(init=False)  # cached positions before this call
+
+    def __post_init__(self):
+        self.offset = self.cache[0].offset if self.cache else 0
+
+    @property
+    def T(self) -> int:
+        return int(self.inputs.shape[-1])
+
+    @property
+    def S(self) -> int:
+        return self.offset + self.T
+
+
+class _GatherCache:
+    """Stands in for one layer's cache in a batched pass: writes each row's real new K/V
+    into that row's own cache and hands attention the rows padded to S_max."""
+
+    offset = 0  # unused: the batched pass always gives positions
+
+    def __init__(self, caches: list, lengths: list[int], s_max: int):
+        self.caches, self.lengths, self.s_max = caches, lengths, s_max
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        ks, vs = [], []
+        for b, (c, t) in enumerate(zip(self.caches, self.lengths, strict=True)):
+            kb, vb = c.update_and_fetch(k[b : b + 1, :, :t], v[b : b + 1, :, :t])  # (1, Hk, S_b, D)
+            pad = self.s_max - kb.shape[2]
+            if pad:
+                kb = mx.pad(kb, [(0, 0), (0, 0), (0, pad), (0, 0)])
+                vb = mx.pad(vb, [(0, 0), (0, 0), (0, pad), (0, 0)])
+            ks.append(kb)
+            vs.append(vb)
+        return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+
+
+def _row_mask(row: Row, t_max: int, s_max: int) -> mx.array:
+    """(T_max, S_max) bool: the row's own mask in the corner, padding as described above."""
+    T, S, off = row.T, row.S, row.offset
+    if row.mask is None:
+        m = np.zeros((t_max, s_max), dtype=bool)
+        m[:T, :S] = np.arange(S)[None, :] <= off + np.arange(T)[:, None]  # causal
+        m[T:, 0] = True
+        return mx.array(m)
+    own = row.mask
+    if own.dtype != mx.bool_:
+        own = own > -np.inf  # an additive mask: -inf = masked
+    own = own.reshape(own.shape[-2], own.shape[-1])
+    own = mx.broadcast_to(own, (T, S)) if own.shape != (T, S) else own
+    m = mx.pad(own, [(0, t_max - T), (0, s_max - S)], constant_values=False)
+    if t_max > T:
+        pad_q = np.zeros((t_max, s_max), dtype=bool)
+        pad_q[T:, 0] = True
+        m = m | mx.array(pad_q)
+    return m
+
+
+def _row_positions(row: Row, t_max: int) -> mx.array:
+    if row.positions is None:
+        pos = mx.arange(row.offset, row.offset + row.T, dtype=mx.int32)
+    else:
+        pos = row.positions.reshape(-1).astype(mx.int32)
+    if t_max > row.T:
+        pos = mx.pad(pos, [(0, t_max - row.T)])
+    return pos
+
+
+def batched_forward(model, rows: list[Row]) -> list:
+    """Run `rows` in ONE model pass; returns per row what model(...) would return for it
+    alone: logits (1, T_b, V), or (logits, hidden) where the row asked for return_hidden."""
+    if len(rows) == 1:  # alone: exactly the sequence's own call (no masks, no padding)
+        r = rows[0]
+        return [model(r.inputs, r.cache, mask=r.mask, positions=r.positions, return_hidden=r.return_hidden)]
+    t_max = max(r.T for r in rows)
+    s_max = max(r.S for r in rows)
+    inputs = mx.concatenate(
+        [mx.pad(r.inputs.reshape(1, -1).astype(mx.int32), [(0, 0), (0, t_max - r.T)]) for r in rows], axis=0
+    )
+    positions = mx.stack([_row_positions(r, t_max) for r in rows])  # (B, T_max)
+    mask = mx.stack([_row_mask(r, t_max, s_max) for r in rows])[:, None]  # (B, 1, T_max, S_max)
+    n_layers = len(rows[0].cache)
+    views = [_GatherCache([r.cache[i] for r in rows], [r.T for r in rows], s_max) for i in range(n_layers)]
+    hidden = any(r.return_hidden for r in rows)
+    out = model(inputs, views, mask=mask, positions=positions, return_hidden=hidden)
+    logits, h = out if hidden else (out, None)
+    results = []
+    for b, r in enumerate(rows):
+        lg = logits[b : b + 1, : r.T]
+        results.append((lg, h[b : b + 1, : r.T]) if r.return_hidden else lg)
+    return results
+
+
+def group_rows(sizes: list[int], cost) -> list[list[int]]:
+    """Split rows into passes so the step costs least: padding a decode row (T=1) to a
+    prefill chunk's 128 tokens wastes more than a second pass costs, padding it to a
+    tree's 8 tokens does not. `cost(n)` is the measured time of one pass over n tokens.
+    Returns groups of row indices (rows sorted by T, contiguous groups; exact DP)."""
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: cheapest split of the first j sorted rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        t_max = sizes[order[j - 1]]
+        for i in range(j):
+            c = best[i] + cost((j - i) * t_max)
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append([order[k] for k in range(cut[j], j)])
+        j = cut[j]
+    return groups[::-1]

@@ -1,0 +1,232 @@
+"""Continuous batching (edgespec.batch): every request's output is its own.
+
+Tiny random models: a batched pass must give each row what the row gets alone
+(logits and caches), and whole generations run together (threads, generate_many)
+must equal each request run alone, greedy and seeded sampling, plain and auto,
+with cancellation, chunked prompts, per-request options and memory limits.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_tiny_engine, make_tiny_model
+from stats_support import chisq_pvalue, continuation_law
+
+import edgespec.batch.batcher as batcher_mod
+from edgespec.batch import MemoryBudgetError, Row, batched_forward, group_rows
+from edgespec.engine import make_options
+from edgespec.kernels import tree_mask
+from edgespec.sampling import SamplingParams
+
+PROMPTS = [[(7 * i + 3 * j) % 60 + 1 for j in range(3 + 23 * i)] for i in range(4)]
+
+
+@pytest.fixture
+def engine():
+    return make_tiny_engine(3, scale=1.3)
+
+
+def alone(engine, prompt, **kw):
+    """The request run by itself (a batch of one is the mode's own model call)."""
+    return engine.generate(prompt, **kw)
+
+
+# ------------------------------------------------------------------ one batched pass
+def _filled(model, prompt):
+    cache = model.make_cache()
+    mx.eval(model(mx.array(prompt, dtype=mx.int32)[None], cache))
+    return cache
+
+
+def test_batched_pass_equals_each_row_alone():
+    """Rows at different offsets, a causal chunk, a single token and a tree with its own mask:
+    logits and the caches after the pass equal each row run alone."""
+    model = make_tiny_model(1)
+    prompts = [[1, 2, 3], list(range(5, 25)), [9] * 7]
+    tree_tokens, parents = [4, 5, 6, 7], [-1, 0, 0, 1]
+
+    def rows(caches):
+        mask, pos = tree_mask(mx.array(parents, dtype=mx.int32), caches[2][0].offset)
+        return [Row(mx.array([[11, 12, 13, 14, 15]]), caches[0]),
+                Row(mx.array([[17]]), caches[1]),
+                Row(mx.array([tree_tokens]), caches[2], mask, pos)]
+
+    solo_caches = [_filled(model, p) for p in prompts]
+    solo = [batched_forward(model, [r])[0] for r in rows(solo_caches)]
+    batch_caches = [_filled(model, p) for p in prompts]
+    together = batched_forward(model, rows(batch_caches))
+    for a, b in zip(solo, together, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    for ca, cb in zip(solo_caches, batch_caches, strict=True):
+        assert ca[0].offset == cb[0].offset
+        for la, lb in zip(ca, cb, strict=True):
+            np.testing.assert_allclose(np.array(la.state[0]), np.array(lb.state[0]), atol=1e-5)
+
+
+def test_group_rows_pads_small_rows_together_and_keeps_a_prompt_chunk_apart():
+    cpu = lambda n: 1.0 + n / 20.0  # noqa: E731  (8 tokens ~1.4x one, as measured on CPUs)
+    assert group_rows([1, 1, 4, 1], cpu) == [[0, 1, 3, 2]]  # 4 rows x 4 tokens: one pass
+    groups = group_rows([1, 128, 1, 1], cpu)
+    assert sorted(map(sorted, groups)) == [[0, 2, 3], [1]]
+    flat = lambda n: 1.0  # noqa: E731  (a pass costs the same at any size: pad everything)
+    assert len(group_rows([1, 128, 1], flat)) == 1
+
+
+# ------------------------------------------------------------------ whole generations
+@pytest.mark.parametrize("mode", ["plain", "auto"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_k": 20, "seed": 7}])
+def test_generate_many_equals_each_request_alone(engine, mode, sampling):
+    ref = [alone(engine, p, max_tokens=24, mode=mode, **sampling).tokens for p in PROMPTS]
+    many = engine.generate_many(PROMPTS, max_tokens=24, mode=mode, **sampling)
+    assert [r.tokens for r in many] == ref
+    assert max(engine.batcher.batch_sizes) == len(PROMPTS)  # they really ran together
+    if mode == "auto" and not sampling:  # lossless: auto in a batch is plain decoding alone
+        assert ref == [alone(engine, p, max_tokens=24, mode="plain").tokens for p in PROMPTS]
+
+
+def test_streams_from_threads_join_one_batch(engine):
+    """Engine.stream from several threads, each with its own options (max_tokens, stop, seed,
+    mode): each gets exactly its reply alone, and they ran in shared passes."""
+    kws = [dict(max_tokens=30, mode="plain"), dict(max_tokens=9, mode="auto"),
+           dict(max_tokens=40, temperature=0.8, seed=3, mode="plain"), dict(max_tokens=25, stop=["e"], mode="auto")]
+    ref = [alone(engine, p, **kw) for p, kw in zip(PROMPTS, kws, strict=True)]
+    out: dict[int, tuple] = {}
+    start = threading.Barrier(len(kws))
+
+    def work(i):
+        start.wait()
+        chunks = list(engine.stream(PROMPTS[i], **kws[i]))
+        out[i] = ("".join(c.text for c in chunks), sum((c.tokens for c in chunks), []), chunks[-1].finish_reason)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(kws))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, r in enumerate(ref):
+        assert out[i] == (r.text, r.tokens, r.finish_reason), i
+    assert max(engine.batcher.batch_sizes) >= 2
+    assert engine.batcher.counts() == (0, 0)
+
+
+def test_a_cancelled_stream_leaves_the_others_unchanged(engine):
+    ref = [alone(engine, p, max_tokens=30, mode="plain").tokens for p in PROMPTS]
+    streams = [engine.stream(p, max_tokens=30, mode="plain") for p in PROMPTS]
+    got = [[] for _ in PROMPTS]
+    for step in range(40):
+        for i, s in enumerate(streams):
+            if s is None:
+                continue
+            if i == 1 and step == 3:  # the client goes away mid-stream
+                s.close()
+                streams[i] = None
+                continue
+            try:
+                got[i].extend(next(s).tokens)
+            except StopIteration:
+                streams[i] = None
+    assert got[1] == ref[1][: len(got[1])] and len(got[1]) < len(ref[1])
+    for i in (0, 2, 3):
+        assert got[i] == ref[i]
+    assert engine.batcher.counts() == (0, 0)  # the cancelled row was freed
+
+
+def test_cancel_callback_in_a_batch_stops_only_that_request(engine):
+    ref = [alone(engine, p, max_tokens=20, mode="plain").tokens for p in PROMPTS]
+    results, stop_now = {}, threading.Event()
+    done = threading.Semaphore(0)
+
+    def emit_for(i):
+        toks = []
+
+        def emit(kind, payload):
+            if kind == "chunk":
+                toks.extend(payload.tokens)
+                if i == 0 and len(toks) >= 5:
+                    stop_now.set()
+            elif kind in ("done", "error"):
+                results[i] = (toks, kind)
+                done.release()
+        return emit
+
+    options = make_options(max_tokens=20, mode="plain")
+    for i, p in enumerate(PROMPTS):
+        cancel = stop_now.is_set if i == 0 else None
+        engine.submit(engine.encode_prompt(p), options, "plain", emit_for(i), cancel=cancel)
+    for _ in PROMPTS:
+        assert done.acquire(timeout=60)
+    assert 5 <= len(results[0][0]) < 20 and results[0][0] == ref[0][: len(results[0][0])]
+    for i in (1, 2, 3):
+        assert results[i] == (ref[i], "done")
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(engine, monkeypatch):
+    monkeypatch.setattr(batcher_mod, "PREFILL_CHUNK", 8)
+    long_prompt = [(5 * j) % 60 + 1 for j in range(70)]
+    prompts = PROMPTS[:3] + [long_prompt]
+    ref = [alone(engine, p, max_tokens=16, mode="plain").tokens for p in prompts]
+    steps_before = engine.batcher.steps
+    many = engine.generate_many(prompts, max_tokens=16, mode="plain")
+    assert [r.tokens for r in many] == ref
+    # 70 prompt tokens in chunks of 8 take 9 steps while the others decode: more than 16+1 steps.
+    assert engine.batcher.steps - steps_before >= 16 + 9
+
+
+def test_max_batch_bounds_the_batch_and_queues_the_rest():
+    engine = make_tiny_engine(3, scale=1.3)
+    engine.max_batch = 2
+    ref = [alone(engine, p, max_tokens=12, mode="plain").tokens for p in PROMPTS]
+    many = engine.generate_many(PROMPTS, max_tokens=12, mode="plain")
+    assert [r.tokens for r in many] == ref
+    assert max(engine.batcher.batch_sizes) == 2
+
+
+def test_memory_budget_queues_what_does_not_fit_and_refuses_what_never_fits():
+    from edgespec.batch.memory import reserve_bytes
+    from edgespec.lookahead.memory import tree_bytes
+
+    engine = make_tiny_engine(3, scale=1.3)
+    one = reserve_bytes(engine, len(PROMPTS[-1]), 12)
+    # Room for the caches of one request at a time (plus a little): they run one after another.
+    engine.memory_budget = tree_bytes(engine.model) + one + one // 2
+    ref = [alone(engine, p, max_tokens=12, mode="plain").tokens for p in PROMPTS]
+    many = engine.generate_many(PROMPTS, max_tokens=12, mode="plain")
+    assert [r.tokens for r in many] == ref
+    assert max(engine.batcher.batch_sizes) == 1
+    with pytest.raises(MemoryBudgetError, match="lower max_tokens.*--memory-budget"):
+        engine.generate(PROMPTS[0], max_tokens=400)
+
+
+def test_sampled_stream_in_a_batch_follows_the_verifier_law():
+    """Chi-square of 3-token continuations sampled inside batches of 8 (the other rows at other
+    positions) against the enumerated law of plain sampling."""
+    params = dict(temperature=1.0, top_k=3)
+    engine = make_tiny_engine(1, scale=1.5, vocab_size=8)
+    engine.tokenizer.eos_token_ids = set()  # every run gives 3 tokens
+    prompt = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    law = continuation_law(engine.model, prompt, SamplingParams(**params), 3)
+    keys = sorted(law)
+    counts = np.zeros(len(keys))
+    runs, width = 480, 8
+    for start in range(0, runs, width):
+        results, done = {}, threading.Semaphore(0)
+        for seed in range(start, start + width):
+            def emit(kind, payload, seed=seed, results=results, done=done):
+                if kind == "chunk":
+                    results.setdefault(seed, []).extend(payload.tokens)
+                elif kind in ("done", "error"):
+                    done.release()
+            # Filler rows at other offsets share the passes.
+            p = prompt if seed % 2 == 0 else prompt[: 3 + seed % 5]
+            engine.submit(p, make_options(max_tokens=3, seed=seed, mode="plain", **params), "plain", emit)
+        for _ in range(width):
+            assert done.acquire(timeout=60)
+        for seed in range(start, start + width, 2):
+            counts[keys.index(tuple(results[seed]))] += 1
+    assert max(engine.batcher.batch_sizes) == width
+    assert chisq_pvalue(counts, np.array([law[k] for k in keys])) > 1e-3
