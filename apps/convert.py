@@ -123,6 +123,8 @@ def run(args) -> int:
         out = args.out
     size = sum(f["size"] for f in manifest["files"].values())
     print(f"wrote {out} ({size / 1e6:.1f} MB, vocab {manifest['vocab_hash']})")
+    for line in gguf_summary((manifest.get("source") or {}).get("gguf_types") or {}):
+        print(line)
     coreml = (manifest.get("drafter") or {}).get("coreml")
     if (manifest.get("drafter") or {}).get("coreml_note"):
         print(f"  drafter: MLX only ({manifest['drafter']['coreml_note']})")
@@ -140,3 +142,19 @@ def run(args) -> int:
                 print(f"  warning: that is below {target:.0%}: drafting may accept less; a finer "
                       f"--drafter-compress ({finer}) keeps more (docs/coreml.md)")
     return 0
+
+
+def gguf_summary(report: dict) -> list[str]:
+    """One line per GGUF tensor type of the source: kept exact, re-quantized (with the measured
+    relative error ||w' - w|| / ||w||, worst tensor) or read dense."""
+    lines = []
+    for name, e in sorted(report.items()):
+        n = f"{e['tensors']} tensor{'s' if e['tensors'] != 1 else ''}"
+        if e["how"] == "exact":
+            lines.append(f"  {name}: {n} kept quantized, exact ({e['bits']}-bit, groups of {e['group_size']})")
+        elif e["how"] == "requantized":
+            lines.append(f"  {name}: {n} re-quantized to {e['bits']}-bit groups of {e['group_size']} "
+                         f"(no exact MLX form; relative error up to {100 * e['max_rel_error']:.2f}%)")
+        else:
+            lines.append(f"  {name}: {n} read dense")
+    return lines

@@ -48,13 +48,14 @@ def _read_source(src: Path, quantize: str, dtype, progress: bool):
 
         n = len(_open(src).tensors)
         with progress_bar(total=n, desc="reading GGUF", unit="tensor", enable=progress) as bar:
+            report: dict[str, Any] = {}  # per GGUF type: exact / requantized (+ error) / dense
             config, weights, quant, (backend, tok_cfg) = read_gguf(
-                src, keep_quantized=(quantize == "native"), progress=bar.update
+                src, keep_quantized=(quantize == "native"), progress=bar.update, report=report
             )
         arrays = {
             k: (mx.array(v).astype(dtype) if v.dtype.kind == "f" else mx.array(v)) for k, v in weights.items()
         }
-        info = {"format": "gguf", "name": src.name, "size": src.stat().st_size}
+        info = {"format": "gguf", "name": src.name, "size": src.stat().st_size, "gguf_types": report}
         return config, arrays, quant or None, Tokenizer(backend, tok_cfg), info
     if src.is_dir():
         from edgespec.converters.hf import read_hf

