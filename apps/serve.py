@@ -12,8 +12,8 @@ from edgespec.apps.common import add_decoding_arguments, add_model_arguments
 HELP = "serve the model over a local OpenAI-compatible HTTP API"
 DESCRIPTION = (
     "Serve POST /v1/chat/completions, POST /v1/completions (JSON or server-sent events), "
-    "GET /v1/models and GET /health. Requests run one at a time in arrival order; a client "
-    "that disconnects cancels its generation. Binds to 127.0.0.1 unless --host says otherwise."
+    "GET /v1/models and GET /health. Concurrent requests are decoded together in one batch "
+    "(--max-batch), admitted in arrival order; a client that disconnects cancels its generation. Binds to 127.0.0.1 unless --host says otherwise."
 )
 
 
@@ -28,8 +28,11 @@ def add_arguments(p) -> None:
     n.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 requests; unset: $EDGESPEC_API_KEY, "
                    "and without either no check")
+    n.add_argument("--max-batch", type=int, default=None,
+                   help="generations decoded together in one batch (default: as many typical requests as "
+                   "the memory budget holds, at most 8; 1 = strictly one after another)")
     n.add_argument("--max-queue", type=int, default=16,
-                   help="requests allowed to wait behind the running one; more are refused with 503")
+                   help="requests allowed to wait beyond the running batch; more are refused with 503")
     n.add_argument("--model-id", default=None,
                    help="model name clients send (default: the bundle's folder name); 'default' always works")
     n.add_argument("--allow-anyone", action="store_true",
@@ -66,6 +69,8 @@ def server_defaults(args) -> dict:
 def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.api_key is None:
@@ -99,6 +104,7 @@ def run(args) -> int:
         sock.close()
         raise ValueError(f"cannot bind {args.host}:{args.port}: {e.strerror}") from None
     engine = load_engine(args)
+    engine.max_batch = args.max_batch  # None: sized from the memory budget when the batcher starts
     model_id = args.model_id or (engine.loaded.path.name if engine.loaded.path else "model")
     if engine.loaded.path is not None and engine.loaded.path.is_file():
         model_id = args.model_id or engine.loaded.path.stem  # a GGUF file

@@ -1,5 +1,5 @@
 """Bounded load on a real `edgespec serve` process (loopback only, tiny bundle): concurrent
-streaming clients, some leaving early, a small queue so some are refused."""
+streaming clients decoded in batches, some leaving early, a small queue so some are refused."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import edgespec
 CLIENTS = 12  # concurrent streaming clients
 REQUESTS = 36  # in all
 MAX_QUEUE = 4
+MAX_BATCH = 4  # decoded together; 4 more wait, the rest of the 12 clients are refused
 MAX_TOKENS = 64
 RETRIES = 3  # a refused client retries this many times before giving up
 PROMPTS = ["hello world", "abc def", "the quick brown fox", "Zebra 42"]
@@ -69,7 +70,7 @@ def test_load_concurrent_streams_with_disconnects(tmp_path):
     bundle = write_tiny_bundle(tmp_path / "tiny-load")
     engine = edgespec.load(bundle, drafter="none", progress=False)
     refs = {p: engine.generate(p, max_tokens=MAX_TOKENS).text for p in PROMPTS}
-    server = ServerProcess(bundle, "--max-queue", str(MAX_QUEUE))
+    server = ServerProcess(bundle, "--max-queue", str(MAX_QUEUE), "--max-batch", str(MAX_BATCH))
     try:
         proc = psutil.Process(server.proc.pid)
         for p in PROMPTS:  # warm up: first-use allocations belong to the baseline
@@ -123,9 +124,9 @@ def test_load_concurrent_streams_with_disconnects(tmp_path):
 
 @pytest.mark.parametrize("max_queue", [0])
 def test_zero_queue_refuses_while_busy(tmp_path, max_queue):
-    """--max-queue 0: the running request is the only one; the next is refused, not queued."""
+    """--max-batch 1 --max-queue 0: the running request is the only one; the next is refused, not queued."""
     bundle = write_tiny_bundle(tmp_path / "tiny-q0")
-    server = ServerProcess(bundle, "--max-queue", str(max_queue))
+    server = ServerProcess(bundle, "--max-queue", str(max_queue), "--max-batch", "1")
     try:
         body = {"model": "default", "prompt": "hello world", "max_tokens": 500, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:

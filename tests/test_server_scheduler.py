@@ -23,6 +23,7 @@ async def _drain(job: Job) -> tuple[str, list]:
 
 def test_fifo_order_bound_and_cancel():
     engine = make_tiny_engine(2, scale=4.0)
+    engine.max_batch = 1  # strictly one at a time (the batched case: tests/test_server_batching.py)
     ids = engine.encode_prompt("hello world")
     sched = Scheduler(engine, max_waiting=3)
 

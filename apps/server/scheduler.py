@@ -1,22 +1,22 @@
-"""A fair FIFO queue in front of the engine, which runs one generation at a time.
+"""Admission in front of the engine's continuous batch (edgespec.batch).
 
-One worker thread owns all generation (MLX is synchronous); request handlers
-on the asyncio loop submit `Job`s and read the job's chunks from an
-`asyncio.Queue` the worker feeds through `loop.call_soon_threadsafe`.
+Request handlers on the asyncio loop submit `Job`s; the engine's batch worker runs
+up to `max_batch` of them together (each with its own caches, options and seed)
+and feeds each job's chunks to an `asyncio.Queue` through `loop.call_soon_threadsafe`.
 
-Fairness: jobs start strictly in arrival order (one `queue.Queue`, one worker).
-Bound: at most `max_waiting` jobs wait behind the running one; `submit` refuses
-the next one with `QueueFull` instead of letting latency grow without limit.
-Cancellation: `job.cancel()` (client gone) makes a waiting job be skipped and
-a running one stop at its next token (the engine's cancel callback), so the
-engine is free for the next job within one decoding step.
+Fairness: jobs start in arrival order (the batcher admits FIFO as rows and KV memory
+free up). Bound: at most `max_waiting` jobs wait beyond the running batch; `submit`
+refuses the next one with `QueueFull` instead of letting latency grow without limit.
+Cancellation: `job.cancel()` (client gone) makes a waiting job be skipped and a
+running one leave the batch at its next step; the others' outputs do not change.
+A request whose KV cache could never fit the memory budget gets an "error" event
+(MemoryBudgetError: a 400 with the reason) instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,35 +81,60 @@ class Scheduler:
         self.engine = engine
         self.max_waiting = max_waiting
         self.counters = Counters()
-        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._active = 0  # accepted and not finished: waiting + running (or about to run)
-        self._running: Job | None = None
-        self._clear_cache = clear_cache  # called when the queue drains (frees MLX's buffer cache)
-        self._thread = threading.Thread(target=self._work, name="edgespec-generate", daemon=True)
-        self._thread.start()
+        self._active = 0  # accepted and not finished: waiting + running
+        self._jobs: dict[int, Job] = {}  # by id(job): accepted, not finished
+        self._batcher = engine.batcher
+        self.max_batch = self._batcher.max_batch
+        # Frees MLX's buffer cache when the batch drains (called on the worker thread).
+        self._batcher.on_idle = clear_cache
 
     # ------------------------------------------------------------ request side
     def submit(self, job: Job) -> None:
         with self._lock:
-            # One job runs, max_waiting wait behind it. Counting accepted jobs rather than
+            # max_batch run, max_waiting wait behind them. Counting accepted jobs rather than
             # the worker's state keeps the bound exact while the worker is picking one up.
-            if self._active >= self.max_waiting + 1:
+            if self._active >= self.max_batch + self.max_waiting:
                 self.counters.refused += 1
                 raise QueueFull(
-                    f"the server is busy: {self._active - 1} requests are already waiting "
+                    f"the server is busy: {self._active - self.max_batch} requests are already waiting "
                     f"(limit {self.max_waiting}); retry later"
                 )
             self._active += 1
             self.counters.submitted += 1
-        self._queue.put(job)
+            self._jobs[id(job)] = job
+        try:
+            mode = self.engine.resolve_mode(job.options)
+            self.engine.submit(job.ids, job.options, mode, lambda kind, payload: self._on_event(job, kind, payload),
+                               cancel=lambda: job.cancelled, stats=job.stats)
+        except Exception as e:  # e.g. a request that can never fit the memory budget: this client's error
+            self._on_event(job, "error", e)
+
+    def _on_event(self, job: Job, kind: str, payload: Any) -> None:
+        """The batch worker's events for one job (on the worker thread)."""
+        if kind == "start":
+            job.started_at = time.perf_counter()
+            return
+        if kind == "chunk":
+            job._emit("chunk", payload)
+            return
+        with self._lock:
+            if self._jobs.pop(id(job), None) is None:
+                return
+            self._active -= 1
+            outcome = "failed" if kind == "error" else ("cancelled" if job.cancelled else "completed")
+            setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
+        job._emit(kind, payload)  # after counting: a handler that sees "done" sees the counters too
 
     def snapshot(self) -> dict[str, int]:
+        running, _ = self._batcher.counts()
         with self._lock:
             c = self.counters
+            running = min(running, self._active)
             return {
-                "running": int(self._running is not None),
-                "waiting": self._active - (self._running is not None),
+                "running": running,
+                "waiting": self._active - running,
+                "max_batch": self.max_batch,
                 "max_waiting": self.max_waiting,
                 "submitted": c.submitted,
                 "completed": c.completed,
@@ -121,56 +146,7 @@ class Scheduler:
     def close(self, timeout: float = 5.0) -> None:
         """Cancel everything still queued or running and stop the worker."""
         with self._lock:
-            if self._running is not None:
-                self._running.cancel()
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    # ------------------------------------------------------------ worker side
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                # Drain what is left so no handler waits forever.
-                while not self._queue.empty():
-                    rest = self._queue.get_nowait()
-                    if rest is not None:
-                        rest._emit("error", RuntimeError("the server is shutting down"))
-                return
-            with self._lock:
-                self._running = job
-            outcome = "failed"
-            try:
-                outcome = self._run(job)
-            finally:
-                with self._lock:
-                    self._running = None
-                    self._active -= 1
-                    setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
-                    idle = self._active == 0
-            if idle and self._clear_cache is not None:
-                try:
-                    self._clear_cache()
-                except Exception:  # never let housekeeping stop the worker
-                    log.exception("clearing the buffer cache failed")
-
-    def _run(self, job: Job) -> str:
-        """Run one job; returns its outcome: 'completed', 'cancelled' or 'failed'."""
-        if job.cancelled:  # the client left while waiting: skip it, never touch the engine
-            job._emit("done", job.stats)
-            return "cancelled"
-        job.started_at = time.perf_counter()
-        stream = None
-        try:
-            stream = self.engine.stream(job.ids, options=job.options, cancel=lambda: job.cancelled, stats=job.stats)
-            for chunk in stream:
-                job._emit("chunk", chunk)
-        except Exception as e:  # reported to this client; the server keeps serving
-            job._emit("error", e)
-            return "failed"
-        finally:
-            if stream is not None:
-                stream.close()  # releases the engine lock even if we stopped early
-        outcome = "cancelled" if job.cancelled else "completed"  # before the handler sees "done"
-        job._emit("done", job.stats)
-        return outcome
+            jobs = list(self._jobs.values())
+        for j in jobs:
+            j.cancel()
+        self._batcher.close(timeout)

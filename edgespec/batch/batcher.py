@@ -128,7 +128,6 @@ class Batcher:
         self._waiting: deque[Request] = deque()
         self._live: list[_Seq] = []
         self._reserved = 0
-        self._closing = False
         self._thread: threading.Thread | None = None
         self._hub: greenlet | None = None
         self.steps = 0  # batched steps run (for tests and benchmarks)
@@ -145,8 +144,6 @@ class Batcher:
         req.need_bytes = memory.reserve_bytes(self.engine, len(req.ids), req.options.max_tokens)
         memory.check_fits(req.need_bytes, self.budget)
         with self._cv:
-            if self._closing:
-                raise RuntimeError("the engine is shutting down")
             self._waiting.append(req)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="edgespec-batch", daemon=True)
@@ -164,13 +161,19 @@ class Batcher:
             return len(self._live), len(self._waiting)
 
     def close(self, timeout: float = 5.0) -> None:
+        """Cancel every waiting and running request and wait (up to `timeout`) until the batch
+        is empty; the engine stays usable."""
         with self._cv:
-            self._closing = True
+            for r in self._waiting:
+                r.cancel()
             for s in self._live:
                 s.req.cancel()
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and any(self.counts()):
+            with self._cv:
+                self._cv.notify()
+            time.sleep(0.01)
 
     # ------------------------------------------------------------ inside a sequence
     def others_live(self) -> bool:
@@ -184,13 +187,8 @@ class Batcher:
     def _admit(self) -> None:
         with self._cv:
             while True:
-                while not self._live and not self._waiting and not self._closing:
+                while not self._live and not self._waiting:
                     self._cv.wait()
-                if self._closing:
-                    for r in self._waiting:
-                        r.emit("error", RuntimeError("the server is shutting down"))
-                    self._waiting.clear()
-                    return
                 while self._waiting and len(self._live) < self.max_batch:
                     req = self._waiting[0]
                     if req.cancelled:  # its client left while it waited: never touch the model
@@ -211,8 +209,6 @@ class Batcher:
         self._hub = greenlet.getcurrent()
         while True:
             self._admit()
-            if self._closing and not self._live:
-                return
             self._step()
 
     def _step(self) -> None:
