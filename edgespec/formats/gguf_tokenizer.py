@@ -108,6 +108,8 @@ def build_tokenizer(reader, path: Path):
             f"{path}: GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
             "'llama' SentencePiece); convert from the Hugging Face folder instead"
         )
+    # Added pieces are cut out of the raw text first; each text fragment between them is then
+    # encoded alone (with its own space prefix): llama.cpp's rule for SentencePiece vocabularies.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, s in added if s])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, s in added if not s])
     config = {
