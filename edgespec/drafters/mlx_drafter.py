@@ -28,43 +28,82 @@ def check_vocabulary(drafter_vocab: int, verifier_vocab: int, drafter_hash=None,
         )
 
 
+def check_tokenizers(drafter_tok, verifier_tok, what: str = "drafter") -> None:
+    """Token-by-token check on the ids both tokenizers define; VocabularyMismatchError names the
+    first id whose strings differ (and both strings). Sizes may differ: a family's small and
+    large models share one tokenizer but pad their embedding tables differently."""
+    d_vocab = drafter_tok._tok.get_vocab(with_added_tokens=True)
+    v_vocab = verifier_tok._tok.get_vocab(with_added_tokens=True)
+    d_by_id = {i: t for t, i in d_vocab.items()}
+    v_by_id = {i: t for t, i in v_vocab.items()}
+    shared = min(drafter_tok.vocab_size, verifier_tok.vocab_size)
+    for i in range(shared):
+        a, b = d_by_id.get(i), v_by_id.get(i)
+        if a != b:
+            raise VocabularyMismatchError(
+                f"the {what}'s tokenizer differs from the verifier's at id {i}: {what} {a!r}, verifier {b!r} "
+                f"(checked ids 0..{shared - 1}); a drafter must use the verifier's tokenizer"
+            )
+
+
 class MLXDrafter(ModelDrafter):
-    """Drafts with its own MLX model and KV cache (see ModelDrafter for the state rules)."""
+    """Drafts with its own MLX model and KV cache (see ModelDrafter for the state rules).
+
+    `vocab_size` is the verifier's output size. A drafter whose embedding table is padded
+    to another size (same tokenizer) has its logits cut or padded with -inf to it, and an
+    id past its own table (only a verifier padding id can be) is clamped when fed: a
+    proposal only, so the output stays the verifier's.
+    """
 
     name = "mlx"
 
-    def __init__(self, model, name: str = "mlx"):
+    def __init__(self, model, name: str = "mlx", vocab_size: int | None = None):
         super().__init__(model)
         self.name = name
         self.device = _device()
+        self.rows = int(model.args.vocab_size)
+        self.vocab_size = int(vocab_size or self.rows)
+
+    def _forward(self, x: mx.array) -> mx.array:
+        if self.vocab_size == self.rows:
+            return super()._forward(x)
+        logits = super()._forward(mx.minimum(x, self.rows - 1))  # (T, rows)
+        if self.rows > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        pad = mx.full((logits.shape[0], self.vocab_size - self.rows), -mx.inf, dtype=logits.dtype)
+        return mx.concatenate([logits, pad], axis=-1)
 
     @classmethod
     def load(cls, path: str | Path, verifier) -> MLXDrafter:
         """Drafter from a bundle or a folder with config.json + model.safetensors.
 
-        `verifier`: the Engine (or LoadedModel) it will draft for; its vocabulary
-        must match (size, and tokenizer hash when both sides know theirs).
+        `verifier`: the Engine (or LoadedModel) it will draft for. With a tokenizer on both
+        sides the tokenizers must agree id by id on the ids both define, and the drafter's
+        table must cover every verifier token; without one, vocabulary sizes must match.
         """
         from edgespec.bundle import is_bundle, read_manifest
+        from edgespec.formats.hf import read_config
         from edgespec.loader import load_model_folder
+        from edgespec.tokenizer import Tokenizer
 
         path = Path(path).expanduser()
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise ModelLoadError(f"{path}: a drafter folder needs config.json and model.safetensors")
-        d_hash = None
-        if is_bundle(path):
-            d_hash = read_manifest(path).get("vocab_hash")
-        elif (path / "tokenizer.json").is_file():
-            from edgespec.tokenizer import Tokenizer
-
-            d_hash = Tokenizer.from_folder(path).vocab_hash()
         loaded = getattr(verifier, "loaded", verifier)
-        v_hash = (loaded.manifest or {}).get("vocab_hash")
-        if v_hash is None and d_hash is not None and loaded.tokenizer is not None:
-            v_hash = loaded.tokenizer.vocab_hash()
-        from edgespec.formats.hf import read_config
-
+        v_rows = int(loaded.model.args.vocab_size)
         cfg = read_config(path)
-        check_vocabulary(int(cfg.get("vocab_size", -1)), loaded.model.args.vocab_size, d_hash, v_hash)
+        d_rows = int(cfg.get("vocab_size", -1))
+        d_tok = Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
+        if d_tok is not None and loaded.tokenizer is not None:
+            check_tokenizers(d_tok, loaded.tokenizer)
+            if d_rows < loaded.tokenizer.vocab_size:
+                raise VocabularyMismatchError(
+                    f"the drafter's embedding table has {d_rows} rows, fewer than the verifier's "
+                    f"{loaded.tokenizer.vocab_size} tokens"
+                )
+        else:
+            d_hash = read_manifest(path).get("vocab_hash") if is_bundle(path) else None
+            v_hash = (loaded.manifest or {}).get("vocab_hash")
+            check_vocabulary(d_rows, v_rows, d_hash, v_hash)
         model = load_model_folder(path)
-        return cls(model, name=f"mlx:{path.name}")
+        return cls(model, name=f"mlx:{path.name}", vocab_size=v_rows)
