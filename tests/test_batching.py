@@ -230,3 +230,26 @@ def test_sampled_stream_in_a_batch_follows_the_verifier_law():
             counts[keys.index(tuple(results[seed]))] += 1
     assert max(engine.batcher.batch_sizes) == width
     assert chisq_pvalue(counts, np.array([law[k] for k in keys])) > 1e-3
+
+
+# ------------------------------------------------------------------ batch-aware speculation
+def test_speculation_is_priced_against_the_batch():
+    """A tree that pays alone (8 tokens cost 1.4x one, 4 expected) does not pay when it pads
+    7 plain rows to 8 tokens; with one other row at the same cost shape it still does."""
+    from edgespec.adaptive.estimate import Costs, merge_candidates, plan_tree
+    from edgespec.batch.cost import BatchCosts, PassCost, StepCost
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    secs = [1.0 + n / 20.0 for n in sizes]
+    alone_costs = Costs(sizes, secs)
+    step = StepCost(PassCost(sizes, secs))
+    # One candidate of 7 tokens, each very likely: E = 1 + sum of path probabilities.
+    nodes = merge_candidates([([5, 6, 7, 8, 9, 10, 11], np.array([0.9 ** d for d in range(1, 8)]))])
+    kept, _ = plan_tree(nodes, alone_costs, plain_s=alone_costs.verify(1))
+    assert len(kept) == 7  # alone: verify the whole candidate
+    for others, want_tree in ([1], True), ([1] * 7, False):
+        bc = BatchCosts(alone_costs, others, step)
+        kept, _ = plan_tree(nodes, bc, plain_s=bc.verify(1), others=float(len(others)))
+        assert bool(kept) == want_tree, others
+    # The step cost groups rows: a prompt chunk of 128 is its own pass, not padding for the rest.
+    assert step([1, 1, 1, 128]) == pytest.approx(step([1, 1, 1]) + step([128]))

@@ -70,7 +70,8 @@ class AdaptiveDecoder:
 
     def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None,
                  guesses: int = 3, span: int = 16, max_tree: int = 32, probe_start: int = 8, probe_max: int = 128,
-                 margin: float = 1.02, jacobi: JacobiSource | None = None, memory: dict | None = None):
+                 margin: float = 1.02, jacobi: JacobiSource | None = None, memory: dict | None = None,
+                 batch_aware: bool = True):
         """memory: a dict kept by the engine across requests (what acceptance and costs were
         measured); each request starts from it and writes back what it learned."""
         self.model = model
@@ -83,6 +84,8 @@ class AdaptiveDecoder:
         self.max_tree = max(2, min(max_tree, costs.max_tokens))
         self.probe_start, self.probe_max = probe_start, probe_max
         self.margin = margin
+        self.batch_aware = batch_aware  # price trees against the running batch (edgespec.batch.cost)
+        self._batch_ctx = None
         priors = dict(PRIORS)
         if drafter is not None:
             priors["drafter"] = drafter.expected_acceptance
@@ -98,11 +101,28 @@ class AdaptiveDecoder:
     def _probs(self, c: Candidate) -> np.ndarray:
         return self.acc.path_probs(c.source, c.bucket, len(c.tokens))
 
+    def _pricing(self):
+        """(costs, plain step seconds, tokens the other rows commit per step) to plan with.
+
+        Alone: this decoder's own measured costs. Inside a batch with others (and
+        batch_aware on): the whole step's cost with this row at T tokens and the
+        others at theirs (edgespec.batch.cost), so a tree is chosen only when it adds
+        more to the batch's tokens/s than the padding and the longer pass take away.
+        """
+        ctx = self._batch_ctx() if self._batch_ctx is not None else None
+        if ctx is None:
+            return self.costs, self.plain_s, 0.0
+        from edgespec.batch.cost import BatchCosts
+
+        others, step = ctx
+        bc = BatchCosts(self.costs, others, step)
+        return bc, bc.verify(1), float(len(others))
+
     def _plan(self, seq: list[int]) -> Plan:
         cands = self._cheap(seq)
-        plain_s = self.plain_s
+        costs, plain_s, others = self._pricing()
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
-        kept, rate = plan_tree(nodes, self.costs, 0.0, plain_s, self.max_tree, self.margin)
+        kept, rate = plan_tree(nodes, costs, 0.0, plain_s, self.max_tree, self.margin, others)
         best = Plan("tree" if kept else "plain", cands, 0, rate)
         d = self.drafter
         if d is None:
@@ -114,9 +134,10 @@ class AdaptiveDecoder:
         pd = np.cumsum(self.acc.path_probs("drafter", 0, KMAX))
         e_tree = 1.0 + sum(nodes[i].prob for i in kept)
         p1 = min(1.0, sum(nodes[i].prob for i in kept if nodes[i].parent < 0))
-        gain = e_tree + (1.0 - p1) * pd
+        gain = others + e_tree + (1.0 - p1) * pd
         t_tree = 1 + len(kept)
-        cost = ks * d.caps.cost_per_token + np.array([self.costs.verify(int(t)) for t in t_tree + ks])
+        # Drafting runs inside this sequence's turn: in a batch every row waits for it.
+        cost = ks * d.caps.cost_per_token + np.array([costs.verify(int(t)) for t in t_tree + ks])
         rates = gain / cost
         k = int(np.argmax(rates))
         probe = False
@@ -138,6 +159,8 @@ class AdaptiveDecoder:
         self.plain_s = mem.get("plain_s", self.costs.verify(1))  # EMA: seconds of a plain step
         self.since_draft = 0
         self.probe_wait = mem.get("probe_wait", self.probe_start)
+        # Inside a batch (edgespec.batch.SeqModel): who else is in the step, to price against.
+        self._batch_ctx = getattr(self.model, "batch_context", None) if self.batch_aware else None
         self._draft_time = 0.0
         self._greedy = Sampler(SamplingParams(temperature=0.0))
         # Whether the Jacobi window rides along: measured tokens/s with ("full") and
@@ -181,11 +204,17 @@ class AdaptiveDecoder:
             dt = time.perf_counter() - t_round
             if self.wctl is not None:
                 self.wctl.record("full" if window else "lean", len(new), dt)
-            if not window:  # a window round's extra tokens are priced by the window controller
+            # A window round's extra tokens are priced by the window controller; in a batch the
+            # round's time is the whole step's, not this tree's cost alone.
+            if not window and not self._in_batch():
                 self.costs.observe(T, dt - (self._draft_time if plan.draft_k else 0.0))
             seq.extend(new)
             for t, lpv, src in zip(new, lps, srcs, strict=True):
                 yield Token(t, lpv, src)
+
+    def _in_batch(self) -> bool:
+        ctx = getattr(self.model, "batch_context", None)
+        return ctx is not None and ctx() is not None
 
     def _window_now(self) -> bool:
         return self.wctl is not None and self.wctl.choose() == "full"
@@ -220,7 +249,8 @@ class AdaptiveDecoder:
             if dc.tokens:
                 cands.append(dc)
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
-        kept, _ = plan_tree(nodes, self.costs, 0.0, self.plain_s, self.max_tree, margin=0.0)
+        costs, plain_s, others = self._pricing()
+        kept, _ = plan_tree(nodes, costs, 0.0, plain_s, self.max_tree, margin=0.0, others=others)
         if not kept and not window:
             return None
         tree = build_tree(seq[-1], nodes, kept, cands)
@@ -245,6 +275,7 @@ class AdaptiveDecoder:
     def _plain_run(self, cache, seq, sampler, stats, greedy, max_steps: int | None = None):
         """Plain steps, each queued before the previous token is handed out, until a plan pays."""
         model = self.model
+        batch_ctx = getattr(model, "batch_context", None)
 
         def queue(tok, position):
             logits = model(tok.reshape(1, 1), cache)[0, -1]
@@ -269,7 +300,8 @@ class AdaptiveDecoder:
             dt = time.perf_counter() - t0
             stats.verify_s += dt
             stats.verifier_passes += 1
-            self.plain_s = 0.9 * self.plain_s + 0.1 * max(dt, 1e-6)
+            if batch_ctx is None or batch_ctx() is None:  # in a batch dt is the whole step's
+                self.plain_s = 0.9 * self.plain_s + 0.1 * max(dt, 1e-6)
             if self.wctl is not None:
                 self.wctl.record("lean", 1, dt)
             seq.append(t)

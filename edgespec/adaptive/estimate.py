@@ -173,15 +173,18 @@ def merge_candidates(cands: list[tuple[list[int], np.ndarray]]) -> list[Node]:
 
 
 def plan_tree(nodes: list[Node], costs: Costs, fixed_s: float = 0.0, plain_s: float | None = None,
-              max_tokens: int | None = None, margin: float = 1.0) -> tuple[list[int], float]:
+              max_tokens: int | None = None, margin: float = 1.0, others: float = 0.0) -> tuple[list[int], float]:
     """Choose the nodes to verify -> (kept node indices in topological order, expected tokens/s).
 
     fixed_s: seconds the round costs beyond the verifier pass (drafting, host work).
     plain_s: seconds of a plain step (default verify(1)); an empty choice means a plain step.
     The chosen set must beat the plain rate by `margin`.
+    others: inside a batch, the tokens the other rows commit in the same step (costs are
+    then the whole step's, edgespec.batch.cost): the rate maximised is the batch's,
+    (others + E(n)) / step(n).
     """
     plain_s = costs.verify(1) if plain_s is None else plain_s
-    plain_rate = 1.0 / plain_s
+    plain_rate = (others + 1.0) / plain_s
     if not nodes:
         return [], plain_rate
     cap = (max_tokens or costs.max_tokens) - 1
@@ -189,7 +192,7 @@ def plan_tree(nodes: list[Node], costs: Costs, fixed_s: float = 0.0, plain_s: fl
     for i, n in enumerate(nodes):
         depth[i] = 1 + (depth[n.parent] if n.parent >= 0 else 0)
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].prob, depth[i], i))[:cap]
-    gain = 1.0 + np.cumsum([nodes[i].prob for i in order])
+    gain = others + 1.0 + np.cumsum([nodes[i].prob for i in order])
     cost = np.array([fixed_s + costs.verify(n + 2) for n in range(len(order))])
     rate = gain / cost
     best = int(np.argmax(rate))

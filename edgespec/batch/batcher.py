@@ -21,10 +21,12 @@ A sequence alone runs its model calls exactly as it would without the batcher.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,12 +36,21 @@ import mlx.core as mx
 from greenlet import greenlet
 
 from edgespec.batch import memory
+from edgespec.batch.cost import PassCost, StepCost
 from edgespec.batch.forward import Row, batched_forward, group_rows
 from edgespec.generate import Chunk, GenerationStats, stream_tokens
 
 log = logging.getLogger("edgespec.batch")
 
 PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
+IDLE_EXIT_S = 5.0  # an idle worker thread ends after this long
+_BATCHERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for b in list(_BATCHERS):
+        b.stop(2.0)
 
 
 class Cancelled(Exception):
@@ -81,12 +92,18 @@ class SeqModel:
     Calls that cannot join a batch (no cache, a layer subset, several rows) run at once.
     """
 
-    def __init__(self, model, batcher: Batcher):
+    def __init__(self, model, batcher: Batcher, seq: _Seq | None = None):
         self._model = model
         self._batcher = batcher
+        self._seq = seq
 
     def __getattr__(self, name):
         return getattr(self._model, name)
+
+    def batch_context(self):
+        """None while this sequence runs alone; else (the other rows' sizes, StepCost) for
+        pricing speculation against the whole batch (edgespec.batch.cost)."""
+        return self._batcher.batch_context(self._seq)
 
     def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False):
         if cache is None or layer_ids is not None or inputs.ndim != 2 or inputs.shape[0] != 1 \
@@ -113,6 +130,7 @@ class _Seq:
         self.row: Row | None = None
         self.started = False
         self.on_reader = False  # paused after a chunk until its reader takes it
+        self.size = 1  # tokens of its latest model call (what it adds to a step)
 
 
 class Batcher:
@@ -133,6 +151,9 @@ class Batcher:
         self.steps = 0  # batched steps run (for tests and benchmarks)
         self.batch_sizes: dict[int, int] = {}  # live sequences per step -> steps
         self.on_idle: Callable[[], None] | None = None
+        self._cost: tuple | None = None  # (curve id, StepCost)
+        self._stopping = False
+        _BATCHERS.add(self)
 
     # ------------------------------------------------------------ caller side
     @property
@@ -175,6 +196,18 @@ class Batcher:
                 self._cv.notify()
             time.sleep(0.01)
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel everything and end the worker thread (at interpreter exit: a worker left
+        running would hold MLX's per-thread stream past its teardown)."""
+        self.close(timeout)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cv:
+            self._thread, self._stopping = None, False
+
     # ------------------------------------------------------------ inside a sequence
     def others_live(self) -> bool:
         return len(self._live) > 1 or bool(self._waiting)
@@ -184,11 +217,16 @@ class Batcher:
         return self._hub.switch(row)
 
     # ------------------------------------------------------------ worker side
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         with self._cv:
             while True:
-                while not self._live and not self._waiting:
-                    self._cv.wait()
+                while not self._live and not self._waiting and not self._stopping:
+                    if not self._cv.wait(IDLE_EXIT_S) and not self._live and not self._waiting:
+                        # Idle: the thread ends (it holds the engine; the next submit starts one).
+                        self._thread = None
+                        return False
+                if self._stopping and not self._live and not self._waiting:
+                    return False
                 while self._waiting and len(self._live) < self.max_batch:
                     req = self._waiting[0]
                     if req.cancelled:  # its client left while it waited: never touch the model
@@ -203,13 +241,14 @@ class Batcher:
                     seq.glet = greenlet(functools.partial(self._run, seq), parent=self._hub)
                     self._live.append(seq)
                 if self._live:
-                    return
+                    return True
 
     def _work(self) -> None:
         self._hub = greenlet.getcurrent()
-        while True:
-            self._admit()
+        while self._admit():  # False: idle for a while, or stopping
             self._step()
+        # The thread ends here: MLX's stream for it is released with it (a worker left
+        # running at interpreter exit would hold it past MLX's teardown).
 
     def _step(self) -> None:
         n = len(self._live)
@@ -245,6 +284,7 @@ class Batcher:
                 seq.on_reader, seq.value = True, None
             else:
                 seq.row, seq.value = out, None
+                seq.size = out.T
         rows = [s for s in self._live if s.row is not None]
         if not rows:
             if not resumed and self._live:  # every sequence waits for its reader
@@ -285,19 +325,24 @@ class Batcher:
             except Exception:
                 log.exception("the idle callback failed")
 
-    def _pass_cost(self, tokens: int) -> float:
-        """Seconds of one pass over `tokens` tokens: the adaptive decoder's measured curve
-        when the engine has one, else a CPU-like shape (8 tokens ~1.4x one)."""
+    def _step_cost(self) -> StepCost:
+        """step(sizes) on the adaptive decoder's measured pass-cost curve when the engine has
+        one, else on a CPU-like shape (8 tokens ~1.4x one), in relative units."""
         curve = self.engine.__dict__.get("_adaptive_tree_costs")
-        if curve is not None:
-            sizes, secs = list(curve.sizes), list(curve.verify_s)
-            if tokens <= sizes[-1]:
-                import numpy as np
+        key = id(curve)
+        if self._cost is None or self._cost[0] != key:
+            pc = PassCost(curve.sizes, curve.verify_s) if curve is not None else PassCost([1, 64], [1.0, 1 + 64 / 20])
+            self._cost = (key, StepCost(pc))
+        return self._cost[1]
 
-                return float(np.interp(tokens, sizes, secs))
-            slope = (secs[-1] - secs[-2]) / max(sizes[-1] - sizes[-2], 1)
-            return secs[-1] + slope * (tokens - sizes[-1])
-        return 1.0 + tokens / 20.0
+    def _pass_cost(self, tokens: int) -> float:
+        return self._step_cost().pass_cost(tokens)
+
+    def batch_context(self, me: _Seq | None):
+        others = [s.size for s in self._live if s is not me]
+        if not others:
+            return None
+        return others, self._step_cost()
 
     def _run(self, seq: _Seq) -> None:
         """A sequence's whole life, inside its greenlet: build the mode, stream, report."""
@@ -307,7 +352,7 @@ class Batcher:
         try:
             mode = engine.build_mode(req.options, req.mode_name, stats)
             if getattr(mode, "model", None) is engine.model:
-                mode.model = SeqModel(engine.model, self)
+                mode.model = SeqModel(engine.model, self, seq)
             from edgespec.sampling import Sampler
 
             steps = mode.steps(req.ids, Sampler(req.options.sampling), stats)

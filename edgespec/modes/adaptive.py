@@ -42,6 +42,8 @@ OPTIONS = [
     Option("guesses", "int", 3, "candidates per cheap source and round", 1, 8),
     Option("span", "int", 16, "longest candidate continuation, in tokens", 1, 32),
     Option("max_tree", "int", 32, "most tokens one verifier pass may check", 2, 64),
+    Option("batch_aware", "bool", True, "inside a batch of concurrent requests, verify a tree only when it "
+           "raises the whole batch's tokens/s (0: price it as if alone, for measurements)"),
 ]
 
 
@@ -113,6 +115,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         guesses=o.get("guesses", 3),
         span=span,
         max_tree=min(o.get("max_tree", 32), MAX_TREE),
+        batch_aware=o.get("batch_aware", True),
     )
 
 
