@@ -114,7 +114,9 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
     w.add_head_count(heads)
     w.add_head_count_kv(config.get("num_key_value_heads", heads))
     w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    rope = config.get("rope_parameters") or {}  # transformers v5 moved rope_theta in here
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type; GGUF holds the global one
+    w.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_vocab_size(config["vocab_size"])

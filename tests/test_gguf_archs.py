@@ -1,0 +1,75 @@
+"""Per-architecture GGUF reading: a tiny Hugging Face checkpoint (transformers, from_config) written
+to GGUF the way llama.cpp's converter stores it loads with the same logits as the HF folder."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_tiny_tokenizer
+from gguf_support import gpt2_tokenizer_meta, llama_cpp_tensors, write_gguf
+
+from edgespec.formats.gguf_arch import ARCHS
+from edgespec.loader import load_gguf, load_hf_folder
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+V = 272
+BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+# GGUF architecture -> (transformers config class, its extra settings, extra GGUF metadata)
+CASES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False), {}),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True), {}),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                    hidden_activation="gelu_pytorch_tanh"),
+               {"gemma2.attention.sliding_window": 4, "gemma2.attn_logit_softcapping": 50.0,
+                "gemma2.final_logit_softcapping": 30.0}),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                        num_hidden_layers=6, rope_theta=1_000_000.0,
+                                        rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                                        hidden_activation="gelu_pytorch_tanh"),
+               {"gemma3.attention.sliding_window": 4}),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=4, tie_word_embeddings=False, pad_token_id=0,
+                                sliding_window=None), {"phi3.rope.dimension_count": 16}),
+}
+
+
+def _hf_checkpoint(arch: str, folder):
+    cls_name, extra, _ = CASES[arch]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # norms away from their init so a missed 1+w would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    make_tiny_tokenizer(64).save(folder)
+    config = cfg.to_dict()
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    return config, weights
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gguf_and_hf_folder_give_the_same_logits(tmp_path, arch):
+    from edgespec.models import ARCHITECTURES
+
+    model_type = ARCHS[arch][0]
+    if model_type not in ARCHITECTURES:  # the architectures land in edgespec.models one by one
+        pytest.skip(f"edgespec.models has no {model_type} yet")
+    config, weights = _hf_checkpoint(arch, tmp_path / "hf")
+    tensors = llama_cpp_tensors(arch, config, weights)
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, config, tensors, gpt2_tokenizer_meta(V),
+                      extra_kv=CASES[arch][2])
+    hf = load_hf_folder(tmp_path / "hf")
+    gg = load_gguf(path)
+    assert type(gg.model) is type(hf.model)
+    ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100, 3, 12, 200, 5]])
+    a, b = np.array(gg.model(ids)), np.array(hf.model(ids))
+    assert np.abs(b).max() > 0
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), arch
