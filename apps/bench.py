@@ -67,6 +67,12 @@ def add_arguments(p) -> None:
         "--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)"
     )
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--concurrency", default=None,
+        help="comma-separated numbers of concurrent requests, e.g. 1,2,4,8: measure batched serving instead "
+        "of the modes (aggregate and per-request tokens/s, time to first token, speculation off / forced on / "
+        "chosen per batch; --repeats rounds per level); writes concurrency.json, concurrency.md and a plot",
+    )
 
 
 def _csv(text: str | None) -> list[str] | None:
@@ -90,6 +96,7 @@ def reproduce_command(args) -> str:
         ("--temperature", args.temperature, 0.0),
         ("--seed", args.seed, None),
         ("--out", args.out, None),
+        ("--concurrency", getattr(args, "concurrency", None), None),
     ):
         if value is not None and value != default:
             parts += [flag, str(value)]
@@ -132,6 +139,8 @@ def run(args) -> int:
     from edgespec.progress import progress_bar
 
     # Validate everything cheap before loading the model.
+    if args.concurrency is not None:
+        return run_concurrency_bench(args, _levels(args.concurrency))
     specs = parse_mode_specs(args.modes, available_modes())
     prompts = select_prompts(load_prompts(args.prompts), _csv(args.domains), args.per_domain)
     os.makedirs(args.out, exist_ok=True)
@@ -194,6 +203,63 @@ def run(args) -> int:
         )
         return EXIT_MISMATCH
     return 130 if run_.settings.get("interrupted") else 0
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(t) for t in _csv(text) or []]
+    except ValueError:
+        levels = []
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(f"--concurrency takes positive integers separated by commas (e.g. 1,2,4,8), got {text!r}")
+    return sorted(set(levels))
+
+
+def run_concurrency_bench(args, levels: list[int]) -> int:
+    """`--concurrency`: see edgespec.benchmark.concurrency."""
+    from edgespec.apps.common import load_engine
+
+    from edgespec.benchmark import load_prompts, select_prompts
+    from edgespec.benchmark.concurrency import (
+        format_concurrency,
+        plot_concurrency,
+        run_concurrency,
+        summarise,
+    )
+    from edgespec.benchmark.runner import encode
+
+    prompts = select_prompts(load_prompts(args.prompts), _csv(args.domains), args.per_domain)
+    os.makedirs(args.out, exist_ok=True)
+    engine = load_engine(args, progress=not args.quiet)
+    ids = [encode(engine, p, not args.raw) for p in prompts]
+
+    def on_progress(c: int, desc: str) -> None:
+        if not args.quiet:
+            print(f"  {desc}", file=sys.stderr, flush=True)
+
+    report = run_concurrency(engine, ids, levels, args.max_tokens, rounds=max(args.repeats, 1),
+                             on_progress=on_progress)
+    report["summary"] = summarise(report)
+    report["command"] = reproduce_command(args)
+    report["machine"] = machine_info()
+    table = format_concurrency(report)
+    plots = []
+    if not args.no_plots:
+        plot_concurrency(report, os.path.join(args.out, "concurrency.png"))
+        plots.append(os.path.join(args.out, "concurrency.png"))
+    with open(os.path.join(args.out, "concurrency.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(args.out, "concurrency.md"), "w") as f:
+        f.write(f"# Concurrent requests\n\n`{report['command']}`\n\n{table}\n")
+        if plots:
+            f.write("\n![throughput and latency](concurrency.png)\n")
+    print(table)
+    print(f"wrote {args.out}/concurrency.json, concurrency.md" + "".join(f", {p}" for p in plots))
+    wrong = sum(r["wrong"] for r in report["rows"])
+    if wrong:
+        print(f"!! {wrong} greedy repl(ies) differ from the request run alone: a batching bug", file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
 
 
 def _write_plots(report: dict, out: str) -> list[str]:

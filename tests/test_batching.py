@@ -253,3 +253,30 @@ def test_speculation_is_priced_against_the_batch():
         assert bool(kept) == want_tree, others
     # The step cost groups rows: a prompt chunk of 128 is its own pass, not padding for the rest.
     assert step([1, 1, 1, 128]) == pytest.approx(step([1, 1, 1]) + step([128]))
+
+
+# ------------------------------------------------------------------ edgespec bench --concurrency
+def test_bench_concurrency_reports_every_level_and_policy(tmp_path, monkeypatch, capsys):
+    import json
+
+    import edgespec.apps.common as common
+
+    from edgespec.cli import main
+
+    monkeypatch.setattr(common, "load_engine", lambda args, progress=True: make_tiny_engine(3, scale=1.3))
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("\n".join(json.dumps({"prompt": t, "domain": "chat"}) for t in ("hello", "abc def", "xyz")))
+    out = tmp_path / "out"
+    rc = main(["bench", "--prompts", str(pf), "--max-tokens", "12", "--repeats", "1", "--raw", "--quiet",
+               "--concurrency", "1,2,3", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "concurrency.json").read_text())
+    cells = {(r["concurrency"], r["policy"]) for r in report["rows"]}
+    assert cells == {(c, p) for c in (1, 2, 3) for p in ("off", "on", "chosen")}
+    assert all(r["wrong"] == 0 and r["aggregate_tps"] > 0 and r["ttft_s"] > 0 for r in report["rows"])
+    assert all(r["tokens_per_pass"] == 1.0 for r in report["rows"] if r["policy"] == "off")
+    assert "chosen / best" in (out / "concurrency.md").read_text()
+    assert (out / "concurrency.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(["bench", "--concurrency", "1,0", "--out", str(out)]) != 0
+    assert "--concurrency takes positive integers" in capsys.readouterr().err
