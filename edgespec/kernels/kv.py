@@ -60,7 +60,8 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
 
     Same effect as `KVCache.keep`, with the gather done by the kernel on Metal.
     """
-    if not on_metal():
+    if not on_metal() or any(getattr(c, "forwards_ops", False) for c in caches):
+        # a distributed verifier's caches replay keep() on every rank (edgespec.distributed)
         for c in caches:
             c.keep(start, indices)
         return
