@@ -60,12 +60,17 @@ def _read_source(src: Path, quantize: str, dtype, progress: bool):
     if src.is_dir():
         from edgespec.converters.hf import read_hf
 
-        if quantize == "native":
-            raise ValueError("--quantize native keeps a GGUF file's own quantization; the source is not GGUF")
         config, weights = read_hf(src)
+        own = config.pop("quantization", None)  # an MLX-quantized (mlx-community) folder's own
+        if quantize == "native" and not own:
+            raise ValueError("--quantize native keeps a GGUF file's or MLX folder's own quantization; "
+                             "the source is neither")
+        if own and quantize in ("4", "8"):
+            raise ValueError(f"{src} is already MLX-quantized ({own.get('bits')}-bit, groups of "
+                             f"{own.get('group_size')}): convert it with --quantize none or native to keep it")
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-        info = {"format": "hf", "name": src.name}
-        return config, weights, None, Tokenizer.from_folder(src), info
+        info = {"format": "mlx" if own else "hf", "name": src.name}
+        return config, weights, own, Tokenizer.from_folder(src), info
     raise ModelLoadError(f"{src}: not a GGUF file and not a Hugging Face model folder")
 
 
