@@ -113,6 +113,10 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
     position (P, E) (for a feature drafter): (logits, features)."""
     logits = None
     feats = []
+    if len(tokens) > chunk:
+        for c in cache:
+            if isinstance(c, KVCache):
+                c.reserve(c.offset + len(tokens))  # one allocation, not one regrowth per chunk
     for start in range(0, len(tokens), chunk):
         piece = mx.array([int(t) for t in tokens[start : start + chunk]], dtype=mx.int32)[None]
         if features:

@@ -54,6 +54,22 @@ def test_cache_grows_past_its_step():
     np.testing.assert_allclose(np.array(last), np.array(full[0, -1]), atol=1e-4)
 
 
+def test_a_long_prompt_is_cached_in_one_allocation():
+    """Chunked prefill reserves the prompt's room up front: no regrowth (a copy of the whole
+    cache) per chunk; decoding past the reserved room grows it again, by steps."""
+    model = make_tiny_model(3)
+    toks = np.random.default_rng(1).integers(0, 64, 1100).tolist()
+    cache = model.make_cache()
+    last = prefill(model, cache, toks, chunk=128)  # 9 chunks, 1100 > 4 * KVCache.step
+    assert [c.allocations for c in cache] == [1] * len(cache)
+    assert cache[0].keys.shape[2] == 1280  # 1100 rounded up to the step (256)
+    full, _ = run_tokens(model, toks)
+    np.testing.assert_allclose(np.array(last), np.array(full[0, -1]), atol=1e-4)
+    for t in range(181):  # 1100 + 181 > 1280
+        run_tokens(model, [t % 64], cache)
+    assert cache[0].allocations == 2 and cache[0].offset == 1281
+
+
 def test_keep_packs_selected_entries():
     model = make_tiny_model(4)
     cache = model.make_cache()

@@ -1,0 +1,80 @@
+"""The CPU long-prompt attention path (edgespec.kernels.attention) against the fused kernel."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edgespec.kernels.attention import (
+    CPU_NUMPY_MIN_QUERIES,
+    CPU_NUMPY_MIN_SCORES,
+    QUERY_BLOCK,
+    attention,
+    numpy_attention,
+    use_numpy_attention,
+)
+
+
+def _qkv(H, Hk, T, S, D=16, seed=0, dtype=mx.float32):
+    mx.random.seed(seed)
+    q = mx.random.normal((2, H, T, D)).astype(dtype)
+    k = mx.random.normal((2, Hk, S, D)).astype(dtype)
+    v = mx.random.normal((2, Hk, S, D)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("H,Hk,T,S", [(4, 2, 37, 100), (6, 3, QUERY_BLOCK + 45, 700), (4, 4, 300, 300)])
+def test_causal_with_a_cache_matches_the_fused_kernel(H, Hk, T, S):
+    """New tokens are the last T of S slots (a prompt chunk after earlier chunks), grouped heads,
+    more than one query block."""
+    q, k, v = _qkv(H, Hk, T, S)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    for mask in (None, "causal"):
+        out = numpy_attention(q, k, v, 0.25, mask)
+        assert out.shape == ref.shape and out.dtype == mx.float32
+        np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_boolean_masks_per_row_match_the_fused_kernel():
+    H, Hk, T, S = 4, 2, 80, 200
+    q, k, v = _qkv(H, Hk, T, S, seed=1)
+    causal = mx.arange(S)[None] <= (S - T + mx.arange(T))[:, None]  # every row sees itself
+    mask = causal & (mx.random.uniform(shape=(2, 1, T, S)) > 0.4) | mx.eye(T, S, k=S - T, dtype=mx.bool_)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    np.testing.assert_allclose(np.array(numpy_attention(q, k, v, 0.25, mask)), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_softcap_matches_the_definition():
+    H, Hk, T, S = 4, 2, 20, 50
+    q, k, v = _qkv(H, Hk, T, S, seed=2)
+    cap = 3.0
+    kk = mx.repeat(k, H // Hk, axis=1)
+    vv = mx.repeat(v, H // Hk, axis=1)
+    scores = (q * 0.5) @ kk.swapaxes(-1, -2)
+    scores = cap * mx.tanh(scores / cap)
+    allowed = mx.arange(S)[None] <= (S - T + mx.arange(T))[:, None]
+    ref = mx.softmax(mx.where(allowed, scores, -mx.inf), axis=-1) @ vv
+    out = numpy_attention(q, k, v, 0.5, "causal", softcap=cap)
+    np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_half_precision_inputs_come_back_in_their_dtype():
+    q, k, v = _qkv(4, 2, 70, 90, dtype=mx.float16)
+    out = numpy_attention(q, k, v, 0.25, "causal")
+    assert out.dtype == mx.float16
+    ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
+                                               v.astype(mx.float32), scale=0.25, mask="causal")
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(ref), rtol=2e-2, atol=2e-2)
+
+
+def test_the_dispatcher_takes_numpy_only_for_long_chunks_on_the_cpu():
+    big_T = CPU_NUMPY_MIN_QUERIES
+    S = CPU_NUMPY_MIN_SCORES // (2 * 4 * big_T) + 1
+    q, k, v = _qkv(4, 2, big_T, S)
+    assert use_numpy_attention(q, k) == (mx.default_device() == mx.cpu)
+    small_q = q[:, :, : CPU_NUMPY_MIN_QUERIES - 1]  # a verification round: the fused kernel
+    assert not use_numpy_attention(small_q, k)
+    assert not use_numpy_attention(q, k[:, :, :64])  # few scores: the fused kernel
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    np.testing.assert_allclose(np.array(attention(q, k, v, 0.25, "causal")), np.array(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown attention mask"):
+        numpy_attention(q, k, v, 0.25, "sideways")
