@@ -14,8 +14,10 @@ from pathlib import Path
 from edgespec.engine import Engine, GenerationResult, make_options
 from edgespec.errors import (
     ContextLengthError,
+    DrafterRequiredError,
     EdgespecError,
     ModelLoadError,
+    UnknownOptionError,
     VocabularyMismatchError,
 )
 from edgespec.options import GenerateOptions
@@ -34,6 +36,8 @@ __all__ = [
     "ModelLoadError",
     "VocabularyMismatchError",
     "ContextLengthError",
+    "DrafterRequiredError",
+    "UnknownOptionError",
 ]
 
 

@@ -148,7 +148,7 @@ def test_prompts_of_the_wrong_kind_are_refused_not_reinterpreted(engine):
         with pytest.raises(ValueError, match=msg):
             engine.generate(prompt, max_tokens=2)
     # A misspelt keyword is a TypeError (as in any Python call) that names the valid ones.
-    with pytest.raises(TypeError, match="unknown option.*'temprature'"):
+    with pytest.raises(edgespec.UnknownOptionError, match="unknown option.*'temprature'.*temperature"):
         engine.generate("hello", max_tokens=2, temprature=0.9)
     with pytest.raises(TypeError, match="'window' for mode 'plain'"):
         engine.generate("hello", max_tokens=2, mode="plain", window=3)
