@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
                    help="requests allowed to wait beyond the running batch; more are refused with 503")
     n.add_argument("--model-id", default=None,
                    help="model name clients send (default: the bundle's folder name); 'default' always works")
-    n.add_argument("--allow-anyone", action="store_true",
+    n.add_argument("--insecure-no-auth", "--allow-anyone", dest="allow_anyone", action="store_true",
                    help="serve a non-loopback --host without --api-key (anyone who reaches the port can use "
                    "the model); without this flag such a server refuses to start")
     n.add_argument("--max-tokens-limit", type=int, default=8192,
@@ -84,10 +84,10 @@ def run(args) -> int:
         if not args.api_key and not args.allow_anyone:
             raise ValueError(
                 f"--host {args.host} would let anyone who reaches this machine use the model: set --api-key "
-                "(or $EDGESPEC_API_KEY), or pass --allow-anyone to serve without one"
+                "(or $EDGESPEC_API_KEY), or pass --insecure-no-auth to serve without one"
             )
         print(f"edgespec serve: warning: binding {args.host} makes the model reachable from other machines"
-              + ("" if args.api_key else "; anyone who can reach it can use it (--allow-anyone)"),
+              + ("" if args.api_key else "; anyone who can reach it can use it (--insecure-no-auth)"),
               file=sys.stderr)
 
     import uvicorn

@@ -423,14 +423,14 @@ def test_max_tokens_over_the_server_limit_is_a_400(server):
 
 
 def test_non_loopback_host_without_a_key_refuses_to_start(bundle, monkeypatch):
-    """Before any model loads: a public bind needs --api-key, or --allow-anyone said out loud."""
+    """Before any model loads: a public bind needs --api-key, or --insecure-no-auth said out loud."""
     import subprocess
     import sys
 
     monkeypatch.delenv("EDGESPEC_API_KEY", raising=False)
     cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--model", str(bundle), "--host", "0.0.0.0", "--port", "0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "--api-key" in r.stderr and "--allow-anyone" in r.stderr, r.stderr
+    assert r.returncode == 1 and "--api-key" in r.stderr and "--insecure-no-auth" in r.stderr, r.stderr
     assert "edgespec serve:" not in r.stdout  # never started serving
 
 
