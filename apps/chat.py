@@ -22,7 +22,10 @@ COMMANDS = "/reset  clear the conversation\n/stats  statistics of the last reply
 
 
 def add_arguments(p) -> None:
+    from edgespec.distributed.launch import add_distributed_arguments
+
     add_model_arguments(p)
+    add_distributed_arguments(p)
     add_decoding_arguments(p)
     p.add_argument("--system", default=None, help="system prompt placed before the conversation")
     p.add_argument("--prompt", default=None, help="answer this one message and exit (non-interactive)")
@@ -107,7 +110,14 @@ def run(args) -> int:
     from edgespec.apps.common import load_engine
 
     options = options_from_args(args)
-    engine = load_engine(args)
+    engine = None
+    if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
+        from edgespec.distributed.launch import join_or_launch
+
+        code, engine = join_or_launch(args)
+        if engine is None:
+            return code
+    engine = engine or load_engine(args)
     session = ChatSession(engine, options, args.system)
     show = not args.no_stats
     if args.prompt is not None:

@@ -16,7 +16,10 @@ HELP = "generate a reply to one prompt and exit"
 
 
 def add_arguments(p) -> None:
+    from edgespec.distributed.launch import add_distributed_arguments
+
     add_model_arguments(p)
+    add_distributed_arguments(p)
     add_decoding_arguments(p)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template; continue the text as is")
@@ -28,8 +31,15 @@ def run(args) -> int:
     from edgespec.apps.common import load_engine
 
     options = options_from_args(args)
+    engine = None
+    if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
+        from edgespec.distributed.launch import join_or_launch
+
+        code, engine = join_or_launch(args)
+        if engine is None:
+            return code
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    engine = load_engine(args)
+    engine = engine or load_engine(args)
     if args.raw:
         stream = engine.stream(prompt, options=options)
     else:

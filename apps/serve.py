@@ -18,7 +18,10 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
+    from edgespec.distributed.launch import add_distributed_arguments
+
     add_model_arguments(p)
+    add_distributed_arguments(p)
     add_decoding_arguments(p)  # server-side defaults for fields a request leaves out
     n = p.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1",
@@ -94,6 +97,13 @@ def run(args) -> int:
     from edgespec.apps.common import load_engine
     from edgespec.apps.server import ServerSettings, create_app
 
+    engine = None
+    if args.distributed:  # start the ranks (mlx.launch), or join as one; only rank 0 binds and serves
+        from edgespec.distributed.launch import join_or_launch
+
+        code, engine = join_or_launch(args)
+        if engine is None:
+            return code
     # Bind before loading so a busy port fails fast, and so --port 0 reports the real port.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -103,7 +113,7 @@ def run(args) -> int:
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot bind {args.host}:{args.port}: {e.strerror}") from None
-    engine = load_engine(args)
+    engine = engine or load_engine(args)
     engine.max_batch = args.max_batch  # None: sized from the memory budget when the batcher starts
     model_id = args.model_id or (engine.loaded.path.name if engine.loaded.path else "model")
     if engine.loaded.path is not None and engine.loaded.path.is_file():

@@ -41,6 +41,12 @@ def main() -> int:
     results, calls = [], []
     for case in cases:
         before = engine.model.calls
+        if "prompts" in case:  # one batch: engine.generate_many
+            case = dict(case)
+            rs = engine.generate_many(case.pop("prompts"), **case)
+            results.append([r.tokens for r in rs])
+            calls.append({"round_trips": engine.model.calls - before, "passes": None})
+            continue
         r = engine.generate(**case)
         results.append(r.tokens)
         calls.append({"round_trips": engine.model.calls - before, "passes": r.stats.verifier_passes})

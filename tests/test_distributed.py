@@ -3,6 +3,7 @@
 Each group run starts N copies of tests/distributed_driver.py; rank 0 runs every case and
 its tokens must equal the single-process engine's: greedy for plain, speculative,
 adaptive, tree and lookahead, and seeded sampling for plain, speculative and adaptive.
+A batch of sequences (engine.generate_many) shares passes through the shards.
 Each rank also reports the weights it holds (about 1/N of the model).
 """
 
@@ -34,6 +35,8 @@ SPEC = dict(mode="speculative", draft_tokens=3)
 GREEDY = [dict(mode="plain"), SPEC, dict(mode="adaptive"), dict(mode="tree"), dict(mode="lookahead")]
 SAMPLED = [dict(c, temperature=0.8, seed=7) for c in (dict(mode="plain"), SPEC, dict(mode="adaptive"))]
 CASES = [dict(prompt=p, max_tokens=20, **c) for p in PROMPTS for c in GREEDY + SAMPLED]
+# continuous batching: several sequences in one verifier pass (per-row caches, masks, positions)
+CASES.append(dict(prompts=PROMPTS + [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], max_tokens=12, mode="plain"))
 ROUND_TRIPS = [dict(prompt=PROMPTS[1], max_tokens=20, mode="plain"), dict(prompt=PROMPTS[1], max_tokens=20, **SPEC)]
 
 
@@ -54,7 +57,14 @@ def bundles(tmp_path_factory):
 def reference(bundles):
     verifier, drafter, _, _ = bundles
     engine = edgespec.load(verifier, drafter=str(drafter), history="off", progress=False)
-    return [engine.generate(**c).tokens for c in CASES]
+    out = []
+    for c in CASES:
+        if "prompts" in c:
+            c = dict(c)
+            out.append([r.tokens for r in engine.generate_many(c.pop("prompts"), **c)])
+        else:
+            out.append(engine.generate(**c).tokens)
+    return out
 
 
 def model_bytes(bundle: Path) -> int:
@@ -165,3 +175,31 @@ def test_each_shard_loads_only_its_weights(bundles, split):
         sizes.append(shard_bytes(model, plan))
         del model
     assert all(0.6 * total / 2 <= s <= 1.4 * total / 2 for s in sizes), (sizes, total)
+
+
+# ---- the CLI: --distributed starts the ranks through mlx.launch ----------------------
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgespec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("app", ["generate", "chat"])
+def test_cli_distributed_equals_single_process(bundles, app):
+    common = [app, "--model", str(bundles[0]), "--drafter", str(bundles[1]), "--prompt", "abc",
+              "--max-tokens", "12", "--mode", "speculative", "--draft-tokens", "3"]
+    common += ["--stats", "none"] if app == "generate" else ["--no-stats"]
+    alone = _cli(*common)
+    assert alone.stdout.strip(), alone.stderr[-2000:]
+    shared = _cli(*common, "--distributed", "local:2", "--distributed-split", "tensor")
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    assert shared.stdout == alone.stdout
+
+
+def test_cli_distributed_bad_hostfile(bundles, tmp_path):
+    bad = tmp_path / "hosts.json"
+    bad.write_text('{"hosts": [{"ssh": "a"}]}')
+    for spec, message in [(str(tmp_path / "missing.json"), "no such hostfile"), (str(bad), "expected"),
+                          ("local:0", "local:N with N in 1..64")]:
+        r = _cli("generate", "--model", str(bundles[0]), "--prompt", "x", "--distributed", spec)
+        assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

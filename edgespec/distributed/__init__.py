@@ -16,10 +16,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgespec.distributed.comm import EXIT_PEER_LOST, DistributedError, Group
-from edgespec.distributed.model import ShardedModel, follow
-from edgespec.distributed.shard import MODES, Plan, load_shard, shard_bytes
-from edgespec.distributed.stage import Stage
+from edgespec.distributed.errors import EXIT_PEER_LOST, DistributedError
+
+# The MLX-heavy parts load on first use, so the CLI's parser can import
+# edgespec.distributed.launch without MLX.
+_LAZY = {
+    "Group": "edgespec.distributed.comm",
+    "ShardedModel": "edgespec.distributed.model",
+    "follow": "edgespec.distributed.model",
+    "MODES": "edgespec.distributed.shard",
+    "Plan": "edgespec.distributed.shard",
+    "load_shard": "edgespec.distributed.shard",
+    "shard_bytes": "edgespec.distributed.shard",
+    "Stage": "edgespec.distributed.stage",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "EXIT_PEER_LOST",
@@ -45,6 +64,10 @@ def load_model(path: str | Path, split: str = "pipeline", timeout: float | None 
     the group, then get None. `on_loaded(rank, local_model, plan)` runs on every rank once
     its shard is in memory (measurements).
     """
+    from edgespec.distributed.comm import Group
+    from edgespec.distributed.model import ShardedModel, follow
+    from edgespec.distributed.shard import MODES, load_shard
+    from edgespec.distributed.stage import Stage
     from edgespec.models import get_architecture
 
     if split not in MODES:

@@ -29,15 +29,10 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from edgespec.errors import EdgespecError
+from edgespec.distributed.errors import EXIT_PEER_LOST, DistributedError
 
-# Exit status of a rank that ends because a peer died (mlx.launch then stops the rest).
-EXIT_PEER_LOST = 75
 HEARTBEAT_S = 1.0
-
-
-class DistributedError(EdgespecError):
-    """The group cannot be formed or a rank was lost."""
+__all__ = ["EXIT_PEER_LOST", "DistributedError", "Group", "HEARTBEAT_S"]
 
 
 def _default_timeout() -> float:

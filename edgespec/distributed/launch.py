@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgespec.distributed.comm import DistributedError
+from edgespec.distributed.errors import DistributedError
 
 DISTRIBUTED_HELP = (
     "shard the verifier over the hosts of HOSTFILE (mlx.launch's JSON host list, ring backend) "

@@ -116,6 +116,15 @@ def apply_ops(ops: list, sets: dict, stage: Stage) -> None:
                 c.offset = args[0] + len(args[1])
 
 
+def gather_views(gather: dict, sets: dict, stage: Stage) -> list:
+    """A follower's per-layer views of a batched pass over its copies of the rows' cache sets."""
+    from edgespec.batch.forward import _GatherCache
+
+    rows = [sets.setdefault(cid, stage.model.make_cache()) for cid in gather["cids"]]
+    return [_GatherCache([r[i] for r in rows], gather["lengths"], gather["s_max"])
+            for i in range(stage.plan.num_layers)]
+
+
 class LayerProxy:
     """model.layers[i] on rank 0: layer(h, mask, cache, positions) run wherever layer i lives."""
 
@@ -155,8 +164,26 @@ class ShardedModel:
     def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False):
         if mask is None and inputs.shape[1] > 1:
             mask = "causal"
+        out = "both" if return_hidden else "logits"
+        if cache is not None and len(cache) and hasattr(cache[0], "lengths"):
+            return self._batched(inputs, cache, mask, positions, layer_ids, out)
         cid = cache[0].cid if cache is not None and len(cache) else None
-        return self._forward("ids", inputs, cid, mask, positions, layer_ids, "both" if return_hidden else "logits")
+        return self._forward("ids", inputs, cid, mask, positions, layer_ids, out)
+
+    def _batched(self, inputs, views, mask, positions, layer_ids, out):
+        """A batched pass (edgespec.batch): per layer, a view that writes each row's new K/V into
+        that row's own cache set. The followers build the same views over their copies."""
+        first = views[0]
+        gather = {"cids": [c.cid for c in first.caches], "lengths": [int(t) for t in first.lengths],
+                  "s_max": int(first.s_max)}
+        mine = [type(v)([c._kv for c in v.caches], v.lengths, v.s_max) for v in views]
+        result = self._forward("ids", inputs, None, mask, positions, layer_ids, out, gather=gather, views=mine)
+        if self.plan.mode == "pipeline":  # layers other ranks computed: rank 0 tracks the lengths
+            for v in views:
+                for c, t in zip(v.caches, v.lengths, strict=True):
+                    if not c._local:
+                        c._offset += int(t)
+        return result
 
     def embed(self, inputs):
         if self.plan.mode == "pipeline":
@@ -199,7 +226,7 @@ class ShardedModel:
             ops, self._ops = self._ops, []
         return ops
 
-    def _forward(self, kind, x, cid, mask, positions, layer_ids, out):
+    def _forward(self, kind, x, cid, mask, positions, layer_ids, out, gather=None, views=None):
         with self._lock:
             B, T = x.shape[0], x.shape[1]
             layers = list(range(self.plan.num_layers)) if layer_ids is None else [int(i) for i in layer_ids]
@@ -213,7 +240,9 @@ class ShardedModel:
                 local["mask"] = mask
             if positions is not None:
                 local["positions"] = positions
-            caches = self._local_caches(cid)
+            caches = self._local_caches(cid) if views is None else views
+            if gather is not None:
+                cmd["gather"] = gather
             remote = self.plan.mode == "tensor" or self.stage.route(layers) != [0]
             try:
                 if remote:
@@ -249,6 +278,8 @@ def follow(stage: Stage, group: Group) -> None:
         apply_ops(cmd.get("ops", []), sets, stage)
         cid = cmd["cache"]
         caches = sets.setdefault(cid, stage.model.make_cache()) if cid is not None else None
+        if cmd.get("gather"):
+            caches = gather_views(cmd["gather"], sets, stage)
         try:
             stage.run(cmd, arrays, caches)
         except Exception as e:  # a lost peer (RuntimeError from the ring) or a bad command

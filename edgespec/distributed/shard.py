@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgespec.distributed.comm import DistributedError
+from edgespec.distributed.errors import DistributedError
 
 MODES = ("pipeline", "tensor")
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split
