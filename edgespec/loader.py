@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from edgespec.bundle import is_bundle, read_manifest
 from edgespec.errors import ModelLoadError
-from edgespec.models.llama import Model, ModelArgs
+from edgespec.models.llama import Model
 from edgespec.tokenizer import Tokenizer
 
 
@@ -49,12 +49,18 @@ def apply_quantization(model: nn.Module, quantization: dict[str, Any] | None) ->
 
 def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype=None) -> Model:
     """Model from an HF-style config and a complete weight dict (strict: every name must match)."""
+    from edgespec.models import model_from_config
+    from edgespec.models.base import quantize_as_stored
+
     try:
-        args = ModelArgs.from_dict(config)
+        model = model_from_config(config)
+    except ModelLoadError:
+        raise
     except (TypeError, ValueError) as e:
         raise ModelLoadError(str(e)) from None
-    model = Model(args)
-    apply_quantization(model, config.get("quantization"))
+    weights = model.sanitize(weights)  # the architecture's checkpoint names -> its modules'
+    if not quantize_as_stored(model, weights, config.get("quantization")):
+        apply_quantization(model, config.get("quantization"))
     if dtype is not None:
         weights = {
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()

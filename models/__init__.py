@@ -19,6 +19,11 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "llama",
     "smollm": "llama",
     "smollm2": "llama",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
 }
 
 
@@ -33,7 +38,7 @@ def get_architecture(model_type: str | None) -> ModuleType:
     name = ARCHITECTURES.get(model_type or "llama")
     if name is None:
         raise ModelLoadError(
-            f"unsupported architecture (model_type) {model_type!r}; edgespec supports "
+            f"unsupported architecture {model_type!r} (config model_type); edgespec supports "
             f"{', '.join(supported_model_types())}"
         )
     return importlib.import_module(f"{__name__}.{name}")
