@@ -61,6 +61,39 @@ def test_batched_rows_at_different_offsets_equal_each_row_alone():
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("model_type, extra", [
+    ("gemma2", dict(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    ("gemma3_text", dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    ("mistral", dict(sliding_window=4)),
+    ("smollm3", dict(no_rope_layer_interval=2)),
+])
+def test_batched_rows_equal_alone_with_windows_softcaps_and_nope(model_type, extra):
+    """The same contract for layers that narrow the mask themselves (windows of 4, shorter
+    than the rows) and for soft-capped and NoPE attention."""
+    mx.random.seed(5)
+    model = model_from_config(dict(model_type=model_type, hidden_size=64, num_hidden_layers=2,
+                                   intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=64, **extra))
+    a, b = [5, 9, 2, 7, 1, 30], [3, 8, 8, 4, 6, 2, 9, 11, 40]
+    alone = [_run_alone(model, a, [12, 13]), _run_alone(model, b, [21, 22])]
+    S = len(b)
+    pad = [S - len(a), 0]
+    valid = np.array([[j >= p for j in range(S)] for p in pad])
+    positions = mx.array([[max(j - p, 0) for j in range(S)] for p in pad])
+    cache = model.make_cache()
+    out = model(mx.array([[0] * pad[0] + a, b]), cache, mask=_batch_mask(valid, S), positions=positions)
+    got = [[np.array(out[0, -1])], [np.array(out[1, -1])]]
+    for i, step in enumerate([(12, 21), (13, 22)]):
+        valid = np.concatenate([valid, np.ones((2, 1), bool)], axis=1)
+        out = model(mx.array([[step[0]], [step[1]]]), cache, mask=_batch_mask(valid, 1),
+                    positions=mx.array([[len(a) + i], [len(b) + i]]))
+        got[0].append(np.array(out[0, -1]))
+        got[1].append(np.array(out[1, -1]))
+    for g, want in zip(got, alone, strict=True):
+        for x, y in zip(g, want, strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
 def test_positions_1d_and_2d_agree_and_embed_head_compose():
     model = make_tiny_model(4)
     ids = mx.array([[4, 5, 6, 7]])
