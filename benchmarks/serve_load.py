@@ -1,8 +1,10 @@
 """Load an `edgespec serve` process with concurrent streaming clients; report outcomes and RSS.
 
-    python benchmarks/serve_load.py --model PATH [--clients 8 --requests 24 --max-tokens 16 --max-queue 4]
+    python benchmarks/serve_load.py --model PATH [--clients 8 --requests 24 --max-tokens 16 --max-queue 4
+                                                  --max-batch N]
 
-Starts the server on a free loopback port, warms it up, then runs `--requests`
+Starts the server on a free loopback port (concurrent requests decoded in batches
+of up to --max-batch; default the server's), warms it up, then runs `--requests`
 streaming chat requests from `--clients` concurrent clients; every third client
 leaves after two events. Refused requests (503) are retried up to 3 times.
 Prints completed / refused / left-early counts, server-side counters, and the
@@ -69,10 +71,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=24, help="requests in all")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per reply")
     ap.add_argument("--max-queue", type=int, default=4, help="server --max-queue")
+    ap.add_argument("--max-batch", type=int, default=None, help="server --max-batch (default: the server's)")
     args = ap.parse_args()
 
     cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--model", args.model, "--drafter", "none",
            "--port", "0", "--max-queue", str(args.max_queue)]
+    if args.max_batch is not None:
+        cmd += ["--max-batch", str(args.max_batch)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         port = int(re.search(r":(\d+)/v1", proc.stdout.readline()).group(1))
@@ -112,8 +117,10 @@ def main() -> int:
               f"{wall:.1f}s")
         print(f"server counters: {q}")
         print(f"RSS: before {rss0 / mib:.1f} MiB, peak {peak[0] / mib:.1f} MiB, after {rss1 / mib:.1f} MiB; "
-              f"final request correct: {final == ref[PROMPTS[0]]}; server alive: {proc.poll() is None}")
-        return 0 if wrong == 0 and counts["broken"] == 0 and final == ref[PROMPTS[0]] else 1
+              f"final request correct: {final == ref[PROMPTS[0]]}; server alive: {proc.poll() is None}; "
+              f"RSS after / before {rss1 / rss0:.3f}")
+        ok = wrong == 0 and counts["broken"] == 0 and final == ref[PROMPTS[0]] and rss1 <= rss0 * 1.05
+        return 0 if ok else 1
     finally:
         proc.terminate()
         proc.wait(30)

@@ -280,3 +280,15 @@ def test_bench_concurrency_reports_every_level_and_policy(tmp_path, monkeypatch,
     capsys.readouterr()
     assert main(["bench", "--concurrency", "1,0", "--out", str(out)]) != 0
     assert "--concurrency takes positive integers" in capsys.readouterr().err
+
+
+def test_the_idle_worker_thread_ends_and_a_new_one_takes_over(engine, monkeypatch):
+    import time
+
+    monkeypatch.setattr(batcher_mod, "IDLE_EXIT_S", 0.05)
+    first = [engine.generate(p, max_tokens=12).tokens for p in PROMPTS[:2]]
+    deadline = time.monotonic() + 10
+    while engine.batcher._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.batcher._thread is None  # ended (it would hold the engine and MLX's stream)
+    assert [engine.generate(p, max_tokens=12).tokens for p in PROMPTS[:2]] == first

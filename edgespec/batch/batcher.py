@@ -247,8 +247,12 @@ class Batcher:
         self._hub = greenlet.getcurrent()
         while self._admit():  # False: idle for a while, or stopping
             self._step()
-        # The thread ends here: MLX's stream for it is released with it (a worker left
-        # running at interpreter exit would hold it past MLX's teardown).
+        # The thread ends here. MLX keeps streams per thread, and one that ran async_eval and
+        # is left to MLX's teardown at exit aborts the process: release this thread's now.
+        mx.synchronize()
+        clear = getattr(mx, "clear_streams", None)
+        if clear is not None:
+            clear()
 
     def _step(self) -> None:
         n = len(self._live)

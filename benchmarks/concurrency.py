@@ -1,0 +1,139 @@
+"""Batched serving against the strictly serial server, over HTTP, side by side in one run.
+
+    python benchmarks/concurrency.py [--model PATH] [--clients 4,8] [--max-tokens 64] [--mode auto]
+
+Starts `edgespec serve` twice on the same model: once with --max-batch 1 (strictly
+one request after another, the server before batching) and once batched
+(--max-batch = the largest --clients). For each number of clients N, N streaming
+greedy chat requests start together; reported: aggregate tokens/s (all tokens /
+wall time) on each server and the ratio, and whether every reply equals the same
+request run alone on the idle server. Then time to first token of a request that
+arrives while 3 others stream, against its time on the idle batched server.
+Other work on the cores skews all figures alike only roughly: run on quiet cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+PROMPTS = ["Write a short poem about the sea.", "Explain what a CPU cache is.", "List five fruits and their colours.",
+           "Summarise the plot of Hamlet in three sentences.", "How do I reverse a list in Python?",
+           "Give me three tips for sleeping better.", "What is the capital of Australia and why?",
+           "Describe a rainbow to a child."]
+
+
+def start_server(model: str | None, *extra: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--port", "0", "--drafter", "none", *extra]
+    if model:
+        cmd += ["--model", model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r":(\d+)/v1", line)
+    if not m:
+        proc.terminate()
+        raise SystemExit(f"the server did not start: {line!r}")
+    return proc, f"http://127.0.0.1:{m.group(1)}"
+
+
+async def stream(client, url, prompt, max_tokens, mode):
+    """-> (text, tokens, seconds to first token, seconds in all)."""
+    body = {"model": "default", "stream": True, "max_tokens": max_tokens, "mode": mode,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": prompt}]}
+    t0 = time.perf_counter()
+    first, text, tokens = None, [], 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            d = json.loads(line[6:])
+            for c in d.get("choices", []):
+                piece = c["delta"].get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - t0
+                text.append(piece)
+            if d.get("usage"):
+                tokens = d["usage"]["completion_tokens"]
+    total = time.perf_counter() - t0
+    return "".join(text), tokens, first if first is not None else total, total
+
+
+async def together(url, prompts, max_tokens, mode):
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=len(prompts) + 2)) as client:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(stream(client, url, p, max_tokens, mode) for p in prompts))
+        return res, time.perf_counter() - t0
+
+
+async def ttft_under_load(url, max_tokens, mode, busy: int = 3):
+    """TTFT of a request sent once `busy` others are streaming."""
+    async with httpx.AsyncClient(timeout=3600) as client:
+        others = [asyncio.create_task(stream(client, url, p, max_tokens * 4, mode)) for p in PROMPTS[1 : busy + 1]]
+        await asyncio.sleep(0.5)  # they are admitted and decoding
+        _, _, ttft, _ = await stream(client, url, PROMPTS[0], max_tokens, mode)
+        await asyncio.gather(*others)
+        return ttft
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="bundle/GGUF (default: the default model)")
+    ap.add_argument("--clients", default="4,8", help="numbers of concurrent clients")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--mode", default="auto", help="decoding mode of every request")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per client count (median kept)")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.clients.split(",")]
+    biggest = max(levels)
+    prompts = (PROMPTS * (biggest // len(PROMPTS) + 1))[:biggest]
+
+    results: dict = {}
+    for name, extra in (("serial", ("--max-batch", "1")), ("batched", ("--max-batch", str(biggest)))):
+        proc, url = start_server(args.model, *extra)
+        try:
+            alone = {}
+            for p in PROMPTS:  # warm-up, and every reply alone on the idle server
+                text, _, ttft, _ = asyncio.run(together(url, [p], args.max_tokens, args.mode))[0][0]
+                alone[p] = text
+            idle_ttft = statistics.median(
+                asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2] for _ in range(3))
+            for n in levels:
+                rates, wrong = [], 0
+                for _ in range(args.rounds):
+                    res, wall = asyncio.run(together(url, prompts[:n], args.max_tokens, args.mode))
+                    rates.append(sum(r[1] for r in res) / wall)
+                    wrong += sum(r[0] != alone[p] for r, p in zip(res, prompts[:n], strict=True))
+                results[(name, n)] = (statistics.median(rates), wrong)
+            if name == "batched":
+                loaded = statistics.median(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode))
+                                           for _ in range(3))
+                results["ttft"] = (idle_ttft, loaded)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+    print(f"mode {args.mode}, max_tokens {args.max_tokens}, greedy, {args.rounds} rounds (median)")
+    print("| clients | serial tok/s | batched tok/s | ratio | wrong (serial/batched) |")
+    print("|---:|---:|---:|---:|---:|")
+    ok = True
+    for n in levels:
+        (s, ws), (b, wb) = results[("serial", n)], results[("batched", n)]
+        print(f"| {n} | {s:.1f} | {b:.1f} | {b / s:.2f}x | {ws}/{wb} |")
+        ok &= ws == 0 and wb == 0
+    idle, loaded = results["ttft"]
+    print(f"time to first token: idle {idle * 1000:.0f} ms, while 3 others stream {loaded * 1000:.0f} ms "
+          f"({loaded / idle:.2f}x)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
