@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgespec.cache import KVCache
+from edgespec.kernels.attention import numpy_attention, use_numpy_attention
 
 # Config fields that never change the forward math of a decoder in inference (bookkeeping,
 # training-only knobs, generation defaults). Every other field must be read by the
@@ -401,7 +402,9 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)  # (B, Hk, S, D)
         if self.window is not None:
             mask = window_mask(mask, positions, offset, T, self.window)
-        if self.softcap is None:
+        if use_numpy_attention(q, k):  # a long prompt chunk on the CPU device: see the kernel's notes
+            out = numpy_attention(q, k, v, self.scale, mask, self.softcap)
+        elif self.softcap is None:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         else:
             out = softcapped_attention(q, k, v, self.scale, self.softcap, mask, offset)

@@ -78,3 +78,31 @@ def test_the_dispatcher_takes_numpy_only_for_long_chunks_on_the_cpu():
     np.testing.assert_allclose(np.array(attention(q, k, v, 0.25, "causal")), np.array(ref), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="unknown attention mask"):
         numpy_attention(q, k, v, 0.25, "sideways")
+
+
+def test_a_model_prefill_through_the_numpy_path_matches_the_fused_kernel(monkeypatch):
+    """Chunked prefill of a tiny model: logits and cache through the numpy path (threshold
+    lowered so tiny shapes take it) equal those through the fused kernel."""
+    from conftest import make_tiny_model
+
+    import edgespec.kernels.attention as kernel
+    from edgespec.generate import prefill
+
+    model = make_tiny_model(4)
+    toks = np.random.default_rng(2).integers(0, 64, 700).tolist()
+    taken = []
+    real = kernel.numpy_attention
+
+    def spy(*a, **kw):
+        taken.append(a[0].shape)
+        return real(*a, **kw)
+
+    runs = {}
+    for name, threshold in (("numpy", 1), ("fused", 1 << 62)):
+        monkeypatch.setattr(kernel, "CPU_NUMPY_MIN_SCORES", threshold)
+        monkeypatch.setattr("edgespec.models.base.numpy_attention", spy)
+        cache = model.make_cache()
+        runs[name] = (prefill(model, cache, toks, chunk=256), cache[-1].state[0])  # last layer: after attention
+    assert taken and all(s[2] >= kernel.CPU_NUMPY_MIN_QUERIES for s in taken)  # numpy run only
+    np.testing.assert_allclose(np.array(runs["numpy"][0]), np.array(runs["fused"][0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(runs["numpy"][1]), np.array(runs["fused"][1]), rtol=1e-5, atol=1e-5)
