@@ -186,3 +186,31 @@ def test_convert_summary_lines(tmp_path):
                           "Q4_K": {"how": "exact", "tensors": 3, "bits": 4, "group_size": 32}})
     assert any("Q6_K" in s and "re-quantized" in s and "1.23%" in s for s in lines)
     assert any("Q4_K" in s and "exact" in s for s in lines)
+
+
+def test_the_container_parser_agrees_with_gguf_reader(tmp_path):
+    from edgespec.formats.gguf_file import GGUFFile
+
+    path = write_llama_gguf(tmp_path / "mixed.gguf", seed=7, types=MIXED, **K_DIMS)
+    mine, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert set(mine.fields) == {k for k in ref.fields if not k.startswith("GGUF.")}  # reader's own
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want = field.contents()
+        got = mine.fields[key]
+        assert got == pytest.approx(want) if isinstance(want, float) else got == want, key
+    assert [t.name for t in mine.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(mine.tensors, ref.tensors, strict=True):
+        assert a.tensor_type.name == b.tensor_type.name and tuple(a.shape) == tuple(int(s) for s in b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+
+
+def test_a_truncated_gguf_is_a_clear_error(tmp_path):
+    path = write_llama_gguf(tmp_path / "t.gguf", seed=1)
+    data = path.read_bytes()
+    for cut in (10, 2000, len(data) - 100):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+            load(bad)

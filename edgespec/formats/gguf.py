@@ -17,6 +17,7 @@ import numpy as np
 from edgespec.errors import ModelLoadError
 from edgespec.formats import gguf_quants as quants
 from edgespec.formats.gguf_arch import ARCHS, arch_config, arch_of, hf_name, is_norm
+from edgespec.formats.gguf_file import GGUFFile
 from edgespec.formats.gguf_tokenizer import build_tokenizer
 
 SUPPORTED_ARCHS = tuple(ARCHS)
@@ -32,22 +33,19 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open(path: Path):
-    import gguf
-
+def _open(path: Path) -> GGUFFile:
+    path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/struct/OSError on bad files
+        return GGUFFile(path)
+    except Exception as e:  # GGUFFormatError, OSError, ValueError from numpy on bad files
         raise ModelLoadError(f"{path}: not a readable GGUF file (corrupt or truncated?): {e}") from None
 
 
 def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
 def _arch(reader) -> str:

@@ -106,10 +106,22 @@ def affine(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """q (rows, cols) with values < 2**bits -> MLX's packing: uint32 (rows, cols * bits / 32)."""
-    rows = q.shape[0]
-    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows, -1)
-    return np.ascontiguousarray(np.packbits(stream, axis=-1, bitorder="little")).view(np.uint32)
+    """q (rows, cols) with values < 2**bits -> MLX's packing: uint32 (rows, cols * bits / 32).
+
+    MLX reads each row as one little-endian bit stream, element i at bits [i*bits, (i+1)*bits).
+    Every 8 elements fill exactly `bits` bytes, so they are summed into one uint64 and its
+    low `bits` bytes kept."""
+    rows, cols = q.shape
+    if bits == 8:
+        return np.ascontiguousarray(q.astype(np.uint8)).view(np.uint32)
+    if bits == 4:
+        return np.ascontiguousarray((q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)).view(np.uint32)
+    eights = q.reshape(rows, cols // 8, 8).astype(np.uint64)
+    word = np.zeros((rows, cols // 8), np.uint64)
+    for i in range(8):
+        word |= eights[..., i] << np.uint64(i * bits)
+    packed = word.view(np.uint8).reshape(rows, cols // 8, 8)[..., :bits]  # little-endian host
+    return np.ascontiguousarray(packed).reshape(rows, cols * bits // 8).view(np.uint32)
 
 
 def native(type_name: str, raw: np.ndarray) -> tuple[dict[str, np.ndarray], int] | None:
@@ -130,14 +142,12 @@ def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.nd
     if type_name in ("F32", "F16"):
         return np.asarray(raw).astype(np.float32).reshape(shape)
     if type_name in EXACT_BITS:
-        # MLX's dequantize of the exact form: bit-identical to gguf's (tests/test_gguf_formats.py)
-        # and several times faster than its numpy code.
-        import mlx.core as mx
-
-        parts, bits = native(type_name, raw)
-        out = mx.dequantize(mx.array(parts["weight"]), mx.array(parts["scales"]), mx.array(parts["biases"]),
-                            group_size=GROUP, bits=bits)
-        return np.array(out, copy=False).reshape(shape)
+        # s*q + b over the exact form: s*q is exact in float32, so one rounding, as gguf's
+        # d*q - m; equal to gguf's dequantizer (tests/test_gguf_formats.py) and faster.
+        q, scales, biases = affine(type_name, raw)
+        rows = q.shape[0]
+        w = q.reshape(rows, -1, GROUP).astype(np.float32) * scales[..., None] + biases[..., None]
+        return w.reshape(shape)
     out = gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType[type_name])
     return np.asarray(out, dtype=np.float32).reshape(shape)
 

@@ -22,8 +22,8 @@ SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
 def _byte_level(tokens, types, merges):
