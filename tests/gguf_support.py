@@ -84,9 +84,9 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
         if "rotary_emb" in name:
             continue
         w = np.asarray(w, dtype=np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = permute_qk(w, config["num_attention_heads"])
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in ("llama", "smollm3") and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = permute_qk(w, config.get("num_key_value_heads", config["num_attention_heads"]))
         elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1.0

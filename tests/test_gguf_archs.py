@@ -34,6 +34,7 @@ CASES = {
                                         rope_local_base_freq=10000.0, sliding_window_pattern=6,
                                         hidden_activation="gelu_pytorch_tanh"),
                {"gemma3.attention.sliding_window": 4}),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=0), {}),
     "phi3": ("Phi3Config", dict(num_key_value_heads=4, tie_word_embeddings=False, pad_token_id=0,
                                 sliding_window=None), {"phi3.rope.dimension_count": 16}),
 }

@@ -3,7 +3,7 @@
 llama.cpp's HF->GGUF converter renames tensors (`blk.N.attn_q`) and, for some
 architectures, changes their values; reading undoes both so `models/` sees a
 Hugging Face checkpoint:
-- llama: rows of Q and K permuted per head (RoPE pairs interleaved) -> inverted;
+- llama, smollm3: rows of Q and K permuted per head (RoPE pairs interleaved) -> inverted;
 - gemma, gemma2, gemma3: RMSNorm weights stored as 1 + w (HF Gemma computes
   x * (1 + w); llama.cpp's norm computes x * w) -> 1 subtracted;
 - phi3: QKV and gate/up stay fused (attn_qkv, ffn_up = [gate; up]) as in HF's Phi-3.
@@ -50,6 +50,9 @@ ARCHS: dict[str, tuple[str, dict[str, str], bool, bool]] = {
     "gemma2": ("gemma2", _GEMMA2, False, True),
     "gemma3": ("gemma3_text", {**_GEMMA2, **_QK_NORM}, False, True),
     "phi3": ("phi3", _PHI3, False, False),
+    # llama.cpp converts SmolLM3 as Llama (Q/K permuted) and hard-codes its NoPE layers
+    # as every 4th, which is also edgespec.models.smollm3's default interval.
+    "smollm3": ("smollm3", _LLAMA, True, False),
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
