@@ -74,3 +74,22 @@ def test_gguf_and_hf_folder_give_the_same_logits(tmp_path, arch):
     a, b = np.array(gg.model(ids)), np.array(hf.model(ids))
     assert np.abs(b).max() > 0
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), arch
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_quantized_gguf_kept_quantized_equals_dequantized(tmp_path, arch):
+    """Q8_0 tensors kept as MLX 8-bit (phi3: fused QKV and gate/up split by rows while packed)
+    give the logits of the same GGUF dequantized."""
+    from edgespec.models import ARCHITECTURES
+    from gguf_support import Q
+
+    if ARCHS[arch][0] not in ARCHITECTURES:
+        pytest.skip(f"edgespec.models has no {ARCHS[arch][0]} yet")
+    config, weights = _hf_checkpoint(arch, tmp_path / "hf")
+    path = write_gguf(tmp_path / "q.gguf", arch, config, llama_cpp_tensors(arch, config, weights),
+                      gpt2_tokenizer_meta(V), extra_kv=CASES[arch][2], default_type=Q.Q8_0)
+    dense, kept = load_gguf(path), load_gguf(path, keep_quantized=True)
+    assert kept.model.layers[0].self_attn.o_proj.bits == 8
+    ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100]])
+    a, b = np.array(kept.model(ids)), np.array(dense.model(ids))
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
