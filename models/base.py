@@ -42,7 +42,8 @@ HARMLESS_FIELDS = frozenset("""
 
 # Fields harmless only at these values (anything else changes the math and is refused).
 HARMLESS_AT = {"use_bidirectional_attention": (None, False), "is_causal": (None, True),
-               "use_sliding_window": (None, False), "_sliding_window_pattern": None}
+               "use_sliding_window": (None, False), "_sliding_window_pattern": None,
+               "use_mrope": (None, False)}
 
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
