@@ -130,6 +130,8 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
         else:
             w.add_string(key, value)
     w.add_tokenizer_model(tok["model"])
+    if tok.get("pre"):
+        w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
     w.add_token_types(tok["types"])
     if tok.get("scores") is not None:

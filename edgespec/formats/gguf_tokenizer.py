@@ -26,12 +26,39 @@ def _field(reader, key: str, default=None):
     return default if value is None else value
 
 
-def _byte_level(tokens, types, merges):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+# tokenizer.ggml.pre -> the splits applied before byte-level BPE (llama.cpp's llama-vocab.cpp
+# names; the regexes are the models' own tokenizer.json ones). None = GPT-2's, which
+# tokenizers' ByteLevel applies itself.
+_GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = _QWEN2.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+PRE_SPLITS: dict[str, list[str] | None] = {
+    "default": None, "gpt2": None, "mpt": None, "olmo": None, "jais": None,
+    "llama3": [_LLAMA3], "llama-bpe": [_LLAMA3], "llama-v3": [_LLAMA3], "dbrx": [_LLAMA3], "smaug-bpe": [_LLAMA3],
+    "qwen2": [_QWEN2], "stablelm2": [_QWEN2],
+    # digits one by one first (SmolLM, StarCoder), then GPT-2's regex
+    "smollm": [r"\p{N}", _GPT2], "starcoder": [r"\p{N}", _GPT2], "refact": [r"\p{N}", _GPT2],
+    "command-r": [r"\p{N}", _GPT2], "codeshell": [r"\p{N}", _GPT2], "exaone": [r"\p{N}", _GPT2],
+}  # fmt: skip
+
+
+def _byte_level(tokens, types, merges, pre: str | None, path):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if (pre or "default") not in PRE_SPLITS:
+        raise ModelLoadError(f"{path}: GGUF byte-level BPE pre-tokenizer {pre!r} is not supported "
+                             f"(supported: {', '.join(sorted(PRE_SPLITS))}); convert from the Hugging Face folder")
+    splits = PRE_SPLITS[pre or "default"]
+    if splits is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -90,7 +117,7 @@ def build_tokenizer(reader, path: Path):
 
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
-        tok = _byte_level(tokens, types, merges)
+        tok = _byte_level(tokens, types, merges, _field(reader, "tokenizer.ggml.pre"), path)
         add_bos_default = False
         added = [(t, True) for t, ty in zip(tokens, types, strict=True) if ty in (CONTROL, USER_DEFINED)]
     elif kind == "llama":
