@@ -125,6 +125,13 @@ def run(args) -> int:
     print(f"wrote {out} ({size / 1e6:.1f} MB, vocab {manifest['vocab_hash']})")
     for line in gguf_summary((manifest.get("source") or {}).get("gguf_types") or {}):
         print(line)
+    q = manifest.get("quantization")
+    if q:
+        exact = [t for t, e in ((manifest.get("source") or {}).get("gguf_types") or {}).items()
+                 if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")]
+        hint = f"; --quantize native keeps {', '.join(sorted(exact))} exactly" if exact else ""
+        print(f"  re-quantized to {q['bits']}-bit, groups of {q['group_size']}: relative error up to "
+              f"{100 * q['max_rel_error']:.2f}%{hint}")
     coreml = (manifest.get("drafter") or {}).get("coreml")
     if (manifest.get("drafter") or {}).get("coreml_note"):
         print(f"  drafter: MLX only ({manifest['drafter']['coreml_note']})")

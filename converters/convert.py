@@ -74,6 +74,19 @@ def _read_source(src: Path, quantize: str, dtype, progress: bool):
     raise ModelLoadError(f"{src}: not a GGUF file and not a Hugging Face model folder")
 
 
+def quantization_error(model: nn.Module, dense: dict[str, mx.array]) -> float:
+    """Largest relative error ||w' - w|| / ||w|| over the model's quantized weights."""
+    worst = 0.0
+    for path, m in tree_flatten(model.leaf_modules(), is_leaf=lambda x: isinstance(x, nn.Module)):
+        if not hasattr(m, "scales") or f"{path}.weight" not in dense:
+            continue
+        w = dense[f"{path}.weight"].astype(mx.float32)
+        back = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
+        err = mx.linalg.norm((back - w).flatten()) / mx.maximum(mx.linalg.norm(w.flatten()), 1e-30)
+        worst = max(worst, float(err))
+    return worst
+
+
 def convert(
     src: str | Path,
     out: str | Path,
@@ -107,10 +120,13 @@ def convert(
     if quant:
         config = {**config, "quantization": quant}
     model = build_model(config, weights)  # validates names and shapes before anything is written
+    requant = None
     if quantize in ("4", "8"):
         bits = int(quantize)
+        dense = dict(tree_flatten(model.parameters()))
         nn.quantize(model, group_size=group_size, bits=bits)
         quant = {"group_size": group_size, "bits": bits}
+        requant = {**quant, "max_rel_error": quantization_error(model, dense)}
     params = dict(tree_flatten(model.parameters()))
     config.pop("quantization", None)
     with atomic_folder(out, force=force) as tmp:
@@ -121,6 +137,8 @@ def convert(
             "vocab_hash": tokenizer.vocab_hash(),
             "verifier": {**entry, "dtype": dtype},
         }
+        if requant is not None:
+            manifest["quantization"] = requant
         if drafter is not None:
             from edgespec.converters.drafter_export import write_drafter
 

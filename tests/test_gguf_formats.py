@@ -3,6 +3,8 @@ ones stay quantized bit-for-bit; the others are re-quantized with their error re
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -214,3 +216,20 @@ def test_a_truncated_gguf_is_a_clear_error(tmp_path):
         bad.write_bytes(data[:cut])
         with pytest.raises(ModelLoadError, match="corrupt or truncated"):
             load(bad)
+
+
+def test_convert_to_4_bit_reports_its_error_and_the_exact_alternative(tmp_path, capsys):
+    from edgespec.cli import main
+
+    path = write_llama_gguf(tmp_path / "q.gguf", seed=3, default_type=Q.Q4_0)
+    assert main(["convert", str(path), str(tmp_path / "out"), "--quantize", "4", "--dtype", "float32",
+                 "--quiet"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(r"Q4_0: \d+ tensors read dense", out)
+    line = next(s for s in out.splitlines() if "re-quantized to 4-bit, groups of 64" in s)
+    assert "--quantize native keeps Q4_0 exactly" in line
+    from edgespec.bundle import read_manifest
+
+    q = read_manifest(tmp_path / "out")["quantization"]
+    assert q["bits"] == 4 and 0 < q["max_rel_error"] < 0.5
+    assert f"{100 * q['max_rel_error']:.2f}%" in line
