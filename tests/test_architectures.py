@@ -255,6 +255,24 @@ def test_rope_parameters_v5_and_rope_theta_v4_give_identical_logits():
         model_from_config({**LLAMA, "rope_theta": 10000.0, "rope_parameters": {"rope_theta": 50000.0}})
 
 
+def test_gemma3_v4_and_v5_rope_layouts_give_identical_logits():
+    """Gemma 3's per-layer-type RoPE: v4's rope_theta + rope_scaling + rope_local_base_freq +
+    sliding_window_pattern equals v5's rope_parameters per layer type + layer_types."""
+    from mlx.utils import tree_flatten
+
+    base = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=V, sliding_window=8)
+    v4 = {**base, "rope_theta": 200000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+          "rope_local_base_freq": 5000.0, "sliding_window_pattern": 2}
+    v5 = {**base, "layer_types": ["sliding_attention", "full_attention"] * 2, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 200000.0}}}
+    mx.random.seed(1)
+    params = list(tree_flatten(model_from_config(v5).parameters()))
+    np.testing.assert_array_equal(_logits_with(v4, params), _logits_with(v5, params))
+    assert not np.allclose(_logits_with(v5, params), _logits_with(base, params), atol=1e-3)
+
+
 @pytest.mark.parametrize("extra, named", [
     ({"attention_multiplier": 0.5}, "attention_multiplier"),  # a field no supported arch reads
     ({"attn_logit_softcapping": 30.0}, "attn_logit_softcapping"),  # Gemma's, not Llama's
