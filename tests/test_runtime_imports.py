@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import write_tiny_bundle, write_tiny_hf_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,3 +87,27 @@ os._exit(0)  # what is imported is settled; skip interpreter teardown (worker th
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.real_model
+def test_the_default_model_loads_from_its_gguf_without_converters(tmp_path, real_gguf):
+    """A fresh machine (the GGUF fetched, no bundle): edgespec.load() reads the GGUF itself."""
+    home = tmp_path / "home"
+    (home / "downloads").mkdir(parents=True)
+    (home / "downloads" / real_gguf.name).symlink_to(real_gguf)
+    code = """
+import json, os, sys
+import edgespec
+engine = edgespec.load(progress=False)
+r = engine.generate("The capital of France is", max_tokens=3)
+mods = sorted(m for m in sys.modules if m.startswith(("edgespec.converters", "torch", "transformers", "coremltools")))
+print(json.dumps({"mods": mods, "format": engine.loaded.manifest["source"]["format"],
+                  "drafter": type(engine.drafter).__name__, "n": len(r.tokens)}), flush=True)
+os._exit(0)
+"""
+    env = {**os.environ, "EDGESPEC_HOME": str(home)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"mods": [], "format": "gguf", "drafter": "DistilledDrafter", "n": 3}
+    assert sorted(p.name for p in home.iterdir()) == ["downloads"]  # nothing converted or written
