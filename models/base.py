@@ -45,7 +45,7 @@ HARMLESS_AT = {"use_bidirectional_attention": (None, False), "is_causal": (None,
                "use_sliding_window": (None, False), "_sliding_window_pattern": None,
                "use_mrope": (None, False)}
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")  # su: LongRoPE's old name
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -193,6 +193,19 @@ class ModelArgs:
             raise ValueError(f"unsupported architecture {model_type!r} for {cls.__module__}; edgespec "
                              f"supports {', '.join(supported_model_types())}")
         cfg = cls.translate(normalize_rope(dict(config, model_type=model_type)))
+        scaling = cfg.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            # LongRoPE switches from short to long factors once a sequence passes the original
+            # length, per forward pass in the reference, so the result would depend on how a
+            # decoder chunks its steps. edgespec runs the short factors only and caps the
+            # context at the original length, where both agree exactly.
+            original = cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+            scaling = {"original_max_position_embeddings": original, **scaling}
+            original = int(scaling["original_max_position_embeddings"])
+            if cfg.get("max_position_embeddings"):
+                scaling.setdefault("factor", cfg["max_position_embeddings"] / original)
+                cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], original)
+            cfg["rope_scaling"] = scaling
         names = set(inspect.signature(cls).parameters) - {"extra"}
         refused = sorted(k for k, v in cfg.items() if k not in names and not _harmless(k, v))
         if refused:
@@ -292,6 +305,42 @@ class RoPE(nn.Module):
         return xt.reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
 
+class LongRoPE(RoPE):
+    """LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini; rope type "longrope" or "su") within the
+    original context: periods base**(2i/d) times `short_factor`, and the rotated dims scaled by
+    attention_factor (default sqrt(1 + ln(factor) / ln(original)), factor = max positions /
+    original positions), as the reference scales cos and sin. The context is capped at
+    original_max_position_embeddings (ModelArgs.from_dict), so `long_factor` is never due.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, scaled=False)
+        s = args.rope_scaling
+        original = int(s["original_max_position_embeddings"])
+        factor = s.get("factor") or 1.0
+        attn = s.get("attention_factor")
+        if attn is None:
+            attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        if len(s.get("short_factor") or ()) != self.dims // 2:
+            raise ValueError(f"longrope short_factor must list {self.dims // 2} numbers (rotary dims / 2)")
+        periods = args.rope_theta ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
+        self.base, self._freqs = None, mx.array(s["short_factor"], dtype=mx.float32) * periods
+        self._mscale = None
+        if attn != 1.0:  # (D,): attn on the rotated dims, 1 on the rest
+            self._mscale = mx.concatenate([mx.full((self.dims,), attn), mx.ones((args.head_dim - self.dims,))])
+
+    def __call__(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
+        x = super().__call__(x, offset, positions)
+        return x if self._mscale is None else x * self._mscale.astype(x.dtype)
+
+
+def make_rope(args: ModelArgs, base: float | None = None, scaled: bool = True) -> RoPE:
+    scaling = (args.rope_scaling or {}) if scaled else {}
+    if scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        return LongRoPE(args)
+    return RoPE(args, base, scaled)
+
+
 # ---------------------------------------------------------------- norms, MLP
 
 
@@ -384,7 +433,7 @@ class Attention(nn.Module):
             self.q_norm = opts.norm(D, eps=args.rms_norm_eps)
             self.k_norm = opts.norm(D, eps=args.rms_norm_eps)
         self._qk_norm = opts.qk_norm
-        self.rope = RoPE(args, opts.rope_base, opts.rope_scaled) if opts.rope else None
+        self.rope = make_rope(args, opts.rope_base, opts.rope_scaled) if opts.rope else None
         self.window, self.softcap = opts.window, opts.softcap
 
     def __call__(self, x, mask, cache: KVCache | None, positions):

@@ -1,7 +1,7 @@
 """Phi-3 / Phi-4-mini: the Llama block with q, k, v fused into one `qkv_proj` and gate, up
 into one `gate_up_proj` in the checkpoint (split on load by `sanitize`, so the shared
 attention and MLP run them), optional partial rotary embeddings, one sliding window for
-every layer when the config sets it. longrope / su scaling is refused by name (base.py)."""
+every layer when the config sets it; LongRoPE ("longrope" / "su") scaling (base.py)."""
 
 from __future__ import annotations
 

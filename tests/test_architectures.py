@@ -150,6 +150,12 @@ ARCHS = {
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 200000.0}})),
     "phi3": ("Phi3Config", dict(sliding_window=8, rope_parameters={
         "rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5})),
+    # LongRoPE runs within the original context (capped there): 20 + 32 tokens < 64
+    "phi3-longrope": ("Phi3Config", dict(max_position_embeddings=256, original_max_position_embeddings=64,
+                                         rope_parameters={"rope_type": "longrope", "rope_theta": 20000.0,
+                                                          "partial_rotary_factor": 0.5,
+                                                          "short_factor": [1.0, 1.5, 2.5, 4.0],
+                                                          "long_factor": [2.0, 4.0, 8.0, 16.0]})),
     "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2, tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "default", "rope_theta": 30000.0})),
 }
@@ -218,7 +224,7 @@ def test_architecture_matches_transformers(tmp_path, arch):
     for path in (tmp_path / "hf", tmp_path / "bundle"):
         engine = edgespec.load(path, drafter="none", progress=False, history="off")
         model = engine.model
-        assert model.args.model_type == arch
+        assert model.args.model_type == arch.split("-")[0]
         assert_close(np.array(model(mx.array([PROMPT]))[0, -1]), want_logits)
         for mode in ("plain", "auto"):
             got = engine.generate(PROMPT, max_tokens=32, mode=mode).tokens
@@ -293,11 +299,14 @@ def test_math_changing_fields_not_implemented_are_refused_by_name(tmp_path, extr
         load(folder)
 
 
-def test_phi3_longrope_is_refused_by_name():
-    cfg = {**LLAMA, "model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
-                                                            "long_factor": [2.0] * 8}}
-    with pytest.raises(ValueError, match="rope scaling type 'longrope'"):
-        model_from_config(cfg)
+def test_longrope_context_is_capped_at_the_original_length():
+    factors = {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    cfg = {**LLAMA, "model_type": "phi3", "max_position_embeddings": 4096, "original_max_position_embeddings": 512,
+           "partial_rotary_factor": 0.5, "rope_scaling": {"type": "su", **factors}}
+    model = model_from_config(cfg)
+    assert model.args.max_position_embeddings == 512 and model.args.rope_scaling["factor"] == 8.0
+    with pytest.raises(ValueError, match="short_factor must list 4"):
+        model_from_config({**cfg, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3}})
 
 
 # ---------------------------------------------------------------- Hugging Face folder layouts
