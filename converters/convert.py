@@ -193,6 +193,7 @@ def add_drafter(
         entry = write_drafter(tmp, drafter, vocab_size, manifest["vocab_hash"], dtype,
                               progress=progress,
                               tokenizer=Tokenizer.from_folder(bundle) if (drafter_options or {}).get("calibrate") else None,
+                              verifier_tokenizer=Tokenizer.from_folder(bundle),
                               **(drafter_options or {}))  # fmt: skip
         new = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
         new["drafter"] = entry

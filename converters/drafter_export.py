@@ -1,7 +1,8 @@
 """Put a drafter into a bundle being written: OUT/drafter/ (MLX) and OUT/drafter.mlpackage (Core ML).
 
 Called by `convert` inside its atomic temp folder, so an interrupted export
-leaves nothing behind. The drafter must share the verifier's vocabulary.
+leaves nothing behind. The drafter must share the verifier's tokenizer (checked id by id when
+both have one; its tables are then fitted to the verifier's width).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def write_drafter(
     calibrate: int = 0,
     tokenizer=None,
     progress: bool = False,
+    verifier_tokenizer=None,
 ) -> dict[str, Any]:
     """Write the drafter into `folder` (the bundle's temp folder); returns the manifest's `drafter` entry.
 
@@ -56,6 +58,7 @@ def write_drafter(
     compressed package with the uncompressed drafter is measured on held-back
     answers (coreml "agreement").
     progress: show a bar for the calibration.
+    verifier_tokenizer: the verifier's tokenizer for the pairing check (default: `tokenizer`).
     """
     import mlx.core as mx
     from edgespec.converters.bundle import write_model_files
@@ -85,6 +88,15 @@ def write_drafter(
     if vmap is not None:  # reduced vocabulary: its map names the verifier's tokenizer
         d_hash = json.loads((Path(src) / VOCAB_MAP).read_text()).get("vocab_hash")
         check_vocabulary(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
+    elif (verifier_tokenizer or tokenizer) is not None and loaded.tokenizer is not None:
+        # Same tokenizer, checked id by id; the table may be padded to another size. The
+        # drafter is stored at the verifier's width so drafter/ and the Core ML package
+        # produce the verifier's logits shape.
+        from edgespec.drafters.mlx_drafter import check_pairing
+
+        check_pairing(loaded.tokenizer, verifier_tokenizer or tokenizer, model.args.vocab_size)
+        if model.args.vocab_size != verifier_vocab:
+            model = fit_vocab(model, verifier_vocab)
     else:
         d_hash = loaded.tokenizer.vocab_hash() if loaded.tokenizer is not None else None
         check_vocabulary(model.args.vocab_size, verifier_vocab, d_hash, verifier_hash)
@@ -143,6 +155,26 @@ def write_drafter(
                 calibrate_progress=step,
             )
     return out
+
+
+def fit_vocab(model, rows: int):
+    """The drafter with its embedding and output tables cut or zero-padded to `rows` rows.
+
+    Rows past the drafter's own table are ids past the shared tokenizer (padding); as zero rows
+    they may be proposed and are then rejected by the verifier, so the output is unchanged."""
+    import mlx.core as mx
+    from edgespec.converters.coreml_export import _dense_params
+
+    from edgespec.loader import build_model
+
+    params = {}
+    for name, w in _dense_params(model).items():
+        w = mx.array(w)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            have = w.shape[0]
+            w = w[:rows] if have >= rows else mx.concatenate([w, mx.zeros((rows - have, *w.shape[1:]), w.dtype)])
+        params[name] = w
+    return build_model({**model.args.to_dict(), "vocab_size": rows}, params)
 
 
 def distilled_vocab_map(src: Path, model):

@@ -85,7 +85,7 @@ def test_a_different_tokenizer_is_refused_by_its_first_differing_id(tmp_path):
 
 def test_a_table_smaller_than_the_tokenizer_is_refused(tmp_path):
     engine = _verifier(72)
-    with pytest.raises(VocabularyMismatchError, match="60 rows, fewer than the verifier's 64 tokens"):
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 60 tokens, the verifier 64: its embedding table must cover"):
         attach_drafter(engine, _drafter_folder(tmp_path / "d", 60))
 
 
@@ -95,3 +95,52 @@ def test_a_drafter_without_tokenizer_still_needs_the_same_size(tmp_path):
     (folder / "tokenizer.json").unlink()
     with pytest.raises(VocabularyMismatchError, match="80 tokens, the verifier 72"):
         attach_drafter(engine, folder)
+
+
+def _hf_folder(folder, rows: int, layers: int, seed: int, tokenizer=None):
+    folder.mkdir()
+    model = make_tiny_model(seed, vocab_size=rows, num_hidden_layers=layers, scale=3.0)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(model.args.to_dict()))
+    (tokenizer or make_tiny_tokenizer(TOKENS)).save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("d_rows", [80, 68])
+def test_convert_with_a_padded_drafter(tmp_path, d_rows):
+    """`edgespec convert --drafter`: the drafter's tables are fitted to the verifier's width."""
+    from edgespec.converters.convert import add_drafter, convert
+
+    import edgespec
+
+    verifier = _hf_folder(tmp_path / "v", 72, 3, 0)
+    drafter = _hf_folder(tmp_path / "d", d_rows, 1, 5)
+    manifest = convert(verifier, tmp_path / "b", dtype="float32", quantize="none", progress=False,
+                       drafter=drafter, drafter_options={"coreml": False})
+    cfg = json.loads((tmp_path / "b" / manifest["drafter"]["config"]).read_text())
+    assert cfg["vocab_size"] == 72
+    engine = edgespec.load(tmp_path / "b", progress=False)
+    assert isinstance(engine.drafter, MLXDrafter)
+    plain = engine.generate([1, 2, 3], max_tokens=20, mode="plain").tokens
+    res = engine.generate([1, 2, 3], max_tokens=20, mode="speculative", draft_tokens=3)
+    assert res.tokens == plain and res.stats.drafted > 0
+    add_drafter(tmp_path / "b", drafter, force=True, progress=False, drafter_options={"coreml": False})
+    assert json.loads((tmp_path / "b" / "drafter" / "config.json").read_text())["vocab_size"] == 72
+
+
+def test_convert_refuses_a_drafter_of_another_tokenizer(tmp_path):
+    from edgespec.converters.convert import convert
+
+    from edgespec.tokenizer import Tokenizer
+
+    src = tmp_path / "tok"
+    src.mkdir()
+    make_tiny_tokenizer(TOKENS).save(src)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["x"], spec["model"]["vocab"]["y"] = spec["model"]["vocab"]["y"], spec["model"]["vocab"]["x"]
+    (src / "tokenizer.json").write_text(json.dumps(spec))
+    verifier = _hf_folder(tmp_path / "v", 72, 2, 0)
+    drafter = _hf_folder(tmp_path / "d", 72, 1, 5, tokenizer=Tokenizer.from_folder(src))
+    with pytest.raises(VocabularyMismatchError, match=r"at id 24: drafter 'y', verifier 'x'"):
+        convert(verifier, tmp_path / "b", progress=False, drafter=drafter, drafter_options={"coreml": False})
+    assert not (tmp_path / "b").exists()

@@ -46,6 +46,17 @@ def check_tokenizers(drafter_tok, verifier_tok, what: str = "drafter") -> None:
             )
 
 
+def check_pairing(drafter_tok, verifier_tok, drafter_rows: int, what: str = "drafter") -> None:
+    """Tokenizers equal id by id on their shared ids, and the drafter's table covers every
+    verifier token (padded rows past that may differ in number)."""
+    check_tokenizers(drafter_tok, verifier_tok, what)
+    if drafter_rows < verifier_tok.vocab_size:
+        raise VocabularyMismatchError(
+            f"the {what} has a vocabulary of {drafter_rows} tokens, the verifier {verifier_tok.vocab_size}: "
+            "its embedding table must cover every verifier token; a drafter must use the verifier's tokenizer"
+        )
+
+
 class MLXDrafter(ModelDrafter):
     """Drafts with its own MLX model and KV cache (see ModelDrafter for the state rules).
 
@@ -95,12 +106,7 @@ class MLXDrafter(ModelDrafter):
         d_rows = int(cfg.get("vocab_size", -1))
         d_tok = Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
         if d_tok is not None and loaded.tokenizer is not None:
-            check_tokenizers(d_tok, loaded.tokenizer)
-            if d_rows < loaded.tokenizer.vocab_size:
-                raise VocabularyMismatchError(
-                    f"the drafter's embedding table has {d_rows} rows, fewer than the verifier's "
-                    f"{loaded.tokenizer.vocab_size} tokens"
-                )
+            check_pairing(d_tok, loaded.tokenizer, d_rows)
         else:
             d_hash = read_manifest(path).get("vocab_hash") if is_bundle(path) else None
             v_hash = (loaded.manifest or {}).get("vocab_hash")
