@@ -28,17 +28,20 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
 
 
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spm")
+def _train(d, dummy_prefix: bool = True):
     (d / "corpus.txt").write_text(CORPUS * 3)
     spm.SentencePieceTrainer.train(
         input=str(d / "corpus.txt"), model_prefix=str(d / "m"), vocab_size=420, model_type="bpe",
         byte_fallback=True, character_coverage=0.9995, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=True, user_defined_symbols=["<|user|>", "<|assistant|>"],
-        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+        remove_extra_whitespaces=False, add_dummy_prefix=dummy_prefix,
+        user_defined_symbols=["<|user|>", "<|assistant|>"], bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
     )
     return spm.SentencePieceProcessor(model_file=str(d / "m.model"))
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("spm"))
 
 
 def _types(sp) -> list[int]:
@@ -61,6 +64,10 @@ def _types(sp) -> list[int]:
 
 @pytest.fixture(scope="module")
 def gguf_tok(sp_model, tmp_path_factory):
+    return _gguf_tokenizer(sp_model, tmp_path_factory.mktemp("g"))
+
+
+def _gguf_tokenizer(sp_model, folder, extra_kv=None):
     from conftest import make_tiny_model
     from gguf_support import llama_cpp_tensors
     from mlx.utils import tree_flatten
@@ -72,7 +79,7 @@ def gguf_tok(sp_model, tmp_path_factory):
     tok = {"model": "llama", "tokens": [sp_model.id_to_piece(i) for i in range(n)], "types": _types(sp_model),
            "scores": [sp_model.get_score(i) for i in range(n)], "bos": 1, "eos": 2, "unk": 0, "add_bos": True,
            "chat_template": TEMPLATE}
-    path = write_gguf(tmp_path_factory.mktemp("g") / "sp.gguf", "llama", config, weights, tok)
+    path = write_gguf(folder / "sp.gguf", "llama", config, weights, tok, extra_kv=extra_kv)
     return load_gguf(path).tokenizer
 
 
@@ -119,3 +126,13 @@ def test_a_bundle_keeps_the_sentencepiece_tokenizer(sp_model, gguf_tok, tmp_path
     again = Tokenizer.from_folder(tmp_path)
     assert again.encode(TEXT) == gguf_tok.encode(TEXT) == [1, *sp_model.encode(TEXT)]
     assert again.decode(sp_model.encode(TEXT)) == TEXT
+
+
+def test_without_a_space_prefix(tmp_path):
+    # Gemma's SentencePiece adds no dummy prefix; its GGUF says tokenizer.ggml.add_space_prefix = false
+    sp = _train(tmp_path, dummy_prefix=False)
+    tok = _gguf_tokenizer(sp, tmp_path, extra_kv={"tokenizer.ggml.add_space_prefix": False})
+    for text in (TEXT, "fox", " fox"):
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text), text
+        assert tok.decode(sp.encode(text)) == text
+    assert sp.encode("fox") != sp.encode(" fox")
