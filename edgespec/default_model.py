@@ -81,10 +81,9 @@ def default_bundle_dir() -> Path:
 
 def load_default(progress: bool = True, verify_hashes: bool = True):
     """LoadedModel of the default model: its converted bundle when one exists, else the GGUF."""
-    from edgespec.loader import load_bundle, load_gguf
+    from edgespec.loader import gguf_device_defaults, load_bundle, load_gguf
 
     bundle = default_bundle_dir()
     if (bundle / "manifest.json").is_file():
         return load_bundle(bundle, verify_hashes)
-    gpu = variant() == "q4"
-    return load_gguf(default_gguf_path(progress), keep_quantized=gpu, dtype=mx.float16 if gpu else None)
+    return load_gguf(default_gguf_path(progress), **gguf_device_defaults())

@@ -119,6 +119,14 @@ def _source_manifest(fmt: str, path: Path, tokenizer: Tokenizer) -> dict[str, An
     return {"source": {"format": fmt, "name": Path(path).name}, "vocab_hash": tokenizer.vocab_hash()}
 
 
+def gguf_device_defaults() -> dict[str, Any]:
+    """How a GGUF is read on this device, as `edgespec convert`'s defaults would convert it: dense
+    fp32 on the CPU (MLX's CPU quantized matmul gains nothing from batching a verify pass), its
+    exactly-mappable blocks kept quantized with fp16 activations on Metal."""
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    return {"keep_quantized": gpu, "dtype": mx.float16 if gpu else None}
+
+
 def is_gguf(path: Path) -> bool:
     if not path.is_file():
         return False
@@ -136,7 +144,7 @@ def load(path: str | Path, verify_hashes: bool = True) -> LoadedModel:
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_folder(path)
     if is_gguf(path):
-        return load_gguf(path)
+        return load_gguf(path, **gguf_device_defaults())
     if path.is_dir():
         raise ModelLoadError(
             f"{path}: neither an edgespec bundle (manifest.json) nor a Hugging Face folder (config.json)"
