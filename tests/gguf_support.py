@@ -99,7 +99,8 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
 
 
 def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarray], tok: dict,
-               types: dict[str, int] | None = None, default_type=Q.F32, extra_kv: dict | None = None) -> Path:
+               types: dict[str, int] | None = None, default_type=Q.F32, extra_kv: dict | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Write a GGUF: `weights` by HF name (already in llama.cpp's layout), `types` per HF name."""
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     n_layers = config["num_hidden_layers"]
@@ -157,6 +158,8 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
         else:
             raw = quantized_bytes(arr, qtype, seed=len(gname))
             w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    for gname, arr in (extra_tensors or {}).items():  # by GGUF name (rope_freqs)
+        w.add_tensor(gname, np.asarray(arr, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

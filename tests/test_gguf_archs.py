@@ -93,3 +93,60 @@ def test_quantized_gguf_kept_quantized_equals_dequantized(tmp_path, arch):
     ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100]])
     a, b = np.array(kept.model(ids)), np.array(dense.model(ids))
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+def _rope_freqs(theta, dims, factor, low, high, old_ctx):
+    """llama.cpp's converter's rope_freqs for Llama 3 scaling, written out per frequency."""
+    import math
+
+    out = []
+    for i in range(0, dims, 2):
+        wavelen = 2 * math.pi * theta ** (i / dims)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path, factor):
+    """Llama 3.1/3.2 GGUFs carry their RoPE scaling only as the rope_freqs tensor."""
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = transformers.LlamaConfig(**{**BASE, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+                                      "rope_scaling": scaling, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    make_tiny_tokenizer(64).save(tmp_path / "hf")
+    config = cfg.to_dict()
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    freqs = _rope_freqs(500000.0, 16, factor, 1.0, 4.0, 8192)
+    assert 1.0 in freqs and factor in freqs and ((freqs > 1) & (freqs < factor)).any()  # all three bands
+    path = write_gguf(tmp_path / "l3.gguf", "llama", config, llama_cpp_tensors("llama", config, weights),
+                      gpt2_tokenizer_meta(V), extra_tensors={"rope_freqs.weight": freqs})
+    gg, hf = load_gguf(path), load_hf_folder(tmp_path / "hf")
+    assert gg.model.args.rope_scaling["factor"] == factor
+    ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100, 3, 12, 200, 5]])
+    positions = mx.array([0, 1, 2, 3, 4, 5, 6, 7, 5000, 5001, 9000, 9001])  # far positions: long wavelengths
+    a, b = np.array(gg.model(ids, positions=positions)), np.array(hf.model(ids, positions=positions))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    # and the scaling matters: without it the logits differ
+    plain = load_gguf(write_gguf(tmp_path / "plain.gguf", "llama", config,
+                                 llama_cpp_tensors("llama", config, weights), gpt2_tokenizer_meta(V)))
+    assert np.abs(np.array(plain.model(ids, positions=positions)) - b).max() > 1e-3 * np.abs(b).max()
+
+
+def test_rope_freqs_of_no_known_scaling_are_refused(tmp_path):
+    from edgespec.errors import ModelLoadError
+
+    config, weights = _hf_checkpoint("llama", tmp_path / "hf")
+    odd = np.linspace(1, 3, 8).astype(np.float32)
+    path = write_gguf(tmp_path / "odd.gguf", "llama", config, llama_cpp_tensors("llama", config, weights),
+                      gpt2_tokenizer_meta(V), extra_tensors={"rope_freqs.weight": odd})
+    with pytest.raises(ModelLoadError, match="rope_freqs match no Llama 3 RoPE scaling"):
+        load_gguf(path)

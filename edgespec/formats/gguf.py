@@ -80,15 +80,46 @@ def read_config(reader, path: Path) -> dict[str, Any]:
         cfg["rope_scaling"] = {"rope_type": "linear", "type": "linear", "factor": float(g("rope.scaling.factor"))}
     elif stype not in (None, "none"):
         raise ModelLoadError(f"{path}: GGUF rope scaling {stype!r} is not supported (linear is)")
-    if names & {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}:
-        raise ModelLoadError(f"{path}: GGUF with per-frequency RoPE factors (Llama 3.1 / Phi-3 long context) "
-                             "is not supported yet")
+    if "rope_freqs.weight" in names:
+        cfg["rope_scaling"] = _llama3_scaling(reader, cfg, path)
+    if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise ModelLoadError(f"{path}: GGUF with LongRoPE factors (Phi-3 long context) is not supported yet")
     arch_config(arch, g, cfg)
     for k in ("bos_token_id", "eos_token_id"):
         v = _field(reader, f"tokenizer.ggml.{k}")
         if v is not None:
             cfg[k] = int(v)
     return cfg
+
+
+# Llama 3.x RoPE scaling as released (3.1: factor 8, 3.2: factor 32): (low_freq_factor,
+# high_freq_factor, original_max_position_embeddings). llama.cpp stores only the resulting
+# per-frequency divisors (the rope_freqs tensor), so the parameters are found by recomputing.
+LLAMA3_ROPE = [(1.0, 4.0, 8192)]
+
+
+def llama3_rope_factors(base: float, dims: int, factor: float, low: float, high: float, old_ctx: int):
+    """Per rotary pair i, the divisor of its frequency base**(-2i/dims): 1 for short wavelengths,
+    `factor` for long ones, and between them 1 / ((1 - s)/factor + s), s = (old_ctx/wavelength - low)/(high - low)."""
+    freqs = 1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid))
+
+
+def _llama3_scaling(reader, cfg: dict[str, Any], path) -> dict[str, Any]:
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    got = dequantized(t).astype(np.float64).reshape(-1)
+    dims = 2 * got.size
+    factor = float(got.max())
+    for low, high, old_ctx in LLAMA3_ROPE:
+        want = llama3_rope_factors(cfg["rope_theta"], dims, factor, low, high, old_ctx)
+        if np.allclose(got, want, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": old_ctx}
+    raise ModelLoadError(f"{path}: the GGUF's rope_freqs match no Llama 3 RoPE scaling "
+                         f"(tried factor {factor:g} with low/high/original context {LLAMA3_ROPE})")
 
 
 def _shape(t) -> tuple[int, ...]:
@@ -118,6 +149,10 @@ def read_weights(reader, config: dict[str, Any], keep_quantized: bool, progress=
     quant: dict[str, dict[str, int]] = {}
     report = {} if report is None else report
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # read into the config's rope_scaling
+            if progress is not None:
+                progress(1)
+            continue
         name = hf_name(t.name, arch)
         module, _, kind = name.rpartition(".")
         tname = t.tensor_type.name
