@@ -150,3 +150,36 @@ def test_rope_freqs_of_no_known_scaling_are_refused(tmp_path):
                       gpt2_tokenizer_meta(V), extra_tensors={"rope_freqs.weight": odd})
     with pytest.raises(ModelLoadError, match="rope_freqs match no Llama 3 RoPE scaling"):
         load_gguf(path)
+
+
+def test_phi3_longrope_from_its_factor_tensors(tmp_path):
+    """Phi-3 128k / 3.5: LongRoPE's factor lists are GGUF tensors, the original context metadata."""
+    import math
+
+    from edgespec.models import ARCHITECTURES
+
+    if "phi3" not in ARCHITECTURES:
+        pytest.skip("edgespec.models has no phi3 yet")
+    rng = np.random.default_rng(0)
+    short, long = (1 + rng.random(8) * 3).round(3).tolist(), (1 + rng.random(8) * 20).round(3).tolist()
+    cfg = transformers.Phi3Config(**{**BASE, **CASES["phi3"][1], "max_position_embeddings": 4096,
+                                     "original_max_position_embeddings": 64,
+                                     "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": long}})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    make_tiny_tokenizer(64).save(tmp_path / "hf")
+    config = {**cfg.to_dict(), "max_position_embeddings": 4096}
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    attn = math.sqrt(1 + math.log(4096 / 64) / math.log(64))  # what llama.cpp's converter stores
+    kv = {**CASES["phi3"][2], "phi3.rope.scaling.original_context_length": 64, "phi3.rope.scaling.attn_factor": attn}
+    path = write_gguf(tmp_path / "p.gguf", "phi3", config, llama_cpp_tensors("phi3", config, weights),
+                      gpt2_tokenizer_meta(V), extra_kv=kv,
+                      extra_tensors={"rope_factors_long.weight": np.array(long), "rope_factors_short.weight": np.array(short)})
+    gg, hf = load_gguf(path), load_hf_folder(tmp_path / "hf")
+    assert gg.context_length == hf.context_length == 64  # edgespec runs LongRoPE within the original context
+    assert gg.model.args.rope_scaling["short_factor"] == pytest.approx(short)
+    ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100, 3, 12, 200, 5]])
+    positions = mx.array([0, 1, 2, 3, 4, 5, 30, 31, 50, 51, 62, 63])
+    a, b = np.array(gg.model(ids, positions=positions)), np.array(hf.model(ids, positions=positions))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()

@@ -83,7 +83,7 @@ def read_config(reader, path: Path) -> dict[str, Any]:
     if "rope_freqs.weight" in names:
         cfg["rope_scaling"] = _llama3_scaling(reader, cfg, path)
     if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
-        raise ModelLoadError(f"{path}: GGUF with LongRoPE factors (Phi-3 long context) is not supported yet")
+        cfg.update(_longrope(reader, g, names, path))
     arch_config(arch, g, cfg)
     for k in ("bos_token_id", "eos_token_id"):
         v = _field(reader, f"tokenizer.ggml.{k}")
@@ -122,6 +122,24 @@ def _llama3_scaling(reader, cfg: dict[str, Any], path) -> dict[str, Any]:
                          f"(tried factor {factor:g} with low/high/original context {LLAMA3_ROPE})")
 
 
+def _longrope(reader, g, names, path) -> dict[str, Any]:
+    """Phi-3 LongRoPE: the short/long factor lists are stored as tensors, the original context
+    and the attention factor as metadata (llama.cpp's names)."""
+    if not {"rope_factors_long.weight", "rope_factors_short.weight"} <= names:
+        raise ModelLoadError(f"{path}: GGUF LongRoPE needs both rope_factors_long and rope_factors_short")
+    factors = {t.name: dequantized(t).reshape(-1).tolist() for t in reader.tensors if t.name.startswith("rope_factors")}
+    scaling: dict[str, Any] = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                               "short_factor": factors["rope_factors_short.weight"]}
+    attn = g("rope.scaling.attn_factor")
+    if attn is not None:
+        scaling["attention_factor"] = float(attn)
+    out: dict[str, Any] = {"rope_scaling": scaling}
+    original = g("rope.scaling.original_context_length")
+    if original is not None:
+        out["original_max_position_embeddings"] = int(original)
+    return out
+
+
 def _shape(t) -> tuple[int, ...]:
     return tuple(int(s) for s in reversed(t.shape))  # GGUF lists ne0 (columns) first
 
@@ -149,7 +167,8 @@ def read_weights(reader, config: dict[str, Any], keep_quantized: bool, progress=
     quant: dict[str, dict[str, int]] = {}
     report = {} if report is None else report
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # read into the config's rope_scaling
+        if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+            # read into the config's rope_scaling
             if progress is not None:
                 progress(1)
             continue
