@@ -35,8 +35,10 @@ def add_arguments(p) -> None:
         "--quantize",
         choices=["none", "native", "4", "8"],
         default=None,
-        help="weights: none = dense; native = keep a GGUF's Q4_0/Q4_1/Q8_0 blocks exactly; "
-        "4/8 = MLX affine quantization. Default: dense on the CPU (faster there), native/4 on Metal",
+        help="weights: none = dense (an MLX-quantized folder keeps its quantization); native = keep a "
+        "GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K blocks exactly and re-quantize Q2_K/Q3_K/Q6_K to "
+        "2/3/6 bits (error reported); 4/8 = MLX affine quantization. Default: dense on the CPU "
+        "(faster there), native/4 on Metal",
     )
     p.add_argument(
         "--dtype",
