@@ -32,7 +32,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [12, 30, 41, 12, 30]]
 # speculative with a fixed K: with K "auto" the controller times the passes, so which K
 # (and so which random draws) a round uses changes from run to run when sampling
 SPEC = dict(mode="speculative", draft_tokens=3)
-GREEDY = [dict(mode="plain"), SPEC, dict(mode="adaptive"), dict(mode="tree"), dict(mode="lookahead")]
+# pipeline=True: the drafter drafts round n+1 in a worker thread during round n's pass
+GREEDY = [dict(mode="plain"), SPEC, dict(SPEC, pipeline=True), dict(mode="adaptive"), dict(mode="tree"),
+          dict(mode="lookahead")]
 SAMPLED = [dict(c, temperature=0.8, seed=7) for c in (dict(mode="plain"), SPEC, dict(mode="adaptive"))]
 CASES = [dict(prompt=p, max_tokens=20, **c) for p in PROMPTS for c in GREEDY + SAMPLED]
 # continuous batching: several sequences in one verifier pass (per-row caches, masks, positions)
