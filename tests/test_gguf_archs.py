@@ -102,7 +102,7 @@ def test_gguf_matches_transformers(tmp_path, arch):
                            eos_token_id=eos, pad_token_id=0,
                            attention_mask=torch.ones(1, len(GREEDY_PROMPT), dtype=torch.long))
     want = out[0, len(GREEDY_PROMPT):].tolist()
-    # no early EOS; the logits check above covers the cases (qwen2, gemma2 here) whose random
+    # no early EOS; the logits check below covers the cases (qwen2, gemma2 here) whose random
     # weights settle on one repeated token
     assert len(want) == 32, want
     engine = edgespec.load(_write(tmp_path, arch, config, weights), drafter="none", progress=False,
