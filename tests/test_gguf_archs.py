@@ -123,8 +123,7 @@ def test_quantized_gguf_kept_quantized_equals_dequantized(tmp_path, arch):
 
     assert ARCHS[arch][0] in ARCHITECTURES
     config, weights = _hf_checkpoint(arch, tmp_path / "hf")
-    path = write_gguf(tmp_path / "q.gguf", arch, config, llama_cpp_tensors(arch, config, weights),
-                      gpt2_tokenizer_meta(V), extra_kv=CASES[arch][2], default_type=Q.Q8_0)
+    path = _write(tmp_path, arch, config, weights, default_type=Q.Q8_0)
     dense, kept = load_gguf(path), load_gguf(path, keep_quantized=True)
     assert kept.model.layers[0].self_attn.o_proj.bits == 8
     ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100]])
