@@ -77,6 +77,9 @@ class FeatureDrafter:
         self._embed = verifier.model.embed_tokens.weight  # (V, E), shared, never copied
         self._head = verifier_head_rows(verifier, vocab_map.ids[1:]).astype(dtype)  # (N-1, E)
         self._kept = mx.array(vocab_map.ids[1:].astype(np.int32))
+        # Evaluate now: MLX streams are per thread, and the engine drafts on its own worker
+        # thread, which cannot run a graph left pending on the constructing thread's stream.
+        mx.eval(self._head, self._kept, model.parameters())
         self.cache = []
         self.seq: list[int] = []
         self.feats: list[mx.array] = []  # (m, E) blocks; together one row per seq position but the last
