@@ -32,7 +32,7 @@ PROMPTS = ["Write a short poem about the sea.", "Explain what a CPU cache is.", 
 
 
 def start_server(model: str | None, *extra: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--port", "0", "--drafter", "none", *extra]
+    cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--port", "0", "--drafter", "none", "--history", "off", *extra]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

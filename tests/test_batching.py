@@ -114,6 +114,44 @@ def test_streams_from_threads_join_one_batch(engine):
     assert engine.batcher.counts() == (0, 0)
 
 
+def test_a_request_arriving_mid_batch_gets_its_first_token_in_the_same_step(engine):
+    """Requests that join while another decodes: their prompt's pass runs first in the step,
+    each streams its first token at once and its next call joins that step's decode pass.
+    Every reply still equals the request alone (greedy and seeded sampling)."""
+    kws = [dict(max_tokens=40, mode="plain"), dict(max_tokens=30, temperature=0.9, seed=5, mode="plain"),
+           dict(max_tokens=30, mode="auto")]
+    ref = [alone(engine, p, **kw) for p, kw in zip(PROMPTS[1:], kws, strict=True)]
+    got = [[] for _ in kws]
+    finished = threading.Semaphore(0)
+    others_queued, decoding = threading.Event(), threading.Event()
+
+    def emitter(i):
+        def emit(kind, payload):
+            if kind == "chunk":
+                got[i].extend(payload.tokens)
+                if i == 0 and not others_queued.is_set():
+                    decoding.set()
+                    others_queued.wait(10)  # the first request is mid-decode when the others arrive
+            elif kind in ("done", "error"):
+                finished.release()
+        return emit
+
+    early_before = engine.batcher.early_starts
+    submit = [lambda i=i: engine.submit(PROMPTS[1 + i], make_options(**kws[i]),
+                                        engine.resolve_mode(make_options(**kws[i])), emitter(i))
+              for i in range(len(kws))]
+    submit[0]()
+    assert decoding.wait(30)
+    submit[1]()
+    submit[2]()
+    others_queued.set()
+    for _ in kws:
+        assert finished.acquire(timeout=60)
+    assert got == [r.tokens for r in ref]
+    assert engine.batcher.early_starts >= early_before + 2  # both late requests started mid-step
+    assert engine.batcher.counts() == (0, 0)
+
+
 def test_a_cancelled_stream_leaves_the_others_unchanged(engine):
     ref = [alone(engine, p, max_tokens=30, mode="plain").tokens for p in PROMPTS]
     streams = [engine.stream(p, max_tokens=30, mode="plain") for p in PROMPTS]

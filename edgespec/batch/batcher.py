@@ -131,6 +131,7 @@ class _Seq:
         self.started = False
         self.on_reader = False  # paused after a chunk until its reader takes it
         self.size = 1  # tokens of its latest model call (what it adds to a step)
+        self.emitted = False  # has streamed a chunk (its prompt is done)
 
 
 class Batcher:
@@ -149,6 +150,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._hub: greenlet | None = None
         self.steps = 0  # batched steps run (for tests and benchmarks)
+        self.early_starts = 0  # new requests resumed right after their prompt's pass, mid-step
         self.batch_sizes: dict[int, int] = {}  # live sequences per step -> steps
         self.on_idle: Callable[[], None] | None = None
         self._cost: tuple | None = None  # (curve id, StepCost)
@@ -260,61 +262,86 @@ class Batcher:
         self.steps += 1
         resumed = 0
         for seq in list(self._live):
+            if seq.row is not None:  # resumed early in the last step: its request is already here
+                resumed += 1
+                continue
             if seq.on_reader and not seq.req.cancelled and not seq.req.ready():
                 continue
             seq.on_reader = False
             resumed += 1
-            try:
-                if not seq.started:
-                    if seq.req.cancelled:  # its client left before its first step
-                        self._finish(seq)
-                        seq.req.emit("done", seq.req.stats)
-                        continue
-                    seq.started = True
-                    seq.req.started_at = time.perf_counter()
-                    seq.req.emit("start", None)
-                    out = seq.glet.switch()
-                elif seq.req.cancelled:
-                    out = seq.glet.throw(Cancelled())
-                else:
-                    out = seq.glet.switch(seq.value)
-            except BaseException as e:  # _run reports its own errors; this is a bug in the batcher
-                log.exception("a sequence failed outside its own error handling")
-                seq.req.emit("error", e)
-                out = None
-            if seq.glet.dead:
-                self._finish(seq)
-            elif out is _WAIT:
-                seq.on_reader, seq.value = True, None
-            else:
-                seq.row, seq.value = out, None
-                seq.size = out.T
+            self._resume(seq)
         rows = [s for s in self._live if s.row is not None]
         if not rows:
             if not resumed and self._live:  # every sequence waits for its reader
                 with self._cv:
                     self._cv.wait(0.05)
             return
-        for group in group_rows([s.row.T for s in rows], self._pass_cost):
-            seqs = [rows[i] for i in group]
-            try:
-                results = batched_forward(self.engine.model, [s.row for s in seqs])
-            except Exception as e:
-                for s in seqs:  # thrown into each sequence: it reports the error to its client
-                    s.value = _Raise(e)
-                continue
-            for s, r in zip(seqs, results, strict=True):
-                s.value = r
-        for s in rows:
-            s.row = None
-            if isinstance(s.value, _Raise):
-                err = s.value.error
-                s.value = None
-                out = s.glet.throw(err)
-                if s.glet.dead:
-                    self._finish(s)
-                else:
-                    s.row = out
+        # Time to first token: the passes holding a new request's prompt run first, and that
+        # request is resumed at once (it samples and streams its first token) so its next
+        # call joins this step's remaining passes instead of waiting a whole step.
+        groups = group_rows([s.row.T for s in rows], self._pass_cost)
+        first = [g for g in groups if any(not rows[i].emitted for i in g)]
+        if first and len(first) < len(groups):
+            done: list[_Seq] = []
+            for g in first:
+                done += self._run_pass([rows[i] for i in g])
+            rest = [s for i, s in enumerate(rows) if not any(i in g for g in first)]
+            for s in done:
+                if not s.emitted and s.row is None and not s.glet.dead and not s.on_reader \
+                        and not s.req.cancelled:
+                    self.early_starts += 1
+                    self._resume(s)
+                    if s.row is not None:
+                        rest.append(s)
+            rows = rest
+            groups = group_rows([s.row.T for s in rows], self._pass_cost) if rows else []
+        for g in groups:
+            self._run_pass([rows[i] for i in g])
+
+    def _resume(self, seq: _Seq) -> None:
+        """Run `seq` up to its next model call (seq.row), its reader (on_reader) or its end."""
+        try:
+            if not seq.started:
+                if seq.req.cancelled:  # its client left before its first step
+                    self._finish(seq)
+                    seq.req.emit("done", seq.req.stats)
+                    return
+                seq.started = True
+                seq.req.started_at = time.perf_counter()
+                seq.req.emit("start", None)
+                out = seq.glet.switch()
+            elif seq.req.cancelled:
+                out = seq.glet.throw(Cancelled())
+            else:
+                out = seq.glet.switch(seq.value)
+        except BaseException as e:  # _run reports its own errors; this is a bug in the batcher
+            log.exception("a sequence failed outside its own error handling")
+            seq.req.emit("error", e)
+            out = None
+        self._settle(seq, out)
+
+    def _settle(self, seq: _Seq, out) -> None:
+        """Record where a resumed sequence stopped: its end, its reader, or its next call."""
+        if seq.glet.dead:
+            self._finish(seq)
+        elif out is _WAIT:
+            seq.on_reader, seq.value = True, None
+        else:
+            seq.row, seq.value = out, None
+            seq.size = out.T
+
+    def _run_pass(self, seqs: list[_Seq]) -> list[_Seq]:
+        """One batched pass over `seqs`' rows: each gets its result (or the error) as its
+        value, to be resumed with; an error is thrown into the sequence right away."""
+        try:
+            results = batched_forward(self.engine.model, [s.row for s in seqs])
+        except Exception as e:
+            results = [_Raise(e)] * len(seqs)
+        for s, r in zip(seqs, results, strict=True):
+            s.row, s.value = None, r
+            if isinstance(r, _Raise):  # thrown into the sequence: it reports the error to its client
+                self._settle(s, s.glet.throw(r.error))
+        return seqs
 
     def _finish(self, seq: _Seq) -> None:
         with self._cv:
@@ -365,6 +392,7 @@ class Batcher:
                                    cancel=lambda: req.cancelled)
             try:
                 for chunk in chunks:
+                    seq.emitted = True
                     reply.extend(chunk.tokens)
                     req.emit("chunk", chunk)
                     if req.ready is not None and not chunk.finish_reason and not req.ready():

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from edgespec.cache import KVCache
+
 
 @dataclass
 class Row:
@@ -65,7 +67,12 @@ class _GatherCache:
         for b, (c, t) in enumerate(zip(self.caches, self.lengths, strict=True)):
             kb, vb = c.update_and_fetch(k[b : b + 1, :, :t], v[b : b + 1, :, :t])  # (1, Hk, S_b, D)
             pad = self.s_max - kb.shape[2]
-            if pad:
+            if pad and type(c) is KVCache and c.keys.shape[2] >= self.s_max:
+                # The buffer already holds S_max positions: the ones past this row's S_b
+                # are zeros or stale (finite) K/V its mask never attends, so take them as
+                # the padding rather than copying the row into a padded array first.
+                kb, vb = c.keys[:, :, : self.s_max], c.values[:, :, : self.s_max]
+            elif pad:
                 kb = mx.pad(kb, [(0, 0), (0, 0), (0, pad), (0, 0)])
                 vb = mx.pad(vb, [(0, 0), (0, 0), (0, pad), (0, 0)])
             ks.append(kb)
