@@ -120,15 +120,22 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
     for start in range(0, len(tokens), chunk):
         piece = mx.array([int(t) for t in tokens[start : start + chunk]], dtype=mx.int32)[None]
         if features:
-            logits, h = model(piece, cache, return_hidden=True)
+            logits, h = model(piece, cache, return_hidden=True, last_only=True)
             feats.append(h[0])
         else:
-            logits = model(piece, cache)
+            logits = model(piece, cache, last_only=True)
         if start + chunk < len(tokens):
             mx.eval([c.keys for c in cache if c.keys is not None] + feats)
     if features:
         return logits[0, -1], mx.concatenate(feats, axis=0)
     return logits[0, -1]
+
+
+def runs_alone(model) -> bool:
+    """False while `model` is a sequence's view of a batch (edgespec.batch) that holds other
+    sequences too: its calls then return only after the batch's next pass."""
+    ctx = getattr(model, "batch_context", None)
+    return ctx is None or ctx() is None
 
 
 class PlainMode:
@@ -159,9 +166,18 @@ class PlainMode:
         mx.eval(tok, lp)
         stats.prefill_s += time.perf_counter() - t0
         while True:
-            # Queue the next step before handing out this token so graph building
-            # and Python overhead overlap the computation (mx.async_eval).
             position += 1
+            if position == len(prompt) + 1 or not runs_alone(model):
+                # The first token goes out before the next step is queued (queueing can take
+                # most of a pass: MLX's CPU async_eval waits while many tasks are pending).
+                # In a batch every call waits for the batch's next pass: hand the token out
+                # first, or it would reach its reader a whole step late.
+                stats.verifier_passes += 1  # one per token, as below (the prefill's token counts one)
+                yield Token(int(tok.item()), float(lp.item()), "verifier")
+                tok, lp = pick(model(tok.reshape(1, 1), cache)[0, -1], position)
+                continue
+            # Alone: queue the next step before handing out this token so graph building
+            # and Python overhead overlap the computation (mx.async_eval).
             nxt_logits = model(tok.reshape(1, 1), cache)[0, -1]
             nxt_tok, nxt_lp = pick(nxt_logits, position)
             mx.async_eval(nxt_tok, nxt_lp)

@@ -612,6 +612,7 @@ class Model(nn.Module):
         positions: mx.array | None = None,
         layer_ids: list[int] | None = None,
         return_hidden: bool = False,
+        last_only: bool = False,
     ) -> mx.array | tuple[mx.array, mx.array]:
         """Forward pass.
 
@@ -625,7 +626,9 @@ class Model(nn.Module):
         (self-speculative drafting); `cache` must then hold one entry per model
         layer, and only the listed ones are touched. `return_hidden` also returns
         the final-norm hidden states (B, T, E), the features a feature drafter
-        reads: (logits, hidden).
+        reads: (logits, hidden). `last_only` projects only the last position (logits
+        (B, 1, V)): a prompt's prefill needs no other, and the output projection of a
+        large vocabulary is a fifth of a small model's arithmetic per token.
         """
         h = self.embed(inputs)
         if mask is None:
@@ -635,5 +638,5 @@ class Model(nn.Module):
             h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions)
         if return_hidden:
             h = self.model.norm(h)
-            return self.project(h), h
-        return self.head(h)
+            return self.project(h[:, -1:] if last_only else h), h
+        return self.head(h[:, -1:] if last_only else h)

@@ -68,6 +68,21 @@ def test_batched_pass_equals_each_row_alone():
             np.testing.assert_allclose(np.array(la.state[0]), np.array(lb.state[0]), atol=1e-5)
 
 
+def test_a_last_only_row_gets_its_own_last_position():
+    """A prompt row asks for its last position's logits only (a prefill): alone and in a padded
+    batch it gets exactly that row of the full logits, (1, 1, V), not a padding position's."""
+    model = make_tiny_model(1)
+    full = model(mx.array([list(range(1, 6))]), model.make_cache())
+    alone = model(mx.array([list(range(1, 6))]), model.make_cache(), last_only=True)
+    assert alone.shape == (1, 1, full.shape[-1])
+    np.testing.assert_allclose(np.array(alone[0, 0]), np.array(full[0, -1]), atol=1e-5)
+    short, long_ = _filled(model, [3, 4]), _filled(model, [8, 9, 10])
+    out = batched_forward(model, [Row(mx.array([list(range(1, 6))]), model.make_cache(), last_only=True),
+                                  Row(mx.array([list(range(20, 29))]), long_), Row(mx.array([[7]]), short)])
+    assert out[0].shape == (1, 1, full.shape[-1]) and out[1].shape[1] == 9
+    np.testing.assert_allclose(np.array(out[0][0, 0]), np.array(full[0, -1]), atol=1e-4)
+
+
 def test_group_rows_pads_small_rows_together_and_keeps_a_prompt_chunk_apart():
     cpu = lambda n: 1.0 + n / 20.0  # noqa: E731  (8 tokens ~1.4x one, as measured on CPUs)
     assert group_rows([1, 1, 4, 1], cpu) == [[0, 1, 3, 2]]  # 4 rows x 4 tokens: one pass

@@ -41,7 +41,7 @@ import numpy as np
 
 from edgespec.adaptive.estimate import AcceptanceStats, Costs, merge_candidates, plan_tree
 from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
-from edgespec.generate import GenerationStats, Token, prefill
+from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.kernels import commit_kv, tree_accept
 from edgespec.lookahead import StepController, tree_forward
 from edgespec.sampling import Sampler, SamplingParams
@@ -286,13 +286,19 @@ class AdaptiveDecoder:
             t = sampler.sample_at(lp[None], [position])[0]
             return t, lp[t]
 
-        pending = queue(mx.array(seq[-1], dtype=mx.int32), len(seq))
-        mx.async_eval(*pending)
+        pending = None  # the step after seq's end, when already queued
         steps = 0
         go_on = True
         while True:
             t0 = time.perf_counter()
-            if go_on:
+            if pending is None:
+                pending = queue(mx.array(seq[-1], dtype=mx.int32), len(seq))
+                mx.async_eval(*pending)
+            nxt = None
+            # Alone, the next step is queued before this token is handed out (its graph and our
+            # Python overlap the computation); in a batch a call waits for the batch's next pass,
+            # so queueing ahead would only hand the token out a step late.
+            if go_on and runs_alone(model):
                 nxt = queue(pending[0], len(seq) + 1)
                 mx.async_eval(*nxt)
             t = int(pending[0].item())
@@ -311,10 +317,14 @@ class AdaptiveDecoder:
                 return
             pending = nxt
             if max_steps is not None and steps >= max_steps:
-                go_on = False  # one more (already queued) step, then back to planning
+                go_on = False  # one more step if one is already queued, then back to planning
+                if pending is None:
+                    return
                 continue
             # Would a round pay from the context after the queued step? Look now (cheap).
             go_on = self._plan(seq).kind == "plain" and not self._window_now()
+            if not go_on and pending is None:
+                return
 
 
 def draw_tokens(logits: mx.array, parents: list[int], position: int, sampler: Sampler):

@@ -105,22 +105,26 @@ class SeqModel:
         pricing speculation against the whole batch (edgespec.batch.cost)."""
         return self._batcher.batch_context(self._seq)
 
-    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False):
+    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False,
+                 last_only=False):
         if cache is None or layer_ids is not None or inputs.ndim != 2 or inputs.shape[0] != 1 \
                 or isinstance(mask, str):
             return self._model(inputs, cache, mask=mask, positions=positions, layer_ids=layer_ids,
-                               return_hidden=return_hidden)
+                               return_hidden=return_hidden, last_only=last_only)
         T = inputs.shape[1]
         b = self._batcher
         if mask is None and positions is None and T > PREFILL_CHUNK and b.others_live():
             # A long causal call (a prompt) in chunks, so the others keep decoding meanwhile.
             outs = []
             for s in range(0, T, PREFILL_CHUNK):
-                outs.append(b.forward(Row(inputs[:, s : s + PREFILL_CHUNK], cache, return_hidden=return_hidden)))
+                outs.append(b.forward(Row(inputs[:, s : s + PREFILL_CHUNK], cache, return_hidden=return_hidden,
+                                          last_only=last_only)))
+            logits = [o[0] if return_hidden else o for o in outs]
+            logits = logits[-1] if last_only else mx.concatenate(logits, axis=1)
             if return_hidden:
-                return (mx.concatenate([o[0] for o in outs], axis=1), mx.concatenate([o[1] for o in outs], axis=1))
-            return mx.concatenate(outs, axis=1)
-        return b.forward(Row(inputs, cache, mask, positions, return_hidden))
+                return logits, mx.concatenate([o[1] for o in outs], axis=1)
+            return logits
+        return b.forward(Row(inputs, cache, mask, positions, return_hidden, last_only))
 
 
 class _Seq:

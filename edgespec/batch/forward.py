@@ -39,6 +39,7 @@ class Row:
     mask: mx.array | None = None  # None = causal over cache + new; else (T, S) bool (or broadcastable)
     positions: mx.array | None = None  # None = cache offset + arange(T); else (T,)
     return_hidden: bool = False
+    last_only: bool = False  # logits of the last position only, (1, 1, V)
     offset: int = field(init=False)  # cached positions before this call
 
     def __post_init__(self):
@@ -116,7 +117,8 @@ def batched_forward(model, rows: list[Row]) -> list:
     alone: logits (1, T_b, V), or (logits, hidden) where the row asked for return_hidden."""
     if len(rows) == 1:  # alone: exactly the sequence's own call (no masks, no padding)
         r = rows[0]
-        return [model(r.inputs, r.cache, mask=r.mask, positions=r.positions, return_hidden=r.return_hidden)]
+        return [model(r.inputs, r.cache, mask=r.mask, positions=r.positions, return_hidden=r.return_hidden,
+                      last_only=r.last_only)]
     t_max = max(r.T for r in rows)
     s_max = max(r.S for r in rows)
     inputs = mx.concatenate(
@@ -131,7 +133,7 @@ def batched_forward(model, rows: list[Row]) -> list:
     logits, h = out if hidden else (out, None)
     results = []
     for b, r in enumerate(rows):
-        lg = logits[b : b + 1, : r.T]
+        lg = logits[b : b + 1, r.T - 1 : r.T] if r.last_only else logits[b : b + 1, : r.T]
         results.append((lg, h[b : b + 1, : r.T]) if r.return_hidden else lg)
     return results
 

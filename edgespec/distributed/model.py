@@ -161,10 +161,14 @@ class ShardedModel:
         self._sets[cid] = s = CacheSet(self, cid, local, items)
         return s
 
-    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False):
+    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False,
+                 last_only=False):
         if mask is None and inputs.shape[1] > 1:
             mask = "causal"
-        out = "both" if return_hidden else "logits"
+        if return_hidden and last_only:  # the features of every position are wanted anyway
+            logits, h = self(inputs, cache, mask, positions, layer_ids, return_hidden=True)
+            return logits[:, -1:], h
+        out = "both" if return_hidden else ("last" if last_only else "logits")
         if cache is not None and len(cache) and hasattr(cache[0], "lengths"):
             return self._batched(inputs, cache, mask, positions, layer_ids, out)
         cid = cache[0].cid if cache is not None and len(cache) else None

@@ -3,11 +3,12 @@
 A call is described by a command (built on rank 0, mirrored by the followers):
 
     {"op": "fwd", "cache": id | None, "input": "ids" | "hidden", "layers": [i, ...] | None,
-     "out": "raw" | "logits" | "both" | "project", "mask": "causal" | None | "array",
+     "out": "raw" | "logits" | "last" | "both" | "project", "mask": "causal" | None | "array",
      "shape": [B, T], "dtype": hidden dtype, "ops": [cache operations to apply first]}
 
 with the token ids / hidden states / mask / positions as arrays. Outputs exist on rank 0
-only: "raw" the hidden states after the layers, "logits" the head's output, "both"
+only: "raw" the hidden states after the layers, "logits" the head's output ("last": of the
+last position only), "both"
 (logits, final-norm hidden), "project" the output projection of given normed states.
 
 Pipeline: the hidden states walk rank 0 -> the ranks owning the listed layers, in
@@ -125,6 +126,8 @@ class Stage:
             return h
         if out == "logits":
             return self.model.head(h)
+        if out == "last":
+            return self.model.head(h[:, -1:])
         hn = final_norm(self.model)(h)
         return self.model.project(hn), hn
 
@@ -149,7 +152,7 @@ class Stage:
                 mx.eval(h)
             return h if self.rank == 0 else None
         hn = final_norm(self.model)(h)
-        logits = self._gather_logits(self.model.project(hn), cmd)
+        logits = self._gather_logits(self.model.project(hn[:, -1:] if cmd["out"] == "last" else hn), cmd)
         if cmd["out"] == "both":
             return (logits, hn) if self.rank == 0 else None
         return logits
