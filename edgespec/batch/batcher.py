@@ -264,10 +264,24 @@ class Batcher:
         n = len(self._live)
         self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
         self.steps += 1
-        resumed = 0
+        # Time to first token: a request admitted this step goes first. Its prompt's pass is
+        # computed before the others' pending pass is waited for, it streams its first token at
+        # once, and its next call joins this step's pass with the others.
+        new = [s for s in self._live if not s.started]
+        for seq in new:
+            self._resume(seq)
+        prompts = [s for s in new if s.row is not None]
+        if prompts and len(prompts) < len(self._live):
+            for g in group_rows([s.row.T for s in prompts], self._pass_cost):
+                self._run_pass([prompts[i] for i in g])
+            for s in prompts:
+                if not s.emitted and s.row is None and not s.glet.dead and not s.on_reader \
+                        and not s.req.cancelled:
+                    self.early_starts += 1
+                    self._resume(s)
+        resumed = len(new)
         for seq in list(self._live):
-            if seq.row is not None:  # resumed early in the last step: its request is already here
-                resumed += 1
+            if seq in new:
                 continue
             if seq.on_reader and not seq.req.cancelled and not seq.req.ready():
                 continue
@@ -280,26 +294,7 @@ class Batcher:
                 with self._cv:
                     self._cv.wait(0.05)
             return
-        # Time to first token: the passes holding a new request's prompt run first, and that
-        # request is resumed at once (it samples and streams its first token) so its next
-        # call joins this step's remaining passes instead of waiting a whole step.
-        groups = group_rows([s.row.T for s in rows], self._pass_cost)
-        first = [g for g in groups if any(not rows[i].emitted for i in g)]
-        if first and len(first) < len(groups):
-            done: list[_Seq] = []
-            for g in first:
-                done += self._run_pass([rows[i] for i in g])
-            rest = [s for i, s in enumerate(rows) if not any(i in g for g in first)]
-            for s in done:
-                if not s.emitted and s.row is None and not s.glet.dead and not s.on_reader \
-                        and not s.req.cancelled:
-                    self.early_starts += 1
-                    self._resume(s)
-                    if s.row is not None:
-                        rest.append(s)
-            rows = rest
-            groups = group_rows([s.row.T for s in rows], self._pass_cost) if rows else []
-        for g in groups:
+        for g in group_rows([s.row.T for s in rows], self._pass_cost):
             self._run_pass([rows[i] for i in g])
 
     def _resume(self, seq: _Seq) -> None:
