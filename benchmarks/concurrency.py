@@ -44,8 +44,8 @@ def start_server(model: str | None, *extra: str) -> tuple[subprocess.Popen, str]
     return proc, f"http://127.0.0.1:{m.group(1)}"
 
 
-async def stream(client, url, prompt, max_tokens, mode):
-    """-> (text, tokens, seconds to first token, seconds in all)."""
+async def stream(client, url, prompt, max_tokens, mode, started: asyncio.Event | None = None):
+    """-> (text, tokens, seconds to first token, seconds in all); sets `started` at the first token."""
     body = {"model": "default", "stream": True, "max_tokens": max_tokens, "mode": mode,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": prompt}]}
@@ -60,6 +60,8 @@ async def stream(client, url, prompt, max_tokens, mode):
                 piece = c["delta"].get("content") or ""
                 if piece and first is None:
                     first = time.perf_counter() - t0
+                    if started is not None:
+                        started.set()
                 text.append(piece)
             if d.get("usage"):
                 tokens = d["usage"]["completion_tokens"]
@@ -75,10 +77,13 @@ async def together(url, prompts, max_tokens, mode):
 
 
 async def ttft_under_load(url, max_tokens, mode, busy: int = 3):
-    """TTFT of a request sent once `busy` others are streaming."""
+    """TTFT of a request sent once `busy` others are streaming (each has had its first token)."""
     async with httpx.AsyncClient(timeout=3600) as client:
-        others = [asyncio.create_task(stream(client, url, p, max_tokens * 4, mode)) for p in PROMPTS[1 : busy + 1]]
-        await asyncio.sleep(0.5)  # they are admitted and decoding
+        started = [asyncio.Event() for _ in range(busy)]
+        others = [asyncio.create_task(stream(client, url, p, max_tokens * 4, mode, ev))
+                  for p, ev in zip(PROMPTS[1 : busy + 1], started, strict=True)]
+        for ev in started:
+            await ev.wait()
         _, _, ttft, _ = await stream(client, url, PROMPTS[0], max_tokens, mode)
         await asyncio.gather(*others)
         return ttft
