@@ -28,11 +28,21 @@ class MemoryBudgetError(EdgespecError):
 
 
 def _itemsize(model) -> int:
-    """Bytes per K/V element: the dtype activations run in (the first floating weight's)."""
-    from mlx.utils import tree_flatten
+    """Bytes per K/V element: the dtype activations run in (the first floating weight's).
+    Called for every request: walks the parameter tree only up to that first weight."""
 
-    for _, v in tree_flatten(model.parameters()):
-        if "float" in str(v.dtype):
+    def arrays(tree):
+        if isinstance(tree, dict):
+            for v in tree.values():
+                yield from arrays(v)
+        elif isinstance(tree, (list, tuple)):
+            for v in tree:
+                yield from arrays(v)
+        else:
+            yield tree
+
+    for v in arrays(model.parameters()):
+        if "float" in str(getattr(v, "dtype", "")):
             return v.dtype.size
     return 2
 
