@@ -283,6 +283,9 @@ class Batcher:
         for seq in list(self._live):
             if seq in new:
                 continue
+            if seq.row is not None:  # its error handler already made its next call (_run_pass)
+                resumed += 1
+                continue
             if seq.on_reader and not seq.req.cancelled and not seq.req.ready():
                 continue
             seq.on_reader = False
