@@ -7,15 +7,16 @@ import Glibc
 import Darwin
 #endif
 
-/// `503 queue_full` from a server that queues nothing (`--max-queue 0`): mapped with its
-/// `Retry-After`, and retried by the bounded policy.
+/// `503 queue_full` from a server that runs one request at a time and queues nothing
+/// (`--max-batch 1 --max-queue 0`; a larger batch would take the second request in):
+/// mapped with its `Retry-After`, and retried by the bounded policy.
 final class QueueFullTests: XCTestCase {
     var reference: Fixture.Reference!
     var server: EdgespecServer!
 
     override func setUp() async throws {
         reference = try Fixture.reference()
-        server = try await Fixture.sharedServer("no-queue", extra: ["--max-queue", "0"])
+        server = try await Fixture.sharedServer("no-queue", extra: ["--max-batch", "1", "--max-queue", "0"])
     }
 
     func testBusyServerAnswersQueueFullWithRetryAfter() async throws {
