@@ -345,3 +345,49 @@ def test_the_idle_worker_thread_ends_and_a_new_one_takes_over(engine, monkeypatc
         time.sleep(0.02)
     assert engine.batcher._thread is None  # ended (it would hold the engine and MLX's stream)
     assert [engine.generate(p, max_tokens=12).tokens for p in PROMPTS[:2]] == first
+
+
+# ------------------------------------------------------------------ tokens out before the next call
+class _CountingModel:
+    """The tiny model, counting its calls; `batch_context` as a batched sequence sees it."""
+
+    def __init__(self, model, others: bool):
+        self._model, self.calls, self._others = model, 0, others
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._model(*args, **kwargs)
+
+    def batch_context(self):
+        return ([1], None) if self._others else None
+
+
+@pytest.mark.parametrize("others", [False, True])
+def test_plain_decoding_hands_out_a_token_before_its_next_call(others):
+    """The first token leaves before any decode call is made; in a batch with others every
+    token does (a call there waits for the batch's next pass); alone, later tokens may be
+    queued one step ahead. Either way the tokens are plain decoding's own."""
+    from edgespec.generate import GenerationStats, PlainMode
+    from edgespec.sampling import Sampler
+
+    model = make_tiny_model(2, scale=1.3)
+    prompt = PROMPTS[1]
+    ref = [t.id for t, _ in zip(PlainMode(model).steps(prompt, Sampler(SamplingParams(temperature=0)),
+                                                       GenerationStats()), range(6), strict=False)]
+    counting = _CountingModel(model, others)
+    steps = PlainMode(counting).steps(prompt, Sampler(SamplingParams(temperature=0)), GenerationStats())
+    got, calls = [], []
+    for tok in steps:
+        got.append(tok.id)
+        calls.append(counting.calls)
+        if len(got) == 6:
+            break
+    assert got == ref
+    assert calls[0] == 1  # the prompt's pass only
+    if others:
+        assert calls == list(range(1, 7))  # token n out after n calls: never one queued ahead
+    else:
+        assert calls[1:] == list(range(3, 8))  # alone: the next step is queued before each token
