@@ -332,7 +332,7 @@ class Batcher:
             seq.row, seq.value = out, None
             seq.size = out.T
 
-    def _run_pass(self, seqs: list[_Seq]) -> list[_Seq]:
+    def _run_pass(self, seqs: list[_Seq]) -> None:
         """One batched pass over `seqs`' rows: each gets its result (or the error) as its
         value, to be resumed with; an error is thrown into the sequence right away."""
         try:
@@ -343,7 +343,6 @@ class Batcher:
             s.row, s.value = None, r
             if isinstance(r, _Raise):  # thrown into the sequence: it reports the error to its client
                 self._settle(s, s.glet.throw(r.error))
-        return seqs
 
     def _finish(self, seq: _Seq) -> None:
         with self._cv:

@@ -160,19 +160,24 @@ final class LiveServerTests: XCTestCase {
             if case .success(let pieces) = result {
                 XCTAssertLessThan(pieces, 480, "the stream ended early")
             }
-            var queue = before
-            try await eventually("the server has ended the generation and is idle") {
-                queue = try await client.health().queue
-                return queue.cancelled + queue.completed == before.cancelled + before.completed + 1
-                    && queue.running == 0
-            }
-            cancelled = queue.cancelled == before.cancelled + 1
+            cancelled = try await endedCancelled(since: before)
         }
         XCTAssertTrue(cancelled, "cancelling the stream never cancelled the generation")
         // The next request is served at once, and correctly.
         let c = reference.completion
         let next = try await client.complete(CompletionRequest(prompt: c.prompt, options: .init(maxTokens: c.max_tokens)))
         XCTAssertEqual(next.text, c.text)
+    }
+
+    /// Waits until the one generation started after `before` has ended and the server is idle;
+    /// true if it was counted as cancelled (false: it completed first).
+    private func endedCancelled(since before: Health.Queue) async throws -> Bool {
+        var after = before
+        try await eventually("the server has ended the generation and is idle") {
+            after = try await client.health().queue
+            return after.cancelled + after.completed == before.cancelled + before.completed + 1 && after.running == 0
+        }
+        return after.cancelled == before.cancelled + 1
     }
 
     func testBreakingOutOfTheLoopAlsoCancels() async throws {
@@ -189,13 +194,7 @@ final class LiveServerTests: XCTestCase {
                 break
             }
             XCTAssertEqual(seen, 1)
-            var after = before
-            try await eventually("the abandoned generation has ended") {
-                after = try await client.health().queue
-                return after.cancelled + after.completed == before.cancelled + before.completed + 1
-                    && after.running == 0
-            }
-            cancelled = after.cancelled == before.cancelled + 1
+            cancelled = try await endedCancelled(since: before)
         }
         XCTAssertTrue(cancelled, "breaking out of the loop never cancelled the generation")
     }
