@@ -115,7 +115,7 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
     feats = []
     if len(tokens) > chunk:
         for c in cache:
-            if isinstance(c, KVCache):
+            if hasattr(c, "reserve"):
                 c.reserve(c.offset + len(tokens))  # one allocation, not one regrowth per chunk
     for start in range(0, len(tokens), chunk):
         piece = mx.array([int(t) for t in tokens[start : start + chunk]], dtype=mx.int32)[None]

@@ -14,7 +14,6 @@ from typing import Any
 
 from edgespec.errors import ModelLoadError
 
-
 # Texts longer than this are encoded without holding the GIL (see Tokenizer.encode).
 LONG_TEXT_CHARS = 16_384
 

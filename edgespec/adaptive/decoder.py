@@ -39,7 +39,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from edgespec.adaptive.estimate import AcceptanceStats, Costs, merge_candidates, plan_tree
+from edgespec.adaptive.estimate import (
+    AcceptanceStats,
+    Costs,
+    gain_curve,
+    merge_candidates,
+    plan_tree,
+)
 from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.kernels import commit_kv, tree_accept
@@ -101,28 +107,34 @@ class AdaptiveDecoder:
     def _probs(self, c: Candidate) -> np.ndarray:
         return self.acc.path_probs(c.source, c.bucket, len(c.tokens))
 
-    def _pricing(self):
-        """(costs, plain step seconds, tokens the other rows commit per step) to plan with.
+    def _pricing(self, nodes):
+        """(costs, plain step seconds, tokens the other rows commit per step, largest tree)
+        to plan `nodes` with.
 
         Alone: this decoder's own measured costs. Inside a batch with others (and
-        batch_aware on): the whole step's cost with this row at T tokens and the
-        others at theirs (edgespec.batch.cost), so a tree is chosen only when it adds
-        more to the batch's tokens/s than the padding and the longer pass take away.
+        batch_aware on): the rows choose the step's shape together (cost.joint_sizes:
+        which rows speculate, up to how many tokens), and this row prices its tree
+        against the whole step's cost with the others at their sizes in that choice,
+        so a tree is chosen only when it adds more to the batch's tokens/s than the
+        padding and the longer pass take away.
         """
         ctx = self._batch_ctx() if self._batch_ctx is not None else None
         if ctx is None:
-            return self.costs, self.plain_s, 0.0
-        from edgespec.batch.cost import BatchCosts
+            return self.costs, self.plain_s, 0.0, self.max_tree
+        from edgespec.batch.cost import BatchCosts, joint_sizes
 
-        others, step = ctx
-        bc = BatchCosts(self.costs, others, step)
-        return bc, bc.verify(1), float(len(others))
+        peers, step, key = ctx
+        gains = gain_curve(nodes, self.max_tree)
+        self.model.publish_gains(gains)
+        cap, sizes, others = joint_sizes(gains, peers, step, key)
+        bc = BatchCosts(self.costs, sizes, step)
+        return bc, bc.verify(1), others, cap
 
     def _plan(self, seq: list[int]) -> Plan:
         cands = self._cheap(seq)
-        costs, plain_s, others = self._pricing()
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
-        kept, rate = plan_tree(nodes, costs, 0.0, plain_s, self.max_tree, self.margin, others)
+        costs, plain_s, others, cap = self._pricing(nodes)
+        kept, rate = plan_tree(nodes, costs, 0.0, plain_s, cap, self.margin, others)
         best = Plan("tree" if kept else "plain", cands, 0, rate)
         d = self.drafter
         if d is None:
@@ -249,8 +261,8 @@ class AdaptiveDecoder:
             if dc.tokens:
                 cands.append(dc)
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
-        costs, plain_s, others = self._pricing()
-        kept, _ = plan_tree(nodes, costs, 0.0, plain_s, self.max_tree, margin=0.0, others=others)
+        costs, plain_s, others, cap = self._pricing(nodes)
+        kept, _ = plan_tree(nodes, costs, 0.0, plain_s, cap, margin=0.0, others=others)
         if not kept and not window:
             return None
         tree = build_tree(seq[-1], nodes, kept, cands)

@@ -172,6 +172,23 @@ def merge_candidates(cands: list[tuple[list[int], np.ndarray]]) -> list[Node]:
     return nodes
 
 
+def _order(nodes: list[Node], cap: int) -> list[int]:
+    """The nodes a tree of n+1 tokens keeps first: most probable first (a node is never
+    likelier than its parent, so every prefix is a tree up to ties, which the depth breaks)."""
+    depth = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        depth[i] = 1 + (depth[n.parent] if n.parent >= 0 else 0)
+    return sorted(range(len(nodes)), key=lambda i: (-nodes[i].prob, depth[i], i))[:max(cap, 0)]
+
+
+def gain_curve(nodes: list[Node], max_tokens: int) -> np.ndarray:
+    """Expected tokens one round commits with the best tree of T tokens, for T = 1..:
+    out[T - 1] (out[0] = 1.0, a plain step). What a row offers a batched step
+    (edgespec.batch.cost.joint_sizes)."""
+    order = _order(nodes, max_tokens - 1)
+    return np.concatenate([[1.0], 1.0 + np.cumsum([nodes[i].prob for i in order])])
+
+
 def plan_tree(nodes: list[Node], costs: Costs, fixed_s: float = 0.0, plain_s: float | None = None,
               max_tokens: int | None = None, margin: float = 1.0, others: float = 0.0) -> tuple[list[int], float]:
     """Choose the nodes to verify -> (kept node indices in topological order, expected tokens/s).
@@ -187,11 +204,9 @@ def plan_tree(nodes: list[Node], costs: Costs, fixed_s: float = 0.0, plain_s: fl
     plain_rate = (others + 1.0) / plain_s
     if not nodes:
         return [], plain_rate
-    cap = (max_tokens or costs.max_tokens) - 1
-    depth = [0] * len(nodes)
-    for i, n in enumerate(nodes):
-        depth[i] = 1 + (depth[n.parent] if n.parent >= 0 else 0)
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].prob, depth[i], i))[:cap]
+    order = _order(nodes, (max_tokens or costs.max_tokens) - 1)
+    if not order:
+        return [], plain_rate
     gain = others + 1.0 + np.cumsum([nodes[i].prob for i in order])
     cost = np.array([fixed_s + costs.verify(n + 2) for n in range(len(order))])
     rate = gain / cost

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -36,15 +37,22 @@ import mlx.core as mx
 from greenlet import greenlet
 
 from edgespec.batch import memory
-from edgespec.batch.cost import PassCost, StepCost
+from edgespec.batch.arena import KVArena, SlotCache
+from edgespec.batch.cost import PassCost, Peer, StepCost
 from edgespec.batch.forward import Row, batched_forward, group_rows
+from edgespec.cache import KVCache
 from edgespec.generate import Chunk, GenerationStats, stream_tokens
 
 log = logging.getLogger("edgespec.batch")
 
 PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 IDLE_EXIT_S = 5.0  # an idle worker thread ends after this long
+# A request whose prompt + max_tokens may pass this keeps caches of its own instead of an arena
+# row (the arena's rows are all as long as its longest one).
+ARENA_POSITIONS = 1024
+READER_GRACE_S = 0.005  # how long a step waits for readers to take the tokens just streamed
 _BATCHERS: weakref.WeakSet = weakref.WeakSet()
+_KEYS = itertools.count()
 
 
 @atexit.register
@@ -101,9 +109,23 @@ class SeqModel:
         return getattr(self._model, name)
 
     def batch_context(self):
-        """None while this sequence runs alone; else (the other rows' sizes, StepCost) for
-        pricing speculation against the whole batch (edgespec.batch.cost)."""
+        """None while this sequence runs alone; else (the other rows as `cost.Peer`s, StepCost,
+        this row's tie-break key) for pricing speculation against the whole batch
+        (edgespec.batch.cost)."""
         return self._batcher.batch_context(self._seq)
+
+    def make_cache(self):
+        """The model's caches; for a batched sequence, rows of the batch's KV arena when the
+        model's caches are plain KVCaches and the request is short enough (see Batcher)."""
+        caches = self._model.make_cache()
+        if self._seq is None:
+            return caches
+        return self._batcher.arena_caches(self._seq, caches)
+
+    def publish_gains(self, gains) -> None:
+        """This row's gain curve, for the other rows' joint choice (cost.joint_sizes)."""
+        if self._seq is not None:
+            self._seq.gains = gains
 
     def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False,
                  last_only=False):
@@ -136,6 +158,9 @@ class _Seq:
         self.on_reader = False  # paused after a chunk until its reader takes it
         self.size = 1  # tokens of its latest model call (what it adds to a step)
         self.emitted = False  # has streamed a chunk (its prompt is done)
+        self.gains = None  # its latest gain curve (adaptive decoding), see cost.joint_sizes
+        self.key = next(_KEYS)  # admission order: the tie-break of the joint choice
+        self.arena_rows: list[int] = []  # rows of the batch's KV arena it holds
 
 
 class Batcher:
@@ -158,6 +183,8 @@ class Batcher:
         self.batch_sizes: dict[int, int] = {}  # live sequences per step -> steps
         self.on_idle: Callable[[], None] | None = None
         self._cost: tuple | None = None  # (curve id, StepCost)
+        self._arena: KVArena | None = None  # the live sequences' KV rows (edgespec.batch.arena)
+        self._last_passes: list[tuple[int, int]] = []  # (rows, T) of the last step's passes
         self._stopping = False
         _BATCHERS.add(self)
 
@@ -279,6 +306,17 @@ class Batcher:
                         and not s.req.cancelled:
                     self.early_starts += 1
                     self._resume(s)
+        # The last pass, computed before anyone is looked at: its readers take their chunks
+        # meanwhile (MLX computes without the GIL), so a sequence that streamed a token last
+        # step is ready again now instead of missing this step's pass.
+        pending = [s.value for s in self._live if s not in new and isinstance(s.value, (mx.array, tuple))]
+        if pending:
+            t0 = time.perf_counter()
+            mx.eval(pending)
+            if len(self._last_passes) == 1 and self._last_passes[0][0] > 1:
+                # what a pass of this shape costs here, for pricing speculation (cost.StepCost)
+                self._step_cost().observe(*self._last_passes[0], time.perf_counter() - t0)
+        self._last_passes = []
         resumed = len(new)
         for seq in list(self._live):
             if seq in new:
@@ -291,6 +329,23 @@ class Batcher:
             seq.on_reader = False
             resumed += 1
             self._resume(seq)
+        # A sequence that streamed a token this step waits for its reader to take it. Readers
+        # are quick (a thread handing the chunk on): give them a moment, so the sequence makes
+        # its next call in this step's pass rather than in a pass of its own next step.
+        readers = [s for s in self._live if s.on_reader and s.row is None]
+        if readers:
+            deadline = time.perf_counter() + READER_GRACE_S
+            with self._cv:
+                while not all(s.req.cancelled or s.req.ready() for s in readers):
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+            for seq in readers:
+                if seq in self._live and seq.on_reader and (seq.req.cancelled or seq.req.ready()):
+                    seq.on_reader = False
+                    resumed += 1
+                    self._resume(seq)
         rows = [s for s in self._live if s.row is not None]
         if not rows:
             if not resumed and self._live:  # every sequence waits for its reader
@@ -298,6 +353,7 @@ class Batcher:
                     self._cv.wait(0.05)
             return
         for g in group_rows([s.row.T for s in rows], self._pass_cost):
+            self._last_passes.append((len(g), max(rows[i].row.T for i in g)))
             self._run_pass([rows[i] for i in g])
 
     def _resume(self, seq: _Seq) -> None:
@@ -344,7 +400,27 @@ class Batcher:
             if isinstance(r, _Raise):  # thrown into the sequence: it reports the error to its client
                 self._settle(s, s.glet.throw(r.error))
 
+    def arena_caches(self, seq: _Seq, caches: list) -> list:
+        """`caches` (one KVCache per layer) moved to a row of the batch's arena; as they are
+        for other cache types, and for a request that may grow past ARENA_POSITIONS (every
+        row of an arena is as long as its longest, so a long request keeps its own)."""
+        if not caches or any(type(c) is not KVCache or c.offset for c in caches):
+            return caches
+        if len(seq.req.ids) + seq.req.options.max_tokens + memory.TREE > ARENA_POSITIONS:
+            return caches
+        if self._arena is None:
+            self._arena = KVArena()
+        row = self._arena.acquire()
+        seq.arena_rows.append(row)
+        return [SlotCache(self._arena, i, row) for i in range(len(caches))]
+
     def _finish(self, seq: _Seq) -> None:
+        if self._arena is not None:
+            for row in seq.arena_rows:
+                self._arena.release(row)
+            seq.arena_rows = []
+            if not self._arena.used:
+                self._arena = None  # the batch is empty: its memory goes
         with self._cv:
             self._live.remove(seq)
             self._reserved -= seq.req.need_bytes
@@ -371,10 +447,10 @@ class Batcher:
         return self._step_cost().pass_cost(tokens)
 
     def batch_context(self, me: _Seq | None):
-        others = [s.size for s in self._live if s is not me]
-        if not others:
+        peers = [Peer(s.size, s.gains, s.key) for s in self._live if s is not me]
+        if not peers:
             return None
-        return others, self._step_cost()
+        return peers, self._step_cost(), (me.key if me is not None else 0)
 
     def _run(self, seq: _Seq) -> None:
         """A sequence's whole life, inside its greenlet: build the mode, stream, report."""

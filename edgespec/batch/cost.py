@@ -11,9 +11,22 @@ changes the step to step(others + [T]); the batch commits (others' tokens) +
 E(T). The adaptive decoder maximises that total rate, (O + E(T)) / step(others + [T]),
 instead of its own E(T) / c(T): on a CPU a batch of 4 plain rows costs ~1.2x one,
 so a tree that pads every row to 8 tokens must bring far more than it would alone.
+
+Priced one row at a time against the others' sizes as they stand, the batch drifts
+to everyone speculating: once one row pads the pass to 8 tokens, every other row's
+tree of 8 looks free, and no row alone can make the pass short again by staying
+plain. So the rows choose together (`joint_sizes`): each adaptive row publishes its
+gain curve (expected tokens for a tree of T tokens, `estimate.gain_curve`) when it
+plans, and a row planning picks the configuration of the whole step (a cap C, and
+which rows speculate up to it) with the best batch rate, from the latest curves;
+then it plans its own tree within its part of that configuration. Every row
+computes the same choice from the same curves, so they agree without a round of
+messages.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,17 +55,44 @@ class PassCost:
 
 
 class StepCost:
-    """step(sizes) with a memo (the same few size lists recur step after step)."""
+    """step(sizes) with a memo (the same few size lists recur step after step).
+
+    A pass of B rows padded to T tokens costs what passes of that shape were measured to
+    cost (`observe`, a moving average), else c(B * T) from the one-sequence curve times
+    how far measured passes of B rows have run from it: rows are not free tokens (each
+    has its own positions, mask and cache rows; on a CPU 8 rows of 1 token cost ~1.2x
+    one row of 8)."""
 
     def __init__(self, pass_cost):
         self.pass_cost = pass_cost
+        self.seen: dict[tuple[int, int], float] = {}
+        self.factor: dict[int, float] = {}  # rows -> measured / c(rows * T)
         self._memo: dict[tuple, float] = {}
+
+    def shape(self, rows: int, T: int) -> float:
+        s = self.seen.get((rows, T))
+        if s is not None:
+            return s
+        f = self.factor.get(rows)
+        if f is None and self.factor:  # the nearest row count measured
+            f = self.factor[min(self.factor, key=lambda b: (abs(b - rows), b))]
+        return self.pass_cost(rows * T) * (1.0 if f is None else f)
+
+    def observe(self, rows: int, T: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        old = self.seen.get((rows, T))
+        self.seen[(rows, T)] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        ratio = seconds / max(self.pass_cost(rows * T), 1e-9)
+        f = self.factor.get(rows)
+        self.factor[rows] = ratio if f is None else 0.9 * f + 0.1 * ratio
+        self._memo.clear()
 
     def __call__(self, sizes) -> float:
         key = tuple(sorted(sizes))
         c = self._memo.get(key)
         if c is None:
-            c = sum(self.pass_cost(len(g) * max(key[i] for i in g)) for g in group_rows(list(key), self.pass_cost))
+            c = sum(self.shape(len(g), max(key[i] for i in g)) for g in group_rows(list(key), self.pass_cost))
             if len(self._memo) > 4096:
                 self._memo.clear()
             self._memo[key] = c
@@ -76,3 +116,61 @@ class BatchCosts:
     @property
     def max_tokens(self) -> int:
         return self.base.max_tokens
+
+
+@dataclass
+class Peer:
+    """Another row of the step, as a row planning sees it."""
+
+    size: int  # tokens of its latest call
+    gains: np.ndarray | None = None  # its published gain curve; None: its size is its own (commits 1)
+    key: int = 0  # breaks ties in the same order in every row's computation (admission order)
+
+
+CAPS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes a step may be capped at
+
+
+def joint_sizes(mine: np.ndarray, peers: list[Peer], step: StepCost, key: int = 0) -> tuple[int, list[int], float]:
+    """The step configuration with the best batch rate -> (this row's tree size at most,
+    the peers' sizes in it, the tokens the peers commit in it).
+
+    Rows with a gain curve (this one and adaptive peers) either speculate up to a cap C or
+    run plain; for each C the ones that gain most from C speculate, the top k for every k.
+    Peers without a curve (other modes, prompt chunks) keep their sizes. Ties go by `key`
+    (this row's) and the peers' keys, so every row ranks the rows alike.
+    rate = (sum of expected tokens) / step(sizes).
+    """
+    flex = [mine] + [p.gains for p in peers if p.gains is not None]
+    keys = [key] + [p.key for p in peers if p.gains is not None]
+    fixed = [p.size for p in peers if p.gains is None]
+    nf = len(flex)
+    base_gain = float(len(fixed))
+    plain = [1] * nf
+    best_rate = (base_gain + nf) / step(fixed + plain)
+    best = plain
+    longest = max(len(g) for g in flex)
+    for C in CAPS:
+        if C > longest and C != CAPS[0]:
+            break
+        sizes = [min(C, len(g)) for g in flex]
+        extra = [float(g[s - 1]) - 1.0 for g, s in zip(flex, sizes, strict=True)]
+        order = sorted(range(nf), key=lambda i: (-extra[i], keys[i]))
+        conf, gain = list(plain), base_gain + nf
+        for i in order:
+            if extra[i] <= 0.0:
+                break
+            conf[i], gain = sizes[i], gain + extra[i]
+            rate = gain / step(fixed + conf)
+            if rate > best_rate:
+                best_rate, best = rate, list(conf)
+    # Peers' sizes, in `peers` order, and the tokens they commit in the chosen configuration.
+    out, k, peer_gain = [], 1, 0.0
+    for p in peers:
+        if p.gains is None:
+            out.append(p.size)
+            peer_gain += 1.0
+        else:
+            out.append(best[k])
+            peer_gain += float(p.gains[best[k] - 1])
+            k += 1
+    return best[0], out, peer_gain

@@ -15,9 +15,10 @@ cache into one (B, Hk, S_max, D) block:
 
 A row's new K/V are written into ITS cache only for its T_b real tokens, so a
 row's cache after the pass is what it would be after the same call alone.
-Why gather rather than one shared cache with per-row offsets: the modes roll
-back, reorder (tree commits) and grow caches per sequence; see docs/batching.md
-for the measurement.
+When every row's caches live in one KVArena (edgespec.batch.arena: the
+batcher's sequences), nothing is gathered: one scatter per layer writes the new
+K/V at each row's offset and attention reads the arena's rows in place. Rows with
+caches of their own (a long request, another cache type) are gathered per layer.
 """
 
 from __future__ import annotations
@@ -81,6 +82,52 @@ class _GatherCache:
         return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
 
 
+class _ArenaView:
+    """Stands in for one layer's cache in a batched pass whose rows all live in one
+    KVArena (edgespec.batch.arena): one scatter writes every row's new K/V at its own
+    offset (a padded row's padding lands past its new offset, where nothing reads it),
+    and attention reads the rows in place."""
+
+    offset = 0  # unused: the batched pass always gives positions
+
+    def __init__(self, arena, layer: int, rows: list[int], rows_idx: mx.array, write_pos: mx.array, s_max: int):
+        self.arena, self.layer, self.rows = arena, layer, rows
+        self.rows_idx, self.write_pos, self.s_max = rows_idx, write_pos, s_max
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        heads = mx.arange(k.shape[1], dtype=mx.int32).reshape(1, -1, 1)
+        self.arena.write_rows(self.layer, self.rows_idx, heads, self.write_pos, k, v)
+        return self.arena.read_rows(self.layer, self.rows, self.s_max)
+
+
+def _shared_arena(rows: list[Row]):
+    """The KVArena every row's caches live in (layer i in cache i), or None."""
+    arena = getattr(rows[0].cache[0], "arena", None) if rows[0].cache else None
+    if arena is None:
+        return None
+    n = len(rows[0].cache)
+    for r in rows:
+        if len(r.cache) != n or any(getattr(c, "arena", None) is not arena or c.layer != i
+                                    for i, c in enumerate(r.cache)):
+            return None
+    return arena
+
+
+def _cache_views(rows: list[Row], t_max: int, s_max: int) -> tuple[list, bool]:
+    """Per layer, the cache the batched model call writes and reads through; and whether
+    they are arena views (the rows' offsets are then advanced by the caller)."""
+    arena = _shared_arena(rows)
+    n_layers = len(rows[0].cache)
+    if arena is None:
+        return [_GatherCache([r.cache[i] for r in rows], [r.T for r in rows], s_max) for i in range(n_layers)], False
+    slots = [r.cache[0].row for r in rows]
+    arena.ensure(max(r.offset for r in rows) + t_max)
+    rows_idx = mx.array(slots, dtype=mx.int32).reshape(-1, 1, 1)
+    write_pos = mx.array(np.array([r.offset for r in rows], dtype=np.int32)[:, None] + np.arange(t_max, dtype=np.int32))
+    write_pos = write_pos.reshape(len(rows), 1, t_max)
+    return [_ArenaView(arena, i, slots, rows_idx, write_pos, s_max) for i in range(n_layers)], True
+
+
 def _row_mask(row: Row, t_max: int, s_max: int) -> mx.array:
     """(T_max, S_max) bool: the row's own mask in the corner, padding as described above."""
     T, S, off = row.T, row.S, row.offset
@@ -126,10 +173,13 @@ def batched_forward(model, rows: list[Row]) -> list:
     )
     positions = mx.stack([_row_positions(r, t_max) for r in rows])  # (B, T_max)
     mask = mx.stack([_row_mask(r, t_max, s_max) for r in rows])[:, None]  # (B, 1, T_max, S_max)
-    n_layers = len(rows[0].cache)
-    views = [_GatherCache([r.cache[i] for r in rows], [r.T for r in rows], s_max) for i in range(n_layers)]
+    views, in_arena = _cache_views(rows, t_max, s_max)
     hidden = any(r.return_hidden for r in rows)
     out = model(inputs, views, mask=mask, positions=positions, return_hidden=hidden)
+    if in_arena:
+        for r in rows:
+            for c in r.cache:
+                c.offset += r.T
     logits, h = out if hidden else (out, None)
     results = []
     for b, r in enumerate(rows):

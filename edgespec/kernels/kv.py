@@ -60,6 +60,10 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
 
     Same effect as `KVCache.keep`, with the gather done by the kernel on Metal.
     """
+    many = getattr(caches[0], "keep_many", None) if caches else None
+    if many is not None:  # a batch arena's rows (edgespec.batch.arena): every layer at once
+        many(caches, start, indices)
+        return
     if not on_metal() or any(getattr(c, "forwards_ops", False) for c in caches):
         # a distributed verifier's caches replay keep() on every rank (edgespec.distributed)
         for c in caches:

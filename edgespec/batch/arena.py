@@ -1,0 +1,195 @@
+"""One K/V buffer per layer shared by the batch's sequences, a row per sequence.
+
+A batched pass over sequences with their own caches has to gather every row's
+keys and values into one padded (B, Hk, S_max, D) block per layer, and write each
+row's new entries back one row at a time: on a CPU that is thousands of small
+operations and copies per pass, about a third of an 8-row decode step (see
+docs/batching.md). Rows of one arena need neither: the pass writes every row's
+new K/V with one scatter per layer, at each row's own offset, and attention reads
+the rows where they lie.
+
+Each sequence still sees caches of its own (`SlotCache`, one per layer, the
+KVCache interface: offset, update_and_fetch, trim, keep, reserve), so every
+decoding mode runs unchanged, alone or in a pass; the arena only decides where
+the entries live. Rows are added by doubling, positions in steps of `step`; a
+sequence's row is free again when it ends, and the arena goes with the batch
+when the batch empties.
+
+MLX arrays are values: writing into a buffer is in place only while nothing else
+holds the old buffer. Rows' reads are therefore never kept between calls, and
+`keep` (a tree commit) evaluates what it gathers before writing it back.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVArena:
+    step = 256  # positions are added in steps of this many
+
+    def __init__(self):
+        self.keys: dict[int, mx.array] = {}  # layer -> (rows, Hk, positions, D)
+        self.values: dict[int, mx.array] = {}
+        self.rows = 0
+        self.positions = 0
+        self._free: list[int] = []
+        self.allocations = 0  # buffer (re)allocations so far, each a copy of what is held
+
+    # ------------------------------------------------------------ rows and room
+    def acquire(self) -> int:
+        """A free row (the arena doubles when none is left)."""
+        if not self._free:
+            self._grow_rows(max(self.rows, 1))
+        self._free.sort()
+        return self._free.pop(0)
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    @property
+    def used(self) -> int:
+        return self.rows - len(self._free)
+
+    def _grow_rows(self, n: int) -> None:
+        for d in (self.keys, self.values):
+            for layer, a in d.items():
+                d[layer] = mx.concatenate([a, mx.zeros((n, *a.shape[1:]), a.dtype)], axis=0)
+        if self.keys:
+            self.allocations += 1
+        self._free.extend(range(self.rows, self.rows + n))
+        self.rows += n
+
+    def ensure(self, positions: int) -> None:
+        """Room for `positions` entries in every row."""
+        if positions <= self.positions:
+            return
+        new = -(-positions // self.step) * self.step
+        for d in (self.keys, self.values):
+            for layer, a in d.items():
+                R, H, S, D = a.shape
+                d[layer] = mx.concatenate([a, mx.zeros((R, H, new - S, D), a.dtype)], axis=2)
+        if self.keys:
+            self.allocations += 1
+        self.positions = new
+
+    def _layer(self, layer: int, k: mx.array, v: mx.array) -> None:
+        if layer not in self.keys:
+            H, D, Dv = k.shape[1], k.shape[3], v.shape[3]
+            self.keys[layer] = mx.zeros((self.rows, H, self.positions, D), k.dtype)
+            self.values[layer] = mx.zeros((self.rows, H, self.positions, Dv), v.dtype)
+
+    # ------------------------------------------------------------ one row
+    def write_row(self, layer: int, row: int, start: int, k: mx.array, v: mx.array) -> None:
+        """k, v (1, Hk, T, D) at positions start.. of `row`."""
+        self._layer(layer, k, v)
+        T = k.shape[2]
+        self.keys[layer][row : row + 1, :, start : start + T, :] = k
+        self.values[layer][row : row + 1, :, start : start + T, :] = v
+
+    def read_row(self, layer: int, row: int, n: int) -> tuple[mx.array, mx.array]:
+        return self.keys[layer][row : row + 1, :, :n, :], self.values[layer][row : row + 1, :, :n, :]
+
+    def keep(self, layers: list[int], row: int, start: int, indices: list[int]) -> None:
+        """Entries start + indices (sorted) of `row` packed at `start`, in every layer given."""
+        idx = mx.array([start + i for i in indices], dtype=mx.int32)
+        n = len(indices)
+        moved = [(d, layer, mx.take(d[layer][row : row + 1], idx, axis=2))
+                 for layer in layers if layer in self.keys for d in (self.keys, self.values)]
+        mx.eval([m for _, _, m in moved])  # nothing may hold the old buffers when they are written
+        for d, layer, m in moved:
+            d[layer][row : row + 1, :, start : start + n, :] = m
+
+    # ------------------------------------------------------------ a batched pass
+    def write_rows(self, layer: int, rows: mx.array, heads: mx.array, positions: mx.array,
+                   k: mx.array, v: mx.array) -> None:
+        """k, v (B, Hk, T, D): row b's T entries at positions[b] of arena row rows[b].
+        rows (B, 1, 1), heads (1, Hk, 1), positions (B, 1, T): one scatter per buffer."""
+        self._layer(layer, k, v)
+        self.keys[layer][rows, heads, positions] = k
+        self.values[layer][rows, heads, positions] = v
+
+    def read_rows(self, layer: int, rows: list[int], n: int) -> tuple[mx.array, mx.array]:
+        """(B, Hk, n, D) keys and values of `rows`, in that order."""
+        K, V = self.keys[layer], self.values[layer]
+        lo = rows[0]
+        if rows == list(range(lo, lo + len(rows))):
+            return K[lo : lo + len(rows), :, :n, :], V[lo : lo + len(rows), :, :n, :]
+        idx = mx.array(rows, dtype=mx.int32)
+        return mx.take(K[:, :, :n, :], idx, axis=0), mx.take(V[:, :, :n, :], idx, axis=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for d in (self.keys, self.values) for a in d.values())
+
+
+class SlotCache:
+    """One layer's cache of one sequence whose entries live in a row of a `KVArena`
+    (the KVCache interface)."""
+
+    def __init__(self, arena: KVArena, layer: int, row: int):
+        self.arena, self.layer, self.row = arena, layer, row
+        self.offset = 0
+        self.allocations = 0
+
+    def reserve(self, positions: int) -> None:
+        self.arena.ensure(positions)
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        prev, T = self.offset, k.shape[2]
+        self.arena.ensure(prev + T)
+        self.arena.write_row(self.layer, self.row, prev, k, v)
+        self.offset = prev + T
+        return self.arena.read_row(self.layer, self.row, self.offset)
+
+    def trim(self, n: int) -> int:
+        n = min(max(n, 0), self.offset)
+        self.offset -= n
+        return n
+
+    def keep(self, start: int, indices: list[int]) -> None:
+        keep_slots([self], start, indices)
+
+    @staticmethod
+    def keep_many(caches: list[SlotCache], start: int, indices: list[int]) -> None:
+        keep_slots(caches, start, indices)
+
+    @property
+    def keys(self) -> mx.array | None:
+        a = self.arena.keys.get(self.layer)
+        return None if a is None else a[self.row : self.row + 1]
+
+    @property
+    def values(self) -> mx.array | None:
+        a = self.arena.values.get(self.layer)
+        return None if a is None else a[self.row : self.row + 1]
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | None:
+        if self.layer not in self.arena.keys:
+            return None
+        return self.arena.read_row(self.layer, self.row, self.offset)
+
+    @property
+    def nbytes(self) -> int:
+        """This row's share of the arena."""
+        a, b = self.arena.keys.get(self.layer), self.arena.values.get(self.layer)
+        if a is None:
+            return 0
+        return (a.nbytes + b.nbytes) // max(self.arena.rows, 1)
+
+
+def keep_slots(caches: list[SlotCache], start: int, indices: list[int]) -> None:
+    """`KVCache.keep` for a sequence's slot caches, all layers at once (one evaluation)."""
+    if not caches:
+        return
+    n = len(indices)
+    if list(indices) != list(range(n)):
+        by_arena: dict[int, tuple[KVArena, int, list[int]]] = {}
+        for c in caches:
+            a = by_arena.setdefault(id(c.arena), (c.arena, c.row, []))
+            a[2].append(c.layer)
+        for arena, row, layers in by_arena.values():
+            arena.keep(layers, row, start, indices)
+    for c in caches:
+        c.offset = start + n

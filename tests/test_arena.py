@@ -1,0 +1,197 @@
+"""The batch's shared KV arena (edgespec.batch.arena) and the joint choice of speculation
+(edgespec.batch.cost.joint_sizes).
+
+Rows of one arena must behave exactly like caches of their own: alone, in one batched
+pass at different offsets and widths, after trims and tree commits, and when the arena
+grows under them; a batched pass over arena rows must not gather (that is its point).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_tiny_engine, make_tiny_model
+
+import edgespec.batch.batcher as batcher_mod
+import edgespec.batch.forward as forward_mod
+from edgespec.batch import Row, batched_forward
+from edgespec.batch.arena import KVArena, SlotCache
+from edgespec.batch.cost import PassCost, Peer, StepCost, joint_sizes
+from edgespec.kernels import commit_kv, tree_mask
+
+
+def _arena_caches(model, arena):
+    row = arena.acquire()
+    return [SlotCache(arena, i, row) for i in range(len(model.layers))]
+
+
+def _prefill(model, cache, prompt):
+    mx.eval(model(mx.array(prompt, dtype=mx.int32)[None], cache))
+
+
+def _state(cache) -> list[np.ndarray]:
+    return [np.array(c.state[0]) for c in cache] + [np.array(c.state[1]) for c in cache]
+
+
+def test_arena_rows_in_passes_equal_caches_of_their_own(monkeypatch):
+    """Three sequences, prefilled alone, then batched passes: one token each; a tree (own
+    mask) beside single tokens and a 3-token chunk (padding); a tree commit and a trim; one
+    more pass. Logits and cache contents equal the same calls on caches of their own, and
+    the arena passes never gather."""
+    model = make_tiny_model(2, scale=1.3)
+    prompts = [[1, 2, 3], list(range(5, 30)), [9] * 7]
+    arena = KVArena()
+    arena.step = 16  # so the passes below grow it
+    own = [model.make_cache() for _ in prompts]
+    rows_ = [_arena_caches(model, arena) for _ in prompts]
+    for p, a, b in zip(prompts, own, rows_, strict=True):
+        _prefill(model, a, p)
+        _prefill(model, b, p)
+
+    def gather_forbidden(*a, **k):
+        raise AssertionError("an arena pass gathered the rows")
+
+    monkeypatch.setattr(forward_mod, "_GatherCache", gather_forbidden)
+    parents = [-1, 0, 0, 1]
+
+    def calls(caches):
+        mask, pos = tree_mask(mx.array(parents, dtype=mx.int32), caches[1][0].offset)
+        return [
+            [Row(mx.array([[11]]), caches[0]), Row(mx.array([[12]]), caches[1]), Row(mx.array([[13]]), caches[2])],
+            [Row(mx.array([[14, 15, 16]]), caches[0]), Row(mx.array([[4, 5, 6, 7]]), caches[1], mask, pos),
+             Row(mx.array([[17]]), caches[2])],
+        ]
+
+    for step in range(2):
+        want = [model(r.inputs, r.cache, mask=r.mask, positions=r.positions) for r in calls(own)[step]]
+        got = batched_forward(model, calls(rows_)[step])
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-4)
+    for caches in (own, rows_):
+        commit_kv(caches[1], caches[1][0].offset - 4, [0, 2])  # keep the root and node 2
+        for c in caches[0]:
+            c.trim(2)
+    want = [model(mx.array([[t]]), c) for t, c in zip([21, 22, 23], own, strict=True)]
+    got = batched_forward(model, [Row(mx.array([[t]]), c) for t, c in zip([21, 22, 23], rows_, strict=True)])
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-4)
+    for a, b in zip(own, rows_, strict=True):
+        assert a[0].offset == b[0].offset
+        for x, y in zip(_state(a), _state(b), strict=True):
+            np.testing.assert_allclose(y, x, atol=1e-5)
+    assert arena.positions >= max(c[0].offset for c in rows_) and arena.allocations >= 1
+
+
+def test_the_arena_grows_rows_and_positions_keeping_what_it_holds():
+    arena = KVArena()
+    arena.step = 8
+    first = SlotCache(arena, 0, arena.acquire())
+    k = mx.random.normal((1, 2, 5, 4))
+    first.update_and_fetch(k, k + 1)
+    rows = [arena.acquire() for _ in range(4)]  # 1 -> 2 -> 4 -> 8 rows
+    assert arena.rows == 8 and sorted(rows) == [1, 2, 3, 4]
+    other = SlotCache(arena, 0, rows[-1])
+    k2 = mx.random.normal((1, 2, 20, 4))  # past 8 positions: grows to 24
+    other.update_and_fetch(k2, k2 * 2)
+    assert arena.positions == 24
+    np.testing.assert_array_equal(np.array(first.state[0]), np.array(k))
+    np.testing.assert_array_equal(np.array(first.state[1]), np.array(k + 1))
+    np.testing.assert_array_equal(np.array(other.state[1]), np.array(k2 * 2))
+    arena.release(rows[0])
+    assert arena.used == 4 and arena.acquire() == rows[0]
+
+
+def test_a_long_request_keeps_its_own_caches_beside_arena_rows(monkeypatch):
+    """Requests that may grow past ARENA_POSITIONS keep caches of their own; passes mixing
+    them with arena rows gather; every reply equals the request run alone."""
+    monkeypatch.setattr(batcher_mod, "ARENA_POSITIONS", 100)
+    engine = make_tiny_engine(3, scale=1.3)
+    prompts = [[(5 * i + j) % 50 + 1 for j in range(4 + 9 * i)] for i in range(4)]
+    want = [engine.generate(p, max_tokens=20, mode=m).tokens
+            for p, m in zip(prompts, ["plain", "auto"] * 2, strict=True)]
+    seen = []
+    orig = batcher_mod.Batcher.arena_caches
+
+    def spy(self, seq, caches):
+        out = orig(self, seq, caches)
+        seen.append((len(seq.req.ids), type(out[0]).__name__))
+        return out
+
+    monkeypatch.setattr(batcher_mod.Batcher, "arena_caches", spy)
+    import threading
+
+    got = [None] * 4
+
+    def run(i):
+        got[i] = engine.generate(prompts[i], max_tokens=20 + 20 * (i == 3), mode=["plain", "auto"][i % 2]).tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[:3] == want[:3] and got[3][:20] == want[3]
+    kinds = dict(seen)
+    assert kinds[4] == "SlotCache" and kinds[31] == "KVCache"  # 4 + 20 + 64 <= 100 < 31 + 40 + 64
+    assert engine.batcher._arena is None  # the batch emptied: its arena went with it
+
+
+# ------------------------------------------------------------------ choosing together
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+# one pass over n tokens, in units of one token's: flat up to 8 tokens, then about linear
+CPU = StepCost(PassCost(SIZES, [1.0, 1.06, 1.17, 1.4, 2.0, 3.0, 5.0, 9.0]))
+
+
+def _curve(p: float, n: int = 8) -> np.ndarray:
+    """Expected tokens of a chain of n-1 drafted tokens each accepted with probability p."""
+    return np.concatenate([[1.0], 1.0 + np.cumsum(p ** np.arange(1, n))])
+
+
+def _choices(curves, step):
+    """Each row's own size as that row computes the joint choice (peers' keys = their index)."""
+    out = []
+    for i, g in enumerate(curves):
+        peers = [Peer(1, h, j) for j, h in enumerate(curves) if j != i]
+        out.append(joint_sizes(g, peers, step, key=i)[0])
+    return out
+
+
+def test_rows_that_each_would_speculate_alone_stay_plain_together():
+    """8 rows whose candidates pay alone (a tree of 3 for 1.1x the time brings 1.47 tokens)
+    but not when they pad the pass of 8 rows (16 tokens cost 2.0x 8): the joint choice is
+    all plain, and every row comes to it. Priced one at a time against the others' sizes,
+    each tree looked free once one row had padded the pass."""
+    curves = [_curve(0.35)] * 8
+    assert joint_sizes(curves[0], [], CPU)[0] > 1
+    assert _choices(curves, CPU) == [1] * 8
+
+
+def test_a_predictable_row_speculates_in_a_pass_of_its_own():
+    """One row with near-certain candidates beside three with none: it verifies 8 tokens in
+    a pass of its own (cheaper than padding the others to 8), the others stay plain."""
+    curves = [np.ones(1)] * 3 + [_curve(0.97)]
+    assert _choices(curves, CPU) == [1, 1, 1, 8]
+    mine, peers, peer_tokens = joint_sizes(curves[3], [Peer(1, h, j) for j, h in enumerate(curves[:3])], CPU, key=3)
+    assert (mine, peers, peer_tokens) == (8, [1, 1, 1], 3.0)
+
+
+@pytest.mark.parametrize("p, n", [(0.3, 4), (0.5, 8), (0.8, 3)])
+def test_every_row_sees_the_same_choice(p, n):
+    """Identical curves (ties everywhere): the sizes each row assigns its peers are the sizes
+    those peers choose for themselves."""
+    curves = [_curve(p, 3)] * n
+    choice = _choices(curves, CPU)
+    for i in range(n):
+        _, peers, _ = joint_sizes(curves[i], [Peer(1, h, j) for j, h in enumerate(curves) if j != i], CPU, key=i)
+        assert peers == [choice[j] for j in range(n) if j != i], (i, choice)
+
+
+def test_measured_shapes_replace_the_one_sequence_curve():
+    step = StepCost(PassCost(SIZES, [1.0 + n / 20.0 for n in SIZES]))
+    before = step([1] * 8)
+    assert before == pytest.approx(1.4)
+    step.observe(8, 1, 2.0)  # 8 rows of 1 measured at 2.0
+    assert step([1] * 8) == pytest.approx(2.0)
+    # an unmeasured shape with 8 rows takes the same measured/curve ratio
+    assert step([2] * 8) == pytest.approx((1.0 + 16 / 20.0) * 2.0 / 1.4)
