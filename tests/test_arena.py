@@ -47,7 +47,8 @@ def test_arena_rows_in_passes_equal_caches_of_their_own(monkeypatch):
     rows_ = [_arena_caches(model, arena) for _ in prompts]
     for p, a, b in zip(prompts, own, rows_, strict=True):
         _prefill(model, a, p)
-        _prefill(model, b, p)
+        _prefill(model, b, p)  # alone: in buffers of their own, the arena untouched
+    assert arena.positions == 0 and not any(c.attached for r in rows_ for c in r)
 
     def gather_forbidden(*a, **k):
         raise AssertionError("an arena pass gathered the rows")
@@ -66,6 +67,7 @@ def test_arena_rows_in_passes_equal_caches_of_their_own(monkeypatch):
     for step in range(2):
         want = [model(r.inputs, r.cache, mask=r.mask, positions=r.positions) for r in calls(own)[step]]
         got = batched_forward(model, calls(rows_)[step])
+        assert all(c.attached for r in rows_ for c in r)  # a shared pass moved them into their rows
         for w, g in zip(want, got, strict=True):
             np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-4)
     for caches in (own, rows_):
@@ -88,10 +90,14 @@ def test_the_arena_grows_rows_and_positions_keeping_what_it_holds():
     arena.step = 8
     first = SlotCache(arena, 0, arena.acquire())
     k = mx.random.normal((1, 2, 5, 4))
-    first.update_and_fetch(k, k + 1)
+    first.update_and_fetch(k, k + 1)  # detached: in its own buffer
+    assert not first.attached and arena.positions == 0
+    first.attach()  # moved into its row
+    assert first.attached and first.offset == 5 and arena.positions == 8
     rows = [arena.acquire() for _ in range(4)]  # 1 -> 2 -> 4 -> 8 rows
     assert arena.rows == 8 and sorted(rows) == [1, 2, 3, 4]
     other = SlotCache(arena, 0, rows[-1])
+    other.attach()
     k2 = mx.random.normal((1, 2, 20, 4))  # past 8 positions: grows to 24
     other.update_and_fetch(k2, k2 * 2)
     assert arena.positions == 24
@@ -193,5 +199,9 @@ def test_measured_shapes_replace_the_one_sequence_curve():
     assert before == pytest.approx(1.4)
     step.observe(8, 1, 2.0)  # 8 rows of 1 measured at 2.0
     assert step([1] * 8) == pytest.approx(2.0)
-    # an unmeasured shape with 8 rows takes the same measured/curve ratio
-    assert step([2] * 8) == pytest.approx((1.0 + 16 / 20.0) * 2.0 / 1.4)
+    # wider, unmeasured: the measured shape scaled along the curve
+    assert step([2] * 8) == pytest.approx(2.0 * (1.0 + 16 / 20.0) / 1.4)
+    step.observe(8, 4, 4.0)
+    assert step([2] * 8) == pytest.approx(2.0 + 2.0 / 3)  # between measured widths (1 and 4): interpolated
+    # no shape of 4 rows measured: the curve times the ratio measured with the nearest count
+    assert step([1] * 4) == pytest.approx((1.0 + 4 / 20.0) * step.factor[8])

@@ -11,7 +11,9 @@ the rows where they lie.
 Each sequence still sees caches of its own (`SlotCache`, one per layer, the
 KVCache interface: offset, update_and_fetch, trim, keep, reserve), so every
 decoding mode runs unchanged, alone or in a pass; the arena only decides where
-the entries live. Rows are added by doubling, positions in steps of `step`; a
+the entries live. A sequence's entries move into its row when it first shares a
+pass: until then (alone, or a new request's prompt) they stay in a KVCache of its
+own, so its passes never wait on the arena's pending writes. Rows are added by doubling, positions in steps of `step`; a
 sequence's row is free again when it ends, and the arena goes with the batch
 when the batch empties.
 
@@ -23,6 +25,8 @@ holds the old buffer. Rows' reads are therefore never kept between calls, and
 from __future__ import annotations
 
 import mlx.core as mx
+
+from edgespec.cache import KVCache
 
 
 class KVArena:
@@ -125,22 +129,61 @@ class KVArena:
 
 class SlotCache:
     """One layer's cache of one sequence whose entries live in a row of a `KVArena`
-    (the KVCache interface)."""
+    (the KVCache interface).
+
+    It starts detached, on a KVCache of its own, and moves into its row when the
+    sequence first shares a pass (`attach`, from edgespec.batch.forward). A sequence
+    alone, and a new request's prompt, so never depend on the arena: writing into a
+    buffer the others' pending pass writes too would make the prompt wait for that pass
+    (time to first token).
+    """
 
     def __init__(self, arena: KVArena, layer: int, row: int):
         self.arena, self.layer, self.row = arena, layer, row
-        self.offset = 0
+        self.own: KVCache | None = KVCache()
         self.allocations = 0
 
+    @property
+    def attached(self) -> bool:
+        return self.own is None
+
+    def attach(self) -> None:
+        """Move the entries into the arena row (lazily: part of the pass that needs them)."""
+        own = self.own
+        if own is None:
+            return
+        self.own = None
+        self._offset = own.offset
+        if own.keys is not None and own.offset:
+            self.arena.ensure(own.offset)
+            self.arena.write_row(self.layer, self.row, 0, own.keys[..., : own.offset, :],
+                                 own.values[..., : own.offset, :])
+
+    @property
+    def offset(self) -> int:
+        return self.own.offset if self.own is not None else self._offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        if self.own is not None:
+            self.own.offset = value
+        else:
+            self._offset = value
+
     def reserve(self, positions: int) -> None:
-        self.arena.ensure(positions)
+        if self.own is not None:
+            self.own.reserve(positions)
+        else:
+            self.arena.ensure(positions)
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        prev, T = self.offset, k.shape[2]
+        if self.own is not None:
+            return self.own.update_and_fetch(k, v)
+        prev, T = self._offset, k.shape[2]
         self.arena.ensure(prev + T)
         self.arena.write_row(self.layer, self.row, prev, k, v)
-        self.offset = prev + T
-        return self.arena.read_row(self.layer, self.row, self.offset)
+        self._offset = prev + T
+        return self.arena.read_row(self.layer, self.row, self._offset)
 
     def trim(self, n: int) -> int:
         n = min(max(n, 0), self.offset)
@@ -156,23 +199,31 @@ class SlotCache:
 
     @property
     def keys(self) -> mx.array | None:
+        if self.own is not None:
+            return self.own.keys
         a = self.arena.keys.get(self.layer)
         return None if a is None else a[self.row : self.row + 1]
 
     @property
     def values(self) -> mx.array | None:
+        if self.own is not None:
+            return self.own.values
         a = self.arena.values.get(self.layer)
         return None if a is None else a[self.row : self.row + 1]
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | None:
+        if self.own is not None:
+            return self.own.state
         if self.layer not in self.arena.keys:
             return None
-        return self.arena.read_row(self.layer, self.row, self.offset)
+        return self.arena.read_row(self.layer, self.row, self._offset)
 
     @property
     def nbytes(self) -> int:
-        """This row's share of the arena."""
+        """Its own buffer's size, or its row's share of the arena."""
+        if self.own is not None:
+            return self.own.nbytes
         a, b = self.arena.keys.get(self.layer), self.arena.values.get(self.layer)
         if a is None:
             return 0
@@ -184,12 +235,16 @@ def keep_slots(caches: list[SlotCache], start: int, indices: list[int]) -> None:
     if not caches:
         return
     n = len(indices)
-    if list(indices) != list(range(n)):
+    for c in caches:
+        if c.own is not None:
+            c.own.keep(start, indices)
+    attached = [c for c in caches if c.own is None]
+    if attached and list(indices) != list(range(n)):
         by_arena: dict[int, tuple[KVArena, int, list[int]]] = {}
-        for c in caches:
+        for c in attached:
             a = by_arena.setdefault(id(c.arena), (c.arena, c.row, []))
             a[2].append(c.layer)
         for arena, row, layers in by_arena.values():
             arena.keep(layers, row, start, indices)
-    for c in caches:
+    for c in attached:
         c.offset = start + n

@@ -332,20 +332,24 @@ class Batcher:
         # A sequence that streamed a token this step waits for its reader to take it. Readers
         # are quick (a thread handing the chunk on): give them a moment, so the sequence makes
         # its next call in this step's pass rather than in a pass of its own next step.
-        readers = [s for s in self._live if s.on_reader and s.row is None]
-        if readers:
-            deadline = time.perf_counter() + READER_GRACE_S
-            with self._cv:
-                while not all(s.req.cancelled or s.req.ready() for s in readers):
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        break
-                    self._cv.wait(left)
-            for seq in readers:
-                if seq in self._live and seq.on_reader and (seq.req.cancelled or seq.req.ready()):
-                    seq.on_reader = False
-                    resumed += 1
-                    self._resume(seq)
+        # A round that commits several tokens streams them one chunk (and one wait) at a time.
+        deadline = time.perf_counter() + READER_GRACE_S
+        while True:
+            readers = [s for s in self._live if s.on_reader and s.row is None]
+            if not readers:
+                break
+            ready = [s for s in readers if _any_ready([s])]
+            if not ready:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                with self._cv:
+                    self._cv.wait_for(functools.partial(_any_ready, readers), left)
+                continue
+            for seq in ready:
+                seq.on_reader = False
+                resumed += 1
+                self._resume(seq)
         rows = [s for s in self._live if s.row is not None]
         if not rows:
             if not resumed and self._live:  # every sequence waits for its reader
@@ -448,9 +452,9 @@ class Batcher:
 
     def batch_context(self, me: _Seq | None):
         peers = [Peer(s.size, s.gains, s.key) for s in self._live if s is not me]
-        if not peers:
+        if not peers or me is None:
             return None
-        return peers, self._step_cost(), (me.key if me is not None else 0)
+        return peers, self._step_cost(), me.key
 
     def _run(self, seq: _Seq) -> None:
         """A sequence's whole life, inside its greenlet: build the mode, stream, report."""
@@ -490,6 +494,10 @@ class Batcher:
 
 
 _WAIT = object()  # a sequence's signal to the worker: paused for its reader
+
+
+def _any_ready(seqs: list[_Seq]) -> bool:
+    return any(s.req.cancelled or s.req.ready() for s in seqs)
 
 
 class _Raise:

@@ -120,6 +120,9 @@ def _cache_views(rows: list[Row], t_max: int, s_max: int) -> tuple[list, bool]:
     n_layers = len(rows[0].cache)
     if arena is None:
         return [_GatherCache([r.cache[i] for r in rows], [r.T for r in rows], s_max) for i in range(n_layers)], False
+    for r in rows:
+        for c in r.cache:
+            c.attach()
     slots = [r.cache[0].row for r in rows]
     arena.ensure(max(r.offset for r in rows) + t_max)
     rows_idx = mx.array(slots, dtype=mx.int32).reshape(-1, 1, 1)
