@@ -73,6 +73,10 @@ def add_arguments(p) -> None:
         "of the modes (aggregate and per-request tokens/s, time to first token, speculation off / forced on / "
         "chosen per batch; --repeats rounds per level); writes concurrency.json, concurrency.md and a plot",
     )
+    g.add_argument(
+        "--per-client", type=int, default=3,
+        help="with --concurrency: requests each client sends back to back in a round (default 3)",
+    )
 
 
 def _csv(text: str | None) -> list[str] | None:
@@ -97,6 +101,7 @@ def reproduce_command(args) -> str:
         ("--seed", args.seed, None),
         ("--out", args.out, None),
         ("--concurrency", getattr(args, "concurrency", None), None),
+        ("--per-client", getattr(args, "per_client", 3) if getattr(args, "concurrency", None) else None, 3),
     ):
         if value is not None and value != default:
             parts += [flag, str(value)]
@@ -140,6 +145,8 @@ def run(args) -> int:
 
     # Validate everything cheap before loading the model.
     if args.concurrency is not None:
+        if args.per_client < 1:
+            raise ValueError(f"--per-client takes a positive integer, got {args.per_client}")
         return run_concurrency_bench(args, _levels(args.concurrency))
     specs = parse_mode_specs(args.modes, available_modes())
     prompts = select_prompts(load_prompts(args.prompts), _csv(args.domains), args.per_domain)
@@ -238,7 +245,7 @@ def run_concurrency_bench(args, levels: list[int]) -> int:
             print(f"  {desc}", file=sys.stderr, flush=True)
 
     report = run_concurrency(engine, ids, levels, args.max_tokens, rounds=max(args.repeats, 1),
-                             on_progress=on_progress)
+                             on_progress=on_progress, per_client=args.per_client)
     report["summary"] = summarise(report)
     report["command"] = reproduce_command(args)
     report["machine"] = machine_info()

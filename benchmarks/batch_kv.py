@@ -2,11 +2,13 @@
 
     python benchmarks/batch_kv.py [--model PATH] [--reps 9]
 
-One decode step of B rows (contexts 100, 137, 174, ... tokens) three ways:
-gathered (per-sequence caches padded into (B, Hk, S_max, D) per layer, what
-edgespec.batch does), shared (one batched cache at a common offset: the bound a
-shared cache with per-row offsets could reach) and separate (B single-row calls).
-The three are interleaved rep by rep; medians are printed.
+One decode step of B rows (contexts 100, 137, 174, ... tokens) four ways:
+arena (each row's caches a row of one KVArena, written by one scatter per layer:
+what edgespec.batch does), gathered (per-sequence caches padded into
+(B, Hk, S_max, D) per layer: what it did before, and still does for rows with
+caches of their own), shared (one batched cache at a common offset: the bound for
+per-row offsets) and separate (B single-row calls). Interleaved rep by rep;
+medians are printed.
 """
 
 from __future__ import annotations
@@ -18,12 +20,23 @@ import time
 import mlx.core as mx
 
 import edgespec
+from edgespec.batch.arena import KVArena, SlotCache
 from edgespec.batch.forward import Row, batched_forward
 
 
 def filled(model, n: int, rows: int = 1):
     cache = model.make_cache()
     ids = mx.repeat((mx.arange(1, n + 1) % 1000)[None], rows, axis=0)
+    mx.eval(model(ids, cache))
+    return cache
+
+
+def in_arena(model, arena: KVArena, n: int):
+    row = arena.acquire()
+    cache = [SlotCache(arena, i, row) for i in range(len(model.layers))]
+    for c in cache:
+        c.attach()
+    ids = (mx.arange(1, n + 1) % 1000)[None]
     mx.eval(model(ids, cache))
     return cache
 
@@ -44,6 +57,12 @@ def main() -> None:
         lens = [100 + 37 * i for i in range(B)]
         caches = [filled(model, n) for n in lens]
         shared_cache = filled(model, max(lens), B)
+        arena = KVArena()
+        rows = [in_arena(model, arena, n) for n in lens]
+
+        def arena_step(rows=rows):
+            mx.eval(batched_forward(model, [Row(mx.array([[5]]), c) for c in rows]))
+            rollback(rows)
 
         def gathered(caches=caches):
             mx.eval(batched_forward(model, [Row(mx.array([[5]]), c) for c in caches]))
@@ -58,7 +77,7 @@ def main() -> None:
                 mx.eval(model(mx.array([[5]]), c))
             rollback(caches)
 
-        ways = {"gathered": gathered, "shared": shared, "separate": separate}
+        ways = {"arena": arena_step, "gathered": gathered, "shared": shared, "separate": separate}
         times: dict[str, list[float]] = {k: [] for k in ways}
         for f in ways.values():
             f()  # warm-up
@@ -67,9 +86,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 f()
                 times[k].append(time.perf_counter() - t0)
-        g, s, sep = (statistics.median(times[k]) for k in ways)
-        print(f"B={B}: gathered {g * 1000:.1f} ms, shared cache {s * 1000:.1f} ms (gathered/shared {g / s:.2f}), "
-              f"{B} separate calls {sep * 1000:.1f} ms (separate/gathered {sep / g:.2f})")
+        a, g, s, sep = (statistics.median(times[k]) for k in ways)
+        print(f"B={B}: arena {a * 1000:.1f} ms, gathered {g * 1000:.1f} ms, shared cache {s * 1000:.1f} ms, "
+              f"{B} separate calls {sep * 1000:.1f} ms (gathered/arena {g / a:.2f}, arena/shared {a / s:.2f})")
 
 
 if __name__ == "__main__":

@@ -321,11 +321,14 @@ def test_bench_concurrency_reports_every_level_and_policy(tmp_path, monkeypatch,
     pf.write_text("\n".join(json.dumps({"prompt": t, "domain": "chat"}) for t in ("hello", "abc def", "xyz")))
     out = tmp_path / "out"
     rc = main(["bench", "--prompts", str(pf), "--max-tokens", "12", "--repeats", "1", "--raw", "--quiet",
-               "--concurrency", "1,2,3", "--out", str(out)])
+               "--concurrency", "1,2,3", "--per-client", "2", "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "concurrency.json").read_text())
     cells = {(r["concurrency"], r["policy"]) for r in report["rows"]}
     assert cells == {(c, p) for c in (1, 2, 3) for p in ("off", "on", "chosen")}
+    # every client sent its 2 requests back to back
+    assert all(r["requests"] == 2 * r["concurrency"] for r in report["rows"])
+    assert "--per-client 2" in report["command"]
     assert all(r["wrong"] == 0 and r["aggregate_tps"] > 0 and r["ttft_s"] > 0 for r in report["rows"])
     assert all(r["tokens_per_pass"] == 1.0 for r in report["rows"] if r["policy"] == "off")
     assert "chosen / best" in (out / "concurrency.md").read_text()
@@ -333,6 +336,8 @@ def test_bench_concurrency_reports_every_level_and_policy(tmp_path, monkeypatch,
     capsys.readouterr()
     assert main(["bench", "--concurrency", "1,0", "--out", str(out)]) != 0
     assert "--concurrency takes positive integers" in capsys.readouterr().err
+    assert main(["bench", "--concurrency", "2", "--per-client", "0", "--out", str(out)]) != 0
+    assert "--per-client takes a positive integer" in capsys.readouterr().err
 
 
 def test_the_idle_worker_thread_ends_and_a_new_one_takes_over(engine, monkeypatch):

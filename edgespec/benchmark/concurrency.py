@@ -1,19 +1,21 @@
 """`edgespec bench --concurrency 1,2,4,8`: throughput and latency of concurrent requests.
 
-For every concurrency level c and speculation policy, rounds of c requests start
-together (one thread each, `Engine.stream`, so they join one batch) and run to
-the end. Policies:
+For every concurrency level c and speculation policy, c clients (one thread each,
+`Engine.stream`, so their requests join one batch) each send `per_client` requests
+back to back, the next as soon as the last reply ends: the way concurrent streaming
+clients load a server, so a reply that ends early makes room for the next one at
+once. Policies:
 
     off     mode plain: no speculation
     on      mode auto with batch_aware=0: trees priced as if each request ran alone
     chosen  mode auto: the adaptive decoder prices trees against the whole batch
 
-Per (c, policy): aggregate tokens/s (all tokens / wall time of the round), mean
-per-request tokens/s, mean time to first token (from submission), tokens per
-verifier pass (1.0 = no speculation), and greedy replies that differ from the
-same request run alone with plain decoding ("wrong"; must be 0). Policies are
-interleaved round by round so a busy machine slows them alike. The history
-source is off for the run: the same prompts come back round after round.
+Per (c, policy): aggregate tokens/s (all tokens / wall time from the first request
+to the last reply), mean per-request tokens/s, mean time to first token (from
+submission), tokens per verifier pass (1.0 = no speculation), and greedy replies
+that differ from the same request run alone with plain decoding ("wrong"; must be
+0). Policies are interleaved round by round so a busy machine slows them alike. The
+history source is off for the run: the same prompts come back round after round.
 """
 
 from __future__ import annotations
@@ -48,41 +50,48 @@ class Cell:
         }
 
 
-def _round(engine, prompts: list[list[int]], mode: str, mode_options: dict, max_tokens: int):
-    """Run the prompts together; -> (per request: (tokens, ttft, stats)), wall seconds."""
+def _clients(engine, queues: list[list[list[int]]], mode: str, mode_options: dict, max_tokens: int):
+    """One thread per client, each running its queue of prompts back to back.
+    -> (per request: (client, index, tokens, ttft, stats, t0, t1)), wall seconds."""
     from edgespec.engine import make_options
     from edgespec.generate import GenerationStats
 
-    out: list = [None] * len(prompts)
-    gate = threading.Barrier(len(prompts))
+    out: list = []
+    lock = threading.Lock()
+    gate = threading.Barrier(len(queues))
 
-    def work(i):
+    def work(c):
         options = make_options(max_tokens=max_tokens, mode=mode, **mode_options)
-        stats = GenerationStats()
         gate.wait()
-        t0 = time.perf_counter()
-        first, toks = None, []
-        for chunk in engine._stream(prompts[i], options, engine.resolve_mode(options), None, stats):
-            if first is None and chunk.tokens:
-                first = time.perf_counter() - t0
-            toks.extend(chunk.tokens)
-        out[i] = (toks, first if first is not None else time.perf_counter() - t0, stats, t0, time.perf_counter())
+        for j, ids in enumerate(queues[c]):
+            stats = GenerationStats()
+            t0 = time.perf_counter()
+            first, toks = None, []
+            for chunk in engine._stream(ids, options, engine.resolve_mode(options), None, stats):
+                if first is None and chunk.tokens:
+                    first = time.perf_counter() - t0
+                toks.extend(chunk.tokens)
+            t1 = time.perf_counter()
+            with lock:
+                out.append((c, j, toks, first if first is not None else t1 - t0, stats, t0, t1))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(len(queues))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = max(o[4] for o in out) - min(o[3] for o in out)
+    wall = max(o[6] for o in out) - min(o[5] for o in out)
     return out, wall
 
 
 def run_concurrency(engine, prompts: list[list[int]], levels: list[int], max_tokens: int, rounds: int = 2,
-                    policies=tuple(POLICIES), on_progress=None) -> dict:
+                    policies=tuple(POLICIES), on_progress=None, per_client: int = 3) -> dict:
     """-> {"rows": [Cell.row()...], "settings": {...}} (see the module docstring)."""
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise ValueError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    if per_client < 1:
+        raise ValueError(f"per_client must be >= 1, got {per_client}")
     saved_history, engine.history = engine.history, None
     batcher = engine.batcher
     saved_max = batcher.max_batch
@@ -93,22 +102,24 @@ def run_concurrency(engine, prompts: list[list[int]], levels: list[int], max_tok
             refs[i] = engine.generate(ids, max_tokens=max_tokens, mode="plain").tokens
         for p in policies:  # warm-up (calibration, first-use allocations)
             mode, mo = POLICIES[p]
-            _round(engine, prompts[:1], mode, mo, 8)
+            _clients(engine, [prompts[:1]], mode, mo, 8)
         cells = {(c, p): Cell(c, p) for c in levels for p in policies}
         for c in levels:
             for r in range(rounds):
-                which = [(r * c + k) % len(prompts) for k in range(c)]
+                # client k's j-th request: prompts taken in turn, a different slice each round
+                which = [[(r * c * per_client + k * per_client + j) % len(prompts) for j in range(per_client)]
+                         for k in range(c)]
                 for p in policies:
                     mode, mo = POLICIES[p]
-                    res, wall = _round(engine, [prompts[i] for i in which], mode, mo, max_tokens)
+                    res, wall = _clients(engine, [[prompts[i] for i in w] for w in which], mode, mo, max_tokens)
                     cell = cells[(c, p)]
                     cell.wall_s += wall
-                    for i, (toks, ttft, stats, t0, t1) in zip(which, res, strict=True):
+                    for k, j, toks, ttft, stats, t0, t1 in res:
                         cell.tokens += len(toks)
                         cell.passes += max(stats.verifier_passes, 1)
                         cell.per_request_tps.append(len(toks) / max(t1 - t0, 1e-9))
                         cell.ttft_s.append(ttft)
-                        cell.wrong += toks != refs[i]
+                        cell.wrong += toks != refs[which[k][j]]
                     if on_progress:
                         on_progress(c, f"c={c} {p}")
     finally:
@@ -116,7 +127,8 @@ def run_concurrency(engine, prompts: list[list[int]], levels: list[int], max_tok
         batcher.max_batch = saved_max
     rows = [cells[(c, p)].row() for c in levels for p in policies]
     return {"rows": rows, "settings": {"levels": levels, "policies": list(policies), "rounds": rounds,
-                                       "max_tokens": max_tokens, "prompts": len(prompts)}}
+                                       "per_client": per_client, "max_tokens": max_tokens,
+                                       "prompts": len(prompts)}}
 
 
 def summarise(report: dict) -> dict:
