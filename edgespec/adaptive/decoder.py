@@ -229,7 +229,13 @@ class AdaptiveDecoder:
         return ctx is not None and ctx() is not None
 
     def _window_now(self) -> bool:
-        return self.wctl is not None and self.wctl.choose() == "full"
+        if self.wctl is None:
+            return False
+        if self._batch_ctx is not None and self._batch_ctx() is not None:
+            # In a batch the step's shape is chosen jointly (cost.joint_sizes), which has no
+            # price for a window riding on a tree: it would pad every row past the cap.
+            return False
+        return self.wctl.choose() == "full"
 
     def _drafted(self, plan: Plan) -> None:
         self.since_draft = 0
