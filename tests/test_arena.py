@@ -205,3 +205,33 @@ def test_measured_shapes_replace_the_one_sequence_curve():
     assert step([2] * 8) == pytest.approx(2.0 + 2.0 / 3)  # between measured widths (1 and 4): interpolated
     # no shape of 4 rows measured: the curve times the ratio measured with the nearest count
     assert step([1] * 4) == pytest.approx((1.0 + 4 / 20.0) * step.factor[8])
+
+
+def test_auto_adds_no_jacobi_window_to_a_tree_inside_a_batch():
+    """The window controller may want the Jacobi window; inside a batch (batch-aware) the
+    step's shape is the joint choice's, so no window rides on the tree; alone, or priced as
+    if alone (batch_aware=0), the controller decides."""
+    from edgespec.adaptive.decoder import AdaptiveDecoder
+
+    class Full:
+        def choose(self):
+            return "full"
+
+    dec = AdaptiveDecoder.__new__(AdaptiveDecoder)
+    dec.wctl = Full()
+    for ctx, want in ((None, True), (lambda: None, True), (lambda: ([Peer(1)], CPU, 0), False)):
+        dec._batch_ctx = ctx
+        assert dec._window_now() is want
+
+
+def test_a_tree_rounds_host_time_is_priced():
+    """A row whose candidates pay on the passes alone (4 rows: a tree of 8 in a pass of its
+    own) stays plain once its tree round's host work (drawing, accepting, committing, while
+    the others wait) costs more than the tokens bring."""
+    curves = [np.ones(1)] * 3 + [_curve(0.97)]
+    peers = [Peer(1, h, j) for j, h in enumerate(curves[:3])]
+    assert joint_sizes(curves[3], peers, CPU, key=3, extra_s=0.0)[0] == 8
+    assert joint_sizes(curves[3], peers, CPU, key=3, extra_s=2.0)[0] == 1
+    # and a peer's host time counts the same way in every row's computation
+    others = [Peer(1, np.ones(1), 0), Peer(1, np.ones(1), 1), Peer(1, curves[3], 3, extra_s=2.0)]
+    assert joint_sizes(np.ones(1), others, CPU, key=2)[1] == [1, 1, 1]

@@ -125,8 +125,9 @@ class AdaptiveDecoder:
 
         peers, step, key = ctx
         gains = gain_curve(nodes, self.max_tree)
-        self.model.publish_gains(gains)
-        cap, sizes, others = joint_sizes(gains, peers, step, key)
+        extra_s = max(self._host["tree"] - self._host["plain"], 0.0)
+        self.model.publish_gains(gains, extra_s)
+        cap, sizes, others = joint_sizes(gains, peers, step, key, extra_s)
         bc = BatchCosts(self.costs, sizes, step)
         return bc, bc.verify(1), others, cap
 
@@ -174,6 +175,7 @@ class AdaptiveDecoder:
         # Inside a batch (edgespec.batch.SeqModel): who else is in the step, to price against.
         self._batch_ctx = getattr(self.model, "batch_context", None) if self.batch_aware else None
         self._draft_time = 0.0
+        self._host = mem.get("host", {"tree": 0.0, "plain": 0.0})  # see _host_time
         self._greedy = Sampler(SamplingParams(temperature=0.0))
         # Whether the Jacobi window rides along: measured tokens/s with ("full") and
         # without it ("lean"), the slower one re-probed now and then (lookahead's controller).
@@ -198,7 +200,8 @@ class AdaptiveDecoder:
         try:
             yield from self._rounds(cache, seq, sampler, stats, greedy)
         finally:
-            mem.update(acc=self.acc, costs=self.costs, plain_s=self.plain_s, probe_wait=self.probe_wait)
+            mem.update(acc=self.acc, costs=self.costs, plain_s=self.plain_s, probe_wait=self.probe_wait,
+                       host=self._host)
 
     def _rounds(self, cache, seq, sampler, stats, greedy):
         while True:
@@ -208,12 +211,14 @@ class AdaptiveDecoder:
                 yield from self._plain_run(cache, seq, sampler, stats, greedy)
                 continue
             t_round = time.perf_counter()
+            blocked = getattr(self.model, "blocked_s", 0.0)
             out = self._tree_round(cache, seq, plan, sampler, stats, window)
             if out is None:  # the drafter proposed nothing and nothing else pays: one plain step
                 yield from self._plain_run(cache, seq, sampler, stats, greedy, max_steps=1)
                 continue
             new, lps, srcs, T = out
             dt = time.perf_counter() - t_round
+            self._host_time("tree", dt, blocked)
             if self.wctl is not None:
                 self.wctl.record("full" if window else "lean", len(new), dt)
             # A window round's extra tokens are priced by the window controller; in a batch the
@@ -223,6 +228,16 @@ class AdaptiveDecoder:
             seq.extend(new)
             for t, lpv, src in zip(new, lps, srcs, strict=True):
                 yield Token(t, lpv, src)
+
+    def _host_time(self, kind: str, dt: float, blocked_before: float) -> None:
+        """Inside a batch: the seconds of a round (kind "tree") or plain step spent outside
+        the batched pass (its Python and small evaluations, which every other row waits for),
+        as a moving average; their difference prices a tree round in the joint choice."""
+        blocked = getattr(self.model, "blocked_s", None)
+        if blocked is None or not self._in_batch():
+            return
+        host = max(dt - (blocked - blocked_before), 0.0)
+        self._host[kind] = 0.8 * self._host[kind] + 0.2 * host
 
     def _in_batch(self) -> bool:
         ctx = getattr(self.model, "batch_context", None)
@@ -309,6 +324,7 @@ class AdaptiveDecoder:
         go_on = True
         while True:
             t0 = time.perf_counter()
+            blocked = getattr(model, "blocked_s", 0.0)
             if pending is None:
                 pending = queue(mx.array(seq[-1], dtype=mx.int32), len(seq))
                 mx.async_eval(*pending)
@@ -330,6 +346,7 @@ class AdaptiveDecoder:
                 self.wctl.record("lean", 1, dt)
             seq.append(t)
             steps += 1
+            self._host_time("plain", time.perf_counter() - t0, blocked)
             yield Token(t, lp_t, "verifier")
             if not go_on:
                 return

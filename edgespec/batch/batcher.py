@@ -104,6 +104,7 @@ class SeqModel:
         self._model = model
         self._batcher = batcher
         self._seq = seq
+        self.blocked_s = 0.0  # seconds its calls spent waiting for batched passes
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -122,10 +123,11 @@ class SeqModel:
             return caches
         return self._batcher.arena_caches(self._seq, caches)
 
-    def publish_gains(self, gains) -> None:
-        """This row's gain curve, for the other rows' joint choice (cost.joint_sizes)."""
+    def publish_gains(self, gains, extra_s: float = 0.0) -> None:
+        """This row's gain curve and the host seconds a tree round costs it beyond a plain
+        step, for the other rows' joint choice (cost.joint_sizes)."""
         if self._seq is not None:
-            self._seq.gains = gains
+            self._seq.gains, self._seq.extra_s = gains, extra_s
 
     def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False,
                  last_only=False):
@@ -146,7 +148,10 @@ class SeqModel:
             if return_hidden:
                 return logits, mx.concatenate([o[1] for o in outs], axis=1)
             return logits
-        return b.forward(Row(inputs, cache, mask, positions, return_hidden, last_only))
+        t0 = time.perf_counter()
+        out = b.forward(Row(inputs, cache, mask, positions, return_hidden, last_only))
+        self.blocked_s += time.perf_counter() - t0
+        return out
 
 
 class _Seq:
@@ -159,6 +164,7 @@ class _Seq:
         self.size = 1  # tokens of its latest model call (what it adds to a step)
         self.emitted = False  # has streamed a chunk (its prompt is done)
         self.gains = None  # its latest gain curve (adaptive decoding), see cost.joint_sizes
+        self.extra_s = 0.0  # host seconds its tree round costs beyond a plain step
         self.key = next(_KEYS)  # admission order: the tie-break of the joint choice
         self.arena_rows: list[int] = []  # rows of the batch's KV arena it holds
 
@@ -451,7 +457,7 @@ class Batcher:
         return self._step_cost().pass_cost(tokens)
 
     def batch_context(self, me: _Seq | None):
-        peers = [Peer(s.size, s.gains, s.key) for s in self._live if s is not me]
+        peers = [Peer(s.size, s.gains, s.key, s.extra_s) for s in self._live if s is not me]
         if not peers or me is None:
             return None
         return peers, self._step_cost(), me.key

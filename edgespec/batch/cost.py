@@ -134,12 +134,14 @@ class Peer:
     size: int  # tokens of its latest call
     gains: np.ndarray | None = None  # its published gain curve; None: its size is its own (commits 1)
     key: int = 0  # breaks ties in the same order in every row's computation (admission order)
+    extra_s: float = 0.0  # host seconds its tree round costs beyond a plain step (every row waits)
 
 
 CAPS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes a step may be capped at
 
 
-def joint_sizes(mine: np.ndarray, peers: list[Peer], step: StepCost, key: int = 0) -> tuple[int, list[int], float]:
+def joint_sizes(mine: np.ndarray, peers: list[Peer], step: StepCost, key: int = 0,
+                extra_s: float = 0.0) -> tuple[int, list[int], float]:
     """The step configuration with the best batch rate -> (this row's tree size at most,
     the peers' sizes in it, the tokens the peers commit in it).
 
@@ -147,10 +149,13 @@ def joint_sizes(mine: np.ndarray, peers: list[Peer], step: StepCost, key: int = 
     run plain; for each C the ones that gain most from C speculate, the top k for every k.
     Peers without a curve (other modes, prompt chunks) keep their sizes. Ties go by `key`
     (this row's) and the peers' keys, so every row ranks the rows alike.
-    rate = (sum of expected tokens) / step(sizes).
+    rate = (sum of expected tokens) / (step(sizes) + the speculating rows' extra host
+    seconds: a tree round's drawing, accepting and committing run in the worker while
+    every other row waits; `extra_s` is this row's).
     """
     flex = [mine] + [p.gains for p in peers if p.gains is not None]
     keys = [key] + [p.key for p in peers if p.gains is not None]
+    extras = [extra_s] + [p.extra_s for p in peers if p.gains is not None]
     fixed = [p.size for p in peers if p.gains is None]
     nf = len(flex)
     base_gain = float(len(fixed))
@@ -164,12 +169,12 @@ def joint_sizes(mine: np.ndarray, peers: list[Peer], step: StepCost, key: int = 
         sizes = [min(C, len(g)) for g in flex]
         extra = [float(g[s - 1]) - 1.0 for g, s in zip(flex, sizes, strict=True)]
         order = sorted(range(nf), key=lambda i: (-extra[i], keys[i]))
-        conf, gain = list(plain), base_gain + nf
+        conf, gain, host = list(plain), base_gain + nf, 0.0
         for i in order:
             if extra[i] <= 0.0:
                 break
-            conf[i], gain = sizes[i], gain + extra[i]
-            rate = gain / step(fixed + conf)
+            conf[i], gain, host = sizes[i], gain + extra[i], host + extras[i]
+            rate = gain / (step(fixed + conf) + host)
             if rate > best_rate:
                 best_rate, best = rate, list(conf)
     # Peers' sizes, in `peers` order, and the tokens they commit in the chosen configuration.
