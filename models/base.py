@@ -452,7 +452,10 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)  # (B, Hk, S, D)
         if self.window is not None:
             mask = window_mask(mask, positions, offset, T, self.window)
-        if use_numpy_attention(q, k):  # a long prompt chunk on the CPU device: see the kernel's notes
+        # A long prompt chunk on the CPU device: see the kernel's notes. Only calls with a cache
+        # (inference) take it: numpy has no gradients, and full-sequence calls without a cache
+        # (drafter training, calibration) must stay differentiable.
+        if cache is not None and use_numpy_attention(q, k):
             out = numpy_attention(q, k, v, self.scale, mask, self.softcap)
         elif self.softcap is None:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)

@@ -106,3 +106,19 @@ def test_a_model_prefill_through_the_numpy_path_matches_the_fused_kernel(monkeyp
     assert taken and all(s[2] >= kernel.CPU_NUMPY_MIN_QUERIES for s in taken)  # numpy run only
     np.testing.assert_allclose(np.array(runs["numpy"][0]), np.array(runs["fused"][0]), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(runs["numpy"][1]), np.array(runs["fused"][1]), rtol=1e-5, atol=1e-5)
+
+
+def test_calls_without_a_cache_stay_differentiable(monkeypatch):
+    """Training and calibration call the model on whole sequences without a cache: they must
+    keep the differentiable kernel (numpy has no gradients), however long the sequence."""
+    import mlx.nn as nn
+    from conftest import make_tiny_model
+
+    import edgespec.kernels.attention as kernel
+
+    monkeypatch.setattr(kernel, "CPU_NUMPY_MIN_SCORES", 1)  # every long chunk would go to numpy
+    model = make_tiny_model(0)
+    x = mx.array([[(7 * i) % 60 + 1 for i in range(kernel.CPU_NUMPY_MIN_QUERIES + 15)]])
+    _, grads = nn.value_and_grad(model, lambda: model(x)[0, -1].sum())()
+    g = grads["model"]["layers"][0]["self_attn"]["q_proj"]["weight"]
+    assert float(mx.abs(g).max()) > 0  # zero if attention had been a constant
