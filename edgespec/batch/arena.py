@@ -197,19 +197,20 @@ class SlotCache:
     def keep_many(caches: list[SlotCache], start: int, indices: list[int]) -> None:
         keep_slots(caches, start, indices)
 
-    @property
-    def keys(self) -> mx.array | None:
+    def _buffer(self, kind: str) -> mx.array | None:
+        """Its whole keys or values buffer (capacity positions), as KVCache.keys/values."""
         if self.own is not None:
-            return self.own.keys
-        a = self.arena.keys.get(self.layer)
+            return getattr(self.own, kind)
+        a = getattr(self.arena, kind).get(self.layer)
         return None if a is None else a[self.row : self.row + 1]
 
     @property
+    def keys(self) -> mx.array | None:
+        return self._buffer("keys")
+
+    @property
     def values(self) -> mx.array | None:
-        if self.own is not None:
-            return self.own.values
-        a = self.arena.values.get(self.layer)
-        return None if a is None else a[self.row : self.row + 1]
+        return self._buffer("values")
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | None:
