@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgespec.cache import KVCache
+from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
 
 # Config fields that never change the forward math of a decoder in inference (bookkeeping,
@@ -356,11 +357,9 @@ class OffsetRMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu}
-
-
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)). inference=True (a call with a KV cache, so no
+    gradient is taken) lets prompt chunks on the CPU use the numpy activation."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -368,10 +367,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, F, bias=args.mlp_bias)
         self.up_proj = nn.Linear(E, F, bias=args.mlp_bias)
         self.down_proj = nn.Linear(F, E, bias=args.mlp_bias)
-        self._act = ACTIVATIONS[args.hidden_act]
+        self._act = args.hidden_act  # ModelArgs checked it against the architecture's activations
 
-    def __call__(self, x):
-        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, inference: bool = False):
+        return self.down_proj(gated_activation(self._act, self.gate_proj(x), self.up_proj(x), inference))
 
 
 # ---------------------------------------------------------------- attention
@@ -532,9 +531,9 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, mask, cache, positions):
         if self._sandwich:  # Gemma 2/3: x + norm(attn(norm(x))), then the same around the MLP
             h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache, positions))
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), cache is not None))
         h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), cache is not None)
 
 
 class Body(nn.Module):

@@ -7,7 +7,7 @@ import pytest
 from edgespec.kernels.attention import (
     CPU_NUMPY_MIN_QUERIES,
     CPU_NUMPY_MIN_SCORES,
-    QUERY_BLOCK,
+    BLOCK_ROWS,
     attention,
     numpy_attention,
     use_numpy_attention,
@@ -22,7 +22,7 @@ def _qkv(H, Hk, T, S, D=16, seed=0, dtype=mx.float32):
     return q, k, v
 
 
-@pytest.mark.parametrize("H,Hk,T,S", [(4, 2, 37, 100), (6, 3, QUERY_BLOCK + 45, 700), (4, 4, 300, 300)])
+@pytest.mark.parametrize("H,Hk,T,S", [(4, 2, 37, 100), (6, 3, BLOCK_ROWS + 45, 700), (4, 4, 300, 300)])
 def test_causal_with_a_cache_matches_the_fused_kernel(H, Hk, T, S):
     """New tokens are the last T of S slots (a prompt chunk after earlier chunks), grouped heads,
     more than one query block."""
