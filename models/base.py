@@ -22,6 +22,7 @@ import mlx.nn as nn
 from edgespec.cache import KVCache
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
+from edgespec.kernels.linear import Linear
 
 # Config fields that never change the forward math of a decoder in inference (bookkeeping,
 # training-only knobs, generation defaults). Every other field must be read by the
@@ -364,9 +365,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         E, F = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(E, F, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(E, F, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(F, E, bias=args.mlp_bias)
+        self.gate_proj = Linear(E, F, bias=args.mlp_bias)
+        self.up_proj = Linear(E, F, bias=args.mlp_bias)
+        self.down_proj = Linear(F, E, bias=args.mlp_bias)
         self._act = args.hidden_act  # ModelArgs checked it against the architecture's activations
 
     def __call__(self, x, inference: bool = False):
@@ -424,10 +425,10 @@ class Attention(nn.Module):
         E, H, Hk, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = H, Hk, D
         self.scale = opts.scale if opts.scale is not None else D**-0.5
-        self.q_proj = nn.Linear(E, H * D, bias=args.attention_bias)
-        self.k_proj = nn.Linear(E, Hk * D, bias=args.attention_bias)
-        self.v_proj = nn.Linear(E, Hk * D, bias=args.attention_bias)
-        self.o_proj = nn.Linear(H * D, E, bias=False)
+        self.q_proj = Linear(E, H * D, bias=args.attention_bias)
+        self.k_proj = Linear(E, Hk * D, bias=args.attention_bias)
+        self.v_proj = Linear(E, Hk * D, bias=args.attention_bias)
+        self.o_proj = Linear(H * D, E, bias=False)
         if opts.qk_norm:
             self.q_norm = opts.norm(D, eps=args.rms_norm_eps)
             self.k_norm = opts.norm(D, eps=args.rms_norm_eps)
