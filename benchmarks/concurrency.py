@@ -4,7 +4,8 @@
 
 Starts `edgespec serve` twice on the same model: once with --max-batch 1 (strictly
 one request after another, the server before batching) and once batched
-(--max-batch = the largest --clients). For each number of clients N, N streaming
+(--max-batch = the largest --clients); both stay up and the rounds alternate between
+them. For each number of clients N, N streaming
 greedy chat requests start together; reported: aggregate tokens/s (all tokens /
 wall time) on each server and the ratio, and whether every reply equals the same
 request run alone on the idle server. Then time to first token of a request that
@@ -101,32 +102,37 @@ def main() -> int:
     biggest = max(levels)
     prompts = (PROMPTS * (biggest // len(PROMPTS) + 1))[:biggest]
 
+    # Both servers run for the whole benchmark and the rounds alternate between them (serial
+    # first in even rounds, batched first in odd ones), so drift in this shared machine's speed
+    # (it moves by 20-30% over minutes) hits both sides alike.
+    servers = {name: start_server(args.model, *extra)
+               for name, extra in (("serial", ("--max-batch", "1")), ("batched", ("--max-batch", str(biggest))))}
     results: dict = {}
-    for name, extra in (("serial", ("--max-batch", "1")), ("batched", ("--max-batch", str(biggest)))):
-        proc, url = start_server(args.model, *extra)
-        try:
-            alone = {}
-            for p in PROMPTS:  # warm-up, and every reply alone on the idle server
-                text, _, ttft, _ = asyncio.run(together(url, [p], args.max_tokens, args.mode))[0][0]
-                alone[p] = text
-            idle_ttft = statistics.median(
-                asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2] for _ in range(3))
+    try:
+        alone: dict[str, dict[str, str]] = {}
+        for name, (_, url) in servers.items():  # warm-up, and every reply alone on the idle server
+            alone[name] = {p: asyncio.run(together(url, [p], args.max_tokens, args.mode))[0][0][0] for p in PROMPTS}
+        url = servers["batched"][1]
+        idle_ttft = statistics.median(
+            asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2] for _ in range(3))
+        runs = {(name, n): ([], [0]) for name in servers for n in levels}
+        for r in range(args.rounds):
             for n in levels:
-                rates, wrong = [], 0
-                for _ in range(args.rounds):
-                    res, wall = asyncio.run(together(url, prompts[:n], args.max_tokens, args.mode))
-                    rates.append(sum(r[1] for r in res) / wall)
-                    wrong += sum(r[0] != alone[p] for r, p in zip(res, prompts[:n], strict=True))
-                results[(name, n)] = (statistics.median(rates), wrong)
-            if name == "batched":
-                loaded = statistics.median(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode))
-                                           for _ in range(3))
-                results["ttft"] = (idle_ttft, loaded)
-        finally:
+                for name in (("serial", "batched") if r % 2 == 0 else ("batched", "serial")):
+                    res, wall = asyncio.run(together(servers[name][1], prompts[:n], args.max_tokens, args.mode))
+                    rates, wrong = runs[(name, n)]
+                    rates.append(sum(x[1] for x in res) / wall)
+                    wrong[0] += sum(x[0] != alone[name][p] for x, p in zip(res, prompts[:n], strict=True))
+        results = {key: (statistics.median(rates), wrong[0]) for key, (rates, wrong) in runs.items()}
+        loaded = statistics.median(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode)) for _ in range(3))
+        results["ttft"] = (idle_ttft, loaded)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
+        for proc, _ in servers.values():
             proc.wait(30)
 
-    print(f"mode {args.mode}, max_tokens {args.max_tokens}, greedy, {args.rounds} rounds (median)")
+    print(f"mode {args.mode}, max_tokens {args.max_tokens}, greedy, {args.rounds} alternating rounds (median)")
     print("| clients | serial tok/s | batched tok/s | ratio | wrong (serial/batched) |")
     print("|---:|---:|---:|---:|---:|")
     ok = True
