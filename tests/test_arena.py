@@ -8,6 +8,8 @@ grows under them; a batched pass over arena rows must not gather (that is its po
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -94,7 +96,9 @@ def test_the_arena_grows_rows_and_positions_keeping_what_it_holds():
     assert not first.attached and arena.positions == 0
     first.attach()  # moved into its row
     assert first.attached and first.offset == 5 and arena.positions == 8
-    rows = [arena.acquire() for _ in range(4)]  # 1 -> 2 -> 4 -> 8 rows
+    rows = [arena.acquire() for _ in range(3)]  # one row more each time: 1 -> 2 -> 3 -> 4
+    assert arena.rows == 4
+    rows.append(arena.acquire(8))  # asked for 8 rows: grows to 8 at once
     assert arena.rows == 8 and sorted(rows) == [1, 2, 3, 4]
     other = SlotCache(arena, 0, rows[-1])
     other.attach()
@@ -106,6 +110,69 @@ def test_the_arena_grows_rows_and_positions_keeping_what_it_holds():
     np.testing.assert_array_equal(np.array(other.state[1]), np.array(k2 * 2))
     arena.release(rows[0])
     assert arena.used == 4 and arena.acquire() == rows[0]
+
+
+LONG_SHORT = [[(5 * j) % 60 + 1 for j in range(10)], [(3 * j) % 60 + 2 for j in range(10)],
+              [(7 * j) % 60 + 3 for j in range(10)]]
+
+
+def test_the_arena_is_accounted_as_the_rows_it_holds(monkeypatch):
+    """Every row of an arena is as long as its longest: a request of 10 + 300 tokens makes
+    each row 512 positions, so three requests together hold 3 x 512 positions of K/V, not
+    their own 512 + 256 + 256. After every step the arena's real size stays within what
+    the batcher accounts (rows are not doubled past the requests)."""
+    from edgespec.batch.memory import verifier_kv_per_token
+
+    engine = make_tiny_engine(3, scale=1.3)
+    seen = []
+    real = batcher_mod.Batcher._step
+
+    def step(self):
+        real(self)
+        a = self._arena
+        if a is not None and a.keys:
+            held = a.rows * a.positions * verifier_kv_per_token(engine)
+            seen.append((held, self.held_bytes(), a.rows))
+
+    monkeypatch.setattr(batcher_mod.Batcher, "_step", step)
+    reqs = [dict(max_tokens=300), dict(max_tokens=12), dict(max_tokens=12)]
+    threads_out = {}
+
+    def run(i):
+        threads_out[i] = engine.generate(LONG_SHORT[i], mode="plain", **reqs[i]).tokens
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert seen and max(r for _, _, r in seen) == 3
+    assert all(held <= accounted for held, accounted, _ in seen), seen[:3]
+    for i in range(3):
+        assert threads_out[i] == engine.generate(LONG_SHORT[i], mode="plain", **reqs[i]).tokens
+
+
+def test_a_request_waits_while_the_arena_rows_would_pass_the_budget():
+    """Own reserves 512 + 256 positions fit a budget of 900; the arena they would share
+    (2 rows of 512) does not: the short request waits for the long one."""
+    from edgespec.batch.memory import kv_per_token
+    from edgespec.lookahead.memory import tree_bytes
+
+    engine = make_tiny_engine(3, scale=1.3)
+    engine.memory_budget = tree_bytes(engine.model) + 900 * kv_per_token(engine)
+    engine.max_batch = 4  # the default from this budget would be 1 and decide alone
+    res = {}
+
+    def run(i, m):
+        res[i] = engine.generate(LONG_SHORT[i], mode="plain", max_tokens=m).tokens
+
+    ts = [threading.Thread(target=run, args=(0, 300)), threading.Thread(target=run, args=(1, 12))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert max(engine.batcher.batch_sizes) == 1
+    assert res[1] == engine.generate(LONG_SHORT[1], mode="plain", max_tokens=12).tokens
 
 
 def test_a_long_request_keeps_its_own_caches_beside_arena_rows(monkeypatch):

@@ -13,7 +13,8 @@ KVCache interface: offset, update_and_fetch, trim, keep, reserve), so every
 decoding mode runs unchanged, alone or in a pass; the arena only decides where
 the entries live. A sequence's entries move into its row when it first shares a
 pass: until then (alone, or a new request's prompt) they stay in a KVCache of its
-own, so its passes never wait on the arena's pending writes. Rows are added by doubling, positions in steps of `step`; a
+own, so its passes never wait on the arena's pending writes. Rows are added as the batcher
+asks (one per short request live), positions in steps of `step`; a
 sequence's row is free again when it ends, and the arena goes with the batch
 when the batch empties.
 
@@ -41,10 +42,11 @@ class KVArena:
         self.allocations = 0  # buffer (re)allocations so far, each a copy of what is held
 
     # ------------------------------------------------------------ rows and room
-    def acquire(self) -> int:
-        """A free row (the arena doubles when none is left)."""
+    def acquire(self, rows: int = 0) -> int:
+        """A free row; when none is left the arena grows to `rows` rows (at least one more:
+        the batcher passes how many its memory accounting allows for)."""
         if not self._free:
-            self._grow_rows(max(self.rows, 1))
+            self._grow_rows(max(1, rows - self.rows))
         self._free.sort()
         return self._free.pop(0)
 

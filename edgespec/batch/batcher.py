@@ -80,7 +80,9 @@ class Request:
     # last chunk yet. After each chunk the sequence waits for it (the others go on), so
     # nothing is generated past the point where the reader would cancel. None = never wait.
     ready: Callable[[], bool] | None = None
-    need_bytes: int = 0
+    need_bytes: int = 0  # its caches' bytes, were they all its own (memory.reserve_bytes)
+    own_bytes: int = 0  # what it holds outside the batch's KV arena
+    arena_positions: int = 0  # positions of an arena row it needs; 0: it keeps caches of its own
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
@@ -201,8 +203,13 @@ class Batcher:
 
     def submit(self, req: Request) -> None:
         """Queue `req`; raises MemoryBudgetError when it could never fit."""
-        req.need_bytes = memory.reserve_bytes(self.engine, len(req.ids), req.options.max_tokens)
-        memory.check_fits(req.need_bytes, self.budget)
+        P, m = len(req.ids), req.options.max_tokens
+        req.need_bytes = memory.reserve_bytes(self.engine, P, m)
+        req.own_bytes, req.arena_positions = req.need_bytes, 0
+        if P + m + memory.TREE <= ARENA_POSITIONS:  # its verifier K/V goes to an arena row
+            req.arena_positions = memory.positions(self.engine, P, m, KVArena.step)
+            req.own_bytes = memory.drafter_kv_per_token(self.engine) * memory.positions(self.engine, P, m)
+        memory.check_fits(req.own_bytes + memory.arena_bytes(self.engine, 1, req.arena_positions), self.budget)
         with self._cv:
             self._waiting.append(req)
             if self._thread is None:
@@ -272,15 +279,31 @@ class Batcher:
                         self._waiting.popleft()
                         req.emit("done", req.stats)
                         continue
-                    if self._live and self._reserved + req.need_bytes > self.budget:
+                    if self._live and self.held_bytes(req) > self.budget:
                         break  # waits for memory (FIFO: nobody overtakes it)
                     self._waiting.popleft()
-                    self._reserved += req.need_bytes
+                    self._reserved += req.own_bytes
                     seq = _Seq(req, None)
                     seq.glet = greenlet(functools.partial(self._run, seq), parent=self._hub)
                     self._live.append(seq)
                 if self._live:
                     return True
+
+    def held_bytes(self, new: Request | None = None) -> int:
+        """Bytes the live sequences' caches may come to hold, with `new` admitted too: each
+        one's own caches at their largest, plus the KV arena with a row for every short
+        request (or the rows it already holds, if more), each row as long as the longest of
+        them (or as it already is)."""
+        short = [s.req.arena_positions for s in self._live if s.req.arena_positions]
+        own = self._reserved
+        if new is not None:
+            own += new.own_bytes
+            if new.arena_positions:
+                short.append(new.arena_positions)
+        a = self._arena
+        rows = max(a.rows if a is not None else 0, len(short))
+        longest = max([a.positions if a is not None else 0, *short])
+        return own + memory.arena_bytes(self.engine, rows, longest)
 
     def _work(self) -> None:
         self._hub = greenlet.getcurrent()
@@ -416,11 +439,12 @@ class Batcher:
         row of an arena is as long as its longest, so a long request keeps its own)."""
         if not caches or any(type(c) is not KVCache or c.offset for c in caches):
             return caches
-        if len(seq.req.ids) + seq.req.options.max_tokens + memory.TREE > ARENA_POSITIONS:
+        if not seq.req.arena_positions:
             return caches
         if self._arena is None:
             self._arena = KVArena()
-        row = self._arena.acquire()
+        # Rows up to one per short request live (what held_bytes accounts), not doubled.
+        row = self._arena.acquire(sum(1 for s in self._live if s.req.arena_positions))
         seq.arena_rows.append(row)
         return [SlotCache(self._arena, i, row) for i in range(len(caches))]
 
@@ -433,7 +457,7 @@ class Batcher:
                 self._arena = None  # the batch is empty: its memory goes
         with self._cv:
             self._live.remove(seq)
-            self._reserved -= seq.req.need_bytes
+            self._reserved -= seq.req.own_bytes
             idle = not self._live and not self._waiting
         if idle:
             mx.synchronize()  # nothing left computing behind the last reply (clean exit)

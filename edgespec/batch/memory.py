@@ -5,6 +5,14 @@ max_tokens (plus room for one verified tree), never past the context window:
 
     reserve(P, max_tokens) = kv_per_token * roundup(min(P + max_tokens + TREE, context), step)
 
+A short request's verifier K/V lives in a row of the batch's KV arena instead, and
+every row of an arena is as long as its longest (and the arena keeps its rows until the
+batch empties), so the batcher accounts those as the arena they make:
+
+    arena = max(rows held, short requests live) * max(positions held, their longest) * K/V per position
+
+plus each short request's drafter cache of its own.
+
 The budget for caches is --memory-budget minus the weights already loaded (the
 verifier's and a drafter's); without a budget, a share of the memory free when the
 batcher started. A request waits while the running ones hold too much, and is
@@ -47,20 +55,36 @@ def _itemsize(model) -> int:
     return 2
 
 
+def verifier_kv_per_token(engine) -> int:
+    """Bytes of the verifier's K/V (every layer) per position."""
+    return kv_bytes(engine.model.args, 1, _itemsize(engine.model))
+
+
+def drafter_kv_per_token(engine) -> int:
+    """Bytes of a drafter's own cache per position (0 without a drafter)."""
+    return 0 if engine.drafter is None else drafter_bytes(engine.drafter, engine.model, 1)[1]
+
+
 def kv_per_token(engine) -> int:
     """Bytes one more position costs a sequence: the verifier's K/V of every layer, plus a
     drafter's own cache when one runs."""
-    model = engine.model
-    per = kv_bytes(model.args, 1, _itemsize(model))
-    if engine.drafter is not None:
-        per += drafter_bytes(engine.drafter, model, 1)[1]
-    return per
+    return verifier_kv_per_token(engine) + drafter_kv_per_token(engine)
+
+
+def positions(engine, prompt_tokens: int, max_tokens: int, step: int = KVCache.step) -> int:
+    """Cache positions a request may fill, rounded up to the cache's growth step."""
+    n = min(prompt_tokens + max_tokens + TREE, engine.context_length + TREE)
+    return -(-n // step) * step
 
 
 def reserve_bytes(engine, prompt_tokens: int, max_tokens: int) -> int:
-    n = min(prompt_tokens + max_tokens + TREE, engine.context_length + TREE)
-    n = -(-n // KVCache.step) * KVCache.step
-    return kv_per_token(engine) * n
+    return kv_per_token(engine) * positions(engine, prompt_tokens, max_tokens)
+
+
+def arena_bytes(engine, rows: int, positions: int) -> int:
+    """Bytes of a KV arena (edgespec.batch.arena) of `rows` rows of `positions` positions:
+    verifier K/V only (a drafter keeps caches of its own)."""
+    return rows * positions * verifier_kv_per_token(engine)
 
 
 def cache_budget(engine, free_at_start: int | None) -> float:
