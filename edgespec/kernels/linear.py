@@ -3,9 +3,10 @@
 MLX computes `x @ W.T` for a Linear layer. On its CPU backend (OpenBLAS) a product of a
 few rows against a transposed weight is slow for row counts that are not a multiple of
 16, while the same product written `(W @ x.T).T` is not (measured here, 576 -> 1,536
-weights: 4 rows 0.53 vs 0.31 ms, 8 rows 0.54 vs 0.40 ms; at 64 rows both 1.07 ms). A
-SmolLM2 decoding pass over 4 rows took 107-117 ms the first way and 93-95 ms the
-second; 1 row 70-82 vs 70-75 ms. So on the CPU, calls of up to CPU_SWAP_MAX_ROWS rows
+weights: 4 rows 0.53 vs 0.31 ms, 8 rows 0.54 vs 0.40 ms; at 64 rows both 1.07 ms).
+Whole SmolLM2 decoding passes (benchmarks/cpu_kernels.py): 4 and 8 rows 5-16% faster
+the second way in three runs of four, 11-14% slower in one; 1 row within noise (see
+docs/batching.md). So on the CPU, calls of up to CPU_SWAP_MAX_ROWS rows
 (decoding steps, verification rounds, batched passes) use the second form; prompt
 chunks, and every call on Metal, keep MLX's. Both forms are differentiable.
 """

@@ -1,0 +1,146 @@
+"""The CPU kernel choices of edgespec.kernels, each against the alternative, side by side in one process.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        .venv/bin/python benchmarks/cpu_kernels.py [--model BUNDLE] [--reps 3]
+
+On the default model's bundle (or --model), CPU device:
+- activation: a 512-token prefill with the MLP's act(gate) * up in numpy
+  (edgespec.kernels.activation) vs in MLX, tokens/s, alternating rep by rep;
+- linear: one decoding pass of B = 1, 4, 8 rows (caches at 150 positions) with the
+  few-row product `(W @ x.T).T` (edgespec.kernels.linear) vs MLX's `x @ W.T`, median ms;
+- attention: numpy attention (edgespec.kernels.attention) of one layer's worth of
+  SmolLM2-shaped heads over a whole 8,190-token prefill in 512-query chunks, ms;
+- batch shapes: a batched pass of B = 2, 4, 8 rows of one KV arena (contexts 100,
+  137, ...) at T = 1..8 tokens each, median ms, beside what the batcher estimates for
+  it from the measured (B, 1) pass scaled along the one-sequence cost curve (the
+  adaptive decoder's calibration, edgespec.batch.cost.StepCost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import edgespec
+import edgespec.kernels.activation as act
+import edgespec.kernels.linear as lin
+from edgespec.generate import prefill
+from edgespec.kernels.attention import numpy_attention
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    mx.eval(fn())
+    return time.perf_counter() - t0
+
+
+def activation(model, reps: int) -> None:
+    rng = random.Random(0)
+    ids = [rng.randrange(model.args.vocab_size) for _ in range(512)]
+    rates: dict[str, list[float]] = {"numpy": [], "mlx": []}
+    saved = act.CPU_NUMPY_MIN_ROWS
+    try:
+        for _ in range(reps + 1):  # the first round warms both up
+            for name, rows in (("numpy", saved), ("mlx", 1 << 62)):
+                act.CPU_NUMPY_MIN_ROWS = rows
+                rates[name].append(512 / _timed(lambda: prefill(model, model.make_cache(), ids)))
+    finally:
+        act.CPU_NUMPY_MIN_ROWS = saved
+    print("activation, 512-token prefill tok/s: " + ", ".join(
+        f"{k} {' / '.join(f'{r:.0f}' for r in v[1:])}" for k, v in rates.items()))
+
+
+def linear(model, reps: int) -> None:
+    rng = random.Random(1)
+    saved = lin.CPU_SWAP_MAX_ROWS
+    try:
+        for B in (1, 4, 8):
+            cache = model.make_cache()
+            mx.eval(model(mx.array([[rng.randrange(1000) for _ in range(150)] for _ in range(B)]), cache))
+            times: dict[str, list[float]] = {"(W@x.T).T": [], "x@W.T": []}
+            for _ in range(5 * reps):
+                for name, rows in (("(W@x.T).T", saved), ("x@W.T", 0)):
+                    lin.CPU_SWAP_MAX_ROWS = rows
+                    x = mx.array([[rng.randrange(1000)] for _ in range(B)])
+                    times[name].append(_timed(lambda x=x, cache=cache: model(x, cache, last_only=True)))
+                    for c in cache:
+                        c.trim(1)
+            print(f"linear, decoding pass of {B} rows, median ms: " + ", ".join(
+                f"{k} {statistics.median(v) * 1000:.1f}" for k, v in times.items()))
+    finally:
+        lin.CPU_SWAP_MAX_ROWS = saved
+
+
+def attention(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, chunk: int = 512) -> None:
+    rng = np.random.default_rng(0)
+    Q = mx.array(rng.standard_normal((1, H, S, D)).astype(np.float32))
+    K = mx.array(rng.standard_normal((1, Hk, S, D)).astype(np.float32))
+    mx.eval(Q, K)
+    totals = []
+    for _ in range(reps):
+        total = 0.0
+        for s in range(0, S, chunk):
+            e = min(S, s + chunk)
+            q, k = Q[:, :, s:e], K[:, :, :e]
+            mx.eval(q, k)
+            total += _timed(lambda q=q, k=k: numpy_attention(q, k, k, D**-0.5))
+        totals.append(total)
+    print(f"attention, one layer over a {S}-token prefill in {chunk}-query chunks, ms: "
+          + " / ".join(f"{t * 1000:.0f}" for t in totals))
+
+
+def batch_shapes(engine, reps: int) -> None:
+    from edgespec.batch.arena import KVArena, SlotCache
+    from edgespec.batch.cost import PassCost
+    from edgespec.batch.forward import Row, batched_forward
+    from edgespec.modes.adaptive import adaptive_costs
+
+    model = engine.model
+    curve = adaptive_costs(engine)
+    c = PassCost(curve.sizes, curve.verify_s)
+    Ts = (1, 2, 3, 4, 6, 8)
+    for B in (2, 4, 8):
+        arena = KVArena()
+        caches = []
+        for i in range(B):
+            row = arena.acquire()
+            cache = [SlotCache(arena, j, row) for j in range(len(model.layers))]
+            for sc in cache:
+                sc.attach()
+            mx.eval(model((mx.arange(1, 101 + 37 * i) % 1000)[None], cache))
+            caches.append(cache)
+        times: dict[int, list[float]] = {T: [] for T in Ts}
+        for _ in range(1 + 5 * reps):
+            for T in Ts:
+                rows = [Row(mx.array([[5] * T]), cache) for cache in caches]
+                times[T].append(_timed(lambda rows=rows: batched_forward(model, rows)))
+                for cache in caches:
+                    for sc in cache:
+                        sc.trim(T)
+        med = {T: statistics.median(v[1:]) for T, v in times.items()}
+        print(f"batch shapes, {B} rows, T = {', '.join(map(str, Ts))}: measured ms "
+              + " / ".join(f"{med[T] * 1000:.0f}" for T in Ts) + "; estimated "
+              + " / ".join(f"{med[1] * c(B * T) / c(B) * 1000:.0f}" for T in Ts))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="bundle folder (default: the default model's bundle)")
+    ap.add_argument("--reps", type=int, default=3, help="measured rounds per comparison")
+    args = ap.parse_args(argv)
+    mx.set_default_device(mx.cpu)
+    engine = edgespec.load(args.model, drafter="none", progress=False, history="off")
+    activation(engine.model, args.reps)
+    linear(engine.model, args.reps)
+    attention(args.reps)
+    batch_shapes(engine, args.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
