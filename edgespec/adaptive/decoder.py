@@ -132,6 +132,10 @@ class AdaptiveDecoder:
         return bc, bc.verify(1), others, cap
 
     def _plan(self, seq: list[int]) -> Plan:
+        allowed = getattr(self.model, "speculation_allowed", None) if self._batch_ctx is not None else None
+        if allowed is not None and not allowed():
+            # The batch measured plain steps doing better at its size (edgespec.batch.guard).
+            return Plan("plain", [], 0, 0.0)
         cands = self._cheap(seq)
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         costs, plain_s, others, cap = self._pricing(nodes)

@@ -40,6 +40,7 @@ from edgespec.batch import memory
 from edgespec.batch.arena import KVArena, SlotCache
 from edgespec.batch.cost import PassCost, Peer, StepCost
 from edgespec.batch.forward import Row, batched_forward, group_rows
+from edgespec.batch.guard import SpecGuard
 from edgespec.cache import KVCache
 from edgespec.generate import Chunk, GenerationStats, stream_tokens
 
@@ -125,6 +126,11 @@ class SeqModel:
             return caches
         return self._batcher.arena_caches(self._seq, caches)
 
+    def speculation_allowed(self) -> bool:
+        """Whether this step's regime lets an adaptive row speculate at all (the batch's
+        measured guard, edgespec.batch.guard); True alone."""
+        return self._seq is None or self._batcher.speculation_allowed()
+
     def publish_gains(self, gains, extra_s: float = 0.0) -> None:
         """This row's gain curve and the host seconds a tree round costs it beyond a plain
         step, for the other rows' joint choice (cost.joint_sizes)."""
@@ -193,6 +199,15 @@ class Batcher:
         self._cost: tuple | None = None  # (curve id, StepCost)
         self._arena: KVArena | None = None  # the live sequences' KV rows (edgespec.batch.arena)
         self._last_passes: list[tuple[int, int]] = []  # (rows, T) of the last step's passes
+        # Speculation in a batch, measured (edgespec.batch.guard): the regime of this step, whether
+        # an adaptive row asked for it, tokens committed so far in it, and the last step's
+        # (regime, batch size, asked, clean) to credit this step's tokens and time to.
+        self.guard = SpecGuard()
+        self._regime = "spec"
+        self._asked = False
+        self._step_tokens = 0
+        self._prev: tuple[str, int, bool, bool] | None = None
+        self._clean = True  # no prompt's pass in this step
         self._stopping = False
         _BATCHERS.add(self)
 
@@ -320,6 +335,30 @@ class Batcher:
         n = len(self._live)
         self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
         self.steps += 1
+        t_step = time.perf_counter()
+        self._regime = self.guard.choose(n) if n > 1 else "spec"
+        self._asked, self._step_tokens = False, 0
+        try:
+            self._step_body()
+        finally:
+            self._credit(n, t_step)
+
+    def _credit(self, n: int, t_step: float) -> None:
+        """The tokens committed in this step came from the passes the last step built: credit
+        them, with this step's time, to the regime that planned those passes, when adaptive
+        rows asked for it and neither step ran a prompt's pass (edgespec.batch.guard)."""
+        prev = self._prev
+        clean = all(s.emitted for s in self._live) and self._clean
+        if prev is not None and prev[2] and prev[3] and clean:
+            self.guard.record(prev[1], prev[0], self._step_tokens, time.perf_counter() - t_step)
+        self._prev = (self._regime, n, self._asked, clean)
+
+    def speculation_allowed(self) -> bool:
+        self._asked = True
+        return self._regime == "spec"
+
+    def _step_body(self) -> None:
+        self._clean = True
         # Time to first token: a request admitted this step goes first. Its prompt's pass is
         # computed before the others' pending pass is waited for, it streams its first token at
         # once, and its next call joins this step's pass with the others.
@@ -327,6 +366,8 @@ class Batcher:
         for seq in new:
             self._resume(seq)
         prompts = [s for s in new if s.row is not None]
+        if new:
+            self._clean = False  # a prompt's pass: not a decoding step's cost
         if prompts and len(prompts) < len(self._live):
             for g in group_rows([s.row.T for s in prompts], self._pass_cost):
                 self._run_pass([prompts[i] for i in g])
@@ -391,6 +432,7 @@ class Batcher:
 
     def _resume(self, seq: _Seq) -> None:
         """Run `seq` up to its next model call (seq.row), its reader (on_reader) or its end."""
+        before = seq.req.stats.generated_tokens
         try:
             if not seq.started:
                 if seq.req.cancelled:  # its client left before its first step
@@ -409,6 +451,7 @@ class Batcher:
             log.exception("a sequence failed outside its own error handling")
             seq.req.emit("error", e)
             out = None
+        self._step_tokens += seq.req.stats.generated_tokens - before
         self._settle(seq, out)
 
     def _settle(self, seq: _Seq, out) -> None:

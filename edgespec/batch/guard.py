@@ -1,0 +1,121 @@
+"""Whether speculation pays in this batch, measured: the goodput guard over the joint choice.
+
+The joint choice (`cost.joint_sizes`) prices trees from each row's *expected* gain and the
+*estimated* cost of the step. Both can be wrong in ways a model of the step does not
+see: short chat replies accept fewer tokens than a fresh request's acceptance priors
+promise, a step with rows of mixed sizes splits into passes, a tree round's host work
+grows with the batch. In a batch every row pays for such a mistake, and on a CPU the
+batch of 4 plain rows that costs ~1.3x one row is hard to beat.
+
+So the batch measures what it gets. Per batch size n, two regimes:
+
+    "spec"   every adaptive row plans as the joint choice says (trees where they pay)
+    "plain"  every adaptive row makes plain steps
+
+and the worker keeps, for each, the tokens committed and the seconds spent over the
+steps that ran under it (decayed sums, so the rate follows the traffic). The regime with
+the better measured rate runs, in runs of `run_steps` steps; the other is measured again
+for one run after `wait` steps of the winner, a wait that doubles (to `wait_max`) each time
+it loses again and resets when it wins. A fresh batch size measures both first (the joint
+choice first). Rows of other modes are unaffected; a row alone never asks (it prices with
+its own costs, `AdaptiveDecoder._pricing`).
+
+Outputs do not depend on the regime: it only decides which verifier calls a row makes,
+and every call sequence of the adaptive decoder yields plain decoding's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("spec", "plain")
+
+
+@dataclass
+class _Size:
+    tokens: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    steps: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    wait: dict = field(default_factory=dict)  # steps of the winner before the loser's next run
+    since: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # steps since it last ran
+    kind: str = "spec"  # the regime of the current run
+    left: int = 0  # steps left in the current run
+    probing: str | None = None  # the loser being re-measured in the current run
+
+
+class SpecGuard:
+    """Per batch size, the measured better of speculation as chosen and plain steps.
+
+    `choose(n)` is asked once per step of n live rows; `record(n, kind, tokens, seconds)`
+    gives a step's result to the regime that planned it (the worker attributes the tokens
+    a pass commits, and the step in which they are committed, to the regime of the step
+    that built the pass)."""
+
+    def __init__(self, run_steps: int = 6, wait: int = 24, wait_max: int = 384, decay: float = 0.85):
+        if run_steps < 1 or wait < 1 or wait_max < wait or not 0.0 < decay <= 1.0:
+            raise ValueError("SpecGuard needs run_steps >= 1, 1 <= wait <= wait_max, 0 < decay <= 1")
+        self.run_steps, self.wait0, self.wait_max, self.decay = run_steps, wait, wait_max, decay
+        self._sizes: dict[int, _Size] = {}
+
+    def _size(self, n: int) -> _Size:
+        s = self._sizes.get(n)
+        if s is None:
+            s = self._sizes[n] = _Size(wait=dict.fromkeys(KINDS, self.wait0))
+        return s
+
+    def rate(self, n: int, kind: str) -> float | None:
+        """Measured tokens/s of `kind` at batch size n; None before it has run."""
+        s = self._sizes.get(n)
+        if s is None or not s.steps[kind] or s.seconds[kind] <= 0:
+            return None
+        return s.tokens[kind] / s.seconds[kind]
+
+    def best(self, n: int) -> str:
+        """The regime with the better measured rate (spec while either is unmeasured)."""
+        r = {k: self.rate(n, k) for k in KINDS}
+        if any(v is None for v in r.values()):
+            return "spec"
+        return "plain" if r["plain"] > r["spec"] else "spec"
+
+    def choose(self, n: int) -> str:
+        s = self._size(n)
+        if s.left <= 0:
+            self._next_run(n, s)
+        s.left -= 1
+        for k in KINDS:
+            s.since[k] = 0 if k == s.kind else s.since[k] + 1
+        return s.kind
+
+    def _next_run(self, n: int, s: _Size) -> None:
+        if s.probing is not None:  # a loser's run ended: did it win this time?
+            won = self.best(n) == s.probing
+            loser = KINDS[1 - KINDS.index(s.probing)] if won else s.probing
+            s.wait[loser] = self.wait0 if won else min(2 * s.wait[loser], self.wait_max)
+            s.probing = None
+        fresh = [k for k in KINDS if s.steps[k] < self.run_steps]
+        if fresh:  # a new batch size: measure both (the joint choice first)
+            s.kind = fresh[0]
+        else:
+            best = self.best(n)
+            other = KINDS[1 - KINDS.index(best)]
+            if s.since[other] >= s.wait[other]:
+                s.kind, s.probing = other, other
+            else:
+                s.kind = best
+        s.left = self.run_steps
+
+    def record(self, n: int, kind: str, tokens: int, seconds: float) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown regime {kind!r}")
+        if seconds <= 0:
+            return
+        s = self._size(n)
+        s.tokens[kind] = self.decay * s.tokens[kind] + tokens
+        s.seconds[kind] = self.decay * s.seconds[kind] + seconds
+        s.steps[kind] += 1
+
+    def summary(self) -> dict[int, dict]:
+        """Per batch size: measured rates, steps and the regime that runs now (for reports)."""
+        return {n: {"spec_tps": self.rate(n, "spec"), "plain_tps": self.rate(n, "plain"),
+                    "spec_steps": s.steps["spec"], "plain_steps": s.steps["plain"], "best": self.best(n)}
+                for n, s in sorted(self._sizes.items())}

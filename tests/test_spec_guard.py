@@ -1,0 +1,95 @@
+"""The batch's measured guard over speculation (edgespec.batch.guard): per batch size,
+speculation as the joint choice plans it or plain steps, whichever measured better."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from conftest import make_tiny_engine
+
+from edgespec.batch.guard import SpecGuard
+
+
+def _drive(guard, n, rates, steps):
+    """Run `steps` steps of batch size n where regime k commits rates[k] tokens a second
+    (1 s per step) -> how many steps each regime ran."""
+    ran = {"spec": 0, "plain": 0}
+    for _ in range(steps):
+        k = guard.choose(n)
+        ran[k] += 1
+        guard.record(n, k, rates[k], 1.0)
+    return ran
+
+
+@pytest.mark.parametrize("winner", ["spec", "plain"])
+def test_the_regime_that_measures_better_runs(winner):
+    """After measuring both, the better regime runs nearly all steps; the loser is re-measured
+    now and then (waits doubling), so it costs only a few percent."""
+    g = SpecGuard()
+    rates = {"spec": 10.0, "plain": 10.0}
+    rates[winner] = 20.0
+    ran = _drive(g, 4, rates, 1000)
+    loser = "plain" if winner == "spec" else "spec"
+    assert g.best(4) == winner
+    assert ran[winner] > 950
+    assert 2 * g.run_steps <= ran[loser] <= 50  # measured first, then re-probed, rarely
+    assert g.rate(4, winner) == pytest.approx(20.0)
+
+
+def test_the_guard_follows_a_change_of_traffic_and_keeps_batch_sizes_apart():
+    g = SpecGuard()
+    _drive(g, 4, {"spec": 10.0, "plain": 20.0}, 300)
+    _drive(g, 2, {"spec": 30.0, "plain": 20.0}, 300)
+    assert (g.best(4), g.best(2)) == ("plain", "spec")
+    # speculation starts paying at 4 rows (say, replies that copy their prompt): found again
+    ran = _drive(g, 4, {"spec": 40.0, "plain": 20.0}, 700)
+    assert g.best(4) == "spec" and ran["spec"] > 350
+    assert g.best(2) == "spec"
+
+
+def test_a_fresh_batch_size_measures_the_joint_choice_first():
+    g = SpecGuard(run_steps=3)
+    assert [g.choose(3) for _ in range(3)] == ["spec"] * 3
+    assert g.best(3) == "spec" and g.rate(3, "spec") is None
+
+
+@pytest.mark.parametrize("kw", [dict(run_steps=0), dict(wait=0), dict(wait=8, wait_max=4), dict(decay=0.0)])
+def test_guard_settings_are_checked(kw):
+    with pytest.raises(ValueError):
+        SpecGuard(**kw)
+
+
+def test_the_batcher_credits_steps_and_the_guard_steers_auto_rows():
+    """Auto requests decoded together: the worker credits committed tokens to the regime that
+    planned them (nothing is credited for plain-mode rows, which never ask), a plain regime
+    makes every adaptive row's call one token, and the replies stay each request's own."""
+    engine = make_tiny_engine(3, scale=1.3)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, [12, 13] * 10]  # repetitive: prompt lookup proposes
+    ref = [engine.generate(p, max_tokens=30, mode="plain").tokens for p in prompts]
+
+    sizes: list[int] = []
+    real = engine.batcher.__class__._run_pass
+
+    def spy(self, seqs):
+        sizes.extend(s.row.T for s in seqs if s.emitted)
+        return real(self, seqs)
+
+    engine.batcher.__class__._run_pass = spy
+    try:
+        assert [r.tokens for r in engine.generate_many(prompts, max_tokens=30, mode="plain")] == ref
+        # plain rows never ask: nothing credited
+        assert all(v["spec_steps"] + v["plain_steps"] == 0 for v in engine.batcher.guard.summary().values())
+        for forced in ("plain", "spec"):
+            engine.batcher.guard.choose = lambda n, k=forced: k
+            sizes.clear()
+            assert [r.tokens for r in engine.generate_many(prompts, max_tokens=30, mode="auto")] == ref
+            if forced == "plain":
+                assert sizes and set(sizes) == {1}
+            else:
+                assert max(sizes) > 1  # the joint choice speculates on these prompts
+    finally:
+        engine.batcher.__class__._run_pass = real
+    summ = engine.batcher.guard.summary()
+    assert summ[3]["plain_steps"] > 0 and summ[3]["spec_steps"] > 0
+    assert summ[3]["plain_tps"] > 0 and summ[3]["spec_tps"] > 0
