@@ -13,7 +13,10 @@ On the default model's bundle (or --model), CPU device:
 - batch shapes: a batched pass of B = 2, 4, 8 rows of one KV arena (contexts 100,
   137, ...) at T = 1..8 tokens each, median ms, beside what the batcher estimates for
   it from the measured (B, 1) pass scaled along the one-sequence cost curve (the
-  adaptive decoder's calibration, edgespec.batch.cost.StepCost).
+  adaptive decoder's calibration, edgespec.batch.cost.StepCost);
+- joint choice: one row's `edgespec.batch.cost.joint_sizes` among B = 2, 4, 8 adaptive
+  rows (gain curves of 32 tokens), ms a call, with the step-cost memo cleared before
+  every call (what every measured pass did before `MEMO_REFRESH`) and kept.
 """
 
 from __future__ import annotations
@@ -128,6 +131,30 @@ def batch_shapes(engine, reps: int) -> None:
               + " / ".join(f"{med[1] * c(B * T) / c(B) * 1000:.0f}" for T in Ts))
 
 
+def joint_choice(reps: int) -> None:
+    from edgespec.batch.cost import PassCost, Peer, StepCost, joint_sizes
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    step = StepCost(PassCost(sizes, [0.08 * (1 + n / 20) for n in sizes]))
+    rng = np.random.default_rng(0)
+
+    def curve():
+        return 1.0 + np.cumsum(np.sort(rng.random(32))[::-1] * 0.6)
+
+    for B in (2, 4, 8):
+        peers = [Peer(1, curve(), i + 1) for i in range(B - 1)]
+        out = []
+        for clear in (True, False):
+            calls = 100 * reps
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                if clear:
+                    step._memo.clear()
+                joint_sizes(curve(), peers, step, 0, 0.0)
+            out.append((time.perf_counter() - t0) / calls * 1000)
+        print(f"joint choice, {B} rows: {out[0]:.2f} ms a call with the memo cleared, {out[1]:.2f} kept")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="bundle folder (default: the default model's bundle)")
@@ -139,6 +166,7 @@ def main(argv=None) -> int:
     linear(engine.model, args.reps)
     attention(args.reps)
     batch_shapes(engine, args.reps)
+    joint_choice(args.reps)
     return 0
 
 

@@ -274,6 +274,23 @@ def test_measured_shapes_replace_the_one_sequence_curve():
     assert step([1] * 4) == pytest.approx((1.0 + 4 / 20.0) * step.factor[8])
 
 
+def test_step_costs_follow_new_measurements_within_a_few_steps():
+    """A new shape is priced at once; further measurements of a known shape reach the
+    memoised step costs within MEMO_REFRESH observations (not on every pass: recomputing
+    every row's joint choice each step cost more than the precision was worth)."""
+    from edgespec.batch.cost import MEMO_REFRESH
+
+    step = StepCost(PassCost(SIZES, [1.0 + n / 20.0 for n in SIZES]))
+    step.observe(4, 1, 2.0)
+    assert step([1] * 4) == pytest.approx(2.0)  # a new shape: at once
+    seen = []
+    for _ in range(MEMO_REFRESH):
+        step.observe(4, 1, 3.0)
+        seen.append(step([1] * 4))
+    assert seen[0] == pytest.approx(2.0)  # a known shape's next measurement waits for the refresh
+    assert seen[-1] == pytest.approx(step.seen[(4, 1)]) and seen[-1] > 2.9
+
+
 def test_auto_adds_no_jacobi_window_to_a_tree_inside_a_batch():
     """The window controller may want the Jacobi window; inside a batch (batch-aware) the
     step's shape is the joint choice's, so no window rides on the tree; alone, or priced as

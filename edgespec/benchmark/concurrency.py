@@ -14,7 +14,9 @@ Per (c, policy): aggregate tokens/s (all tokens / wall time from the first reque
 to the last reply), mean per-request tokens/s, mean time to first token (from
 submission), tokens per verifier pass (1.0 = no speculation), and greedy replies
 that differ from the same request run alone with plain decoding ("wrong"; must be
-0). Policies are interleaved round by round so a busy machine slows them alike. The
+0). Policies are interleaved round by round, their order turning each round, so a
+machine whose speed drifts slows them alike: several short rounds (`--per-client 1
+--repeats 4`) compare better than one long one. The
 history source is off for the run: the same prompts come back round after round.
 """
 
@@ -109,7 +111,9 @@ def run_concurrency(engine, prompts: list[list[int]], levels: list[int], max_tok
                 # client k's j-th request: prompts taken in turn, a different slice each round
                 which = [[(r * c * per_client + k * per_client + j) % len(prompts) for j in range(per_client)]
                          for k in range(c)]
-                for p in policies:
+                # The order turns round by round: on a machine whose speed drifts, no policy
+                # always runs first after a level change or right after the same neighbour.
+                for p in policies[r % len(policies):] + policies[: r % len(policies)]:
                     mode, mo = POLICIES[p]
                     res, wall = _clients(engine, [[prompts[i] for i in w] for w in which], mode, mo, max_tokens)
                     cell = cells[(c, p)]
@@ -126,7 +130,7 @@ def run_concurrency(engine, prompts: list[list[int]], levels: list[int], max_tok
         engine.history = saved_history
         batcher.max_batch = saved_max
     rows = [cells[(c, p)].row() for c in levels for p in policies]
-    return {"rows": rows, "settings": {"levels": levels, "policies": list(policies), "rounds": rounds,
+    return {"rows": rows, "guard": {str(n): v for n, v in batcher.guard.summary().items()}, "settings": {"levels": levels, "policies": list(policies), "rounds": rounds,
                                        "per_client": per_client, "max_tokens": max_tokens,
                                        "prompts": len(prompts)}}
 
@@ -165,6 +169,13 @@ def format_concurrency(report: dict) -> str:
         lines.append("")
         lines.append("chosen / best of forced on and off: "
                      + ", ".join(f"{c} requests {v:.2f}x" for c, v in chosen))
+    measured = [(n, g) for n, g in report.get("guard", {}).items() if g["spec_steps"] and g["plain_steps"]]
+    if measured:
+        lines.append("")
+        lines.append("the batch's guard at the end (decoding steps of chosen, edgespec.batch.guard): "
+                     + "; ".join(f"{n} rows: speculation {g['spec_tps']:.1f} tok/s over {g['spec_steps']} steps, "
+                                 f"plain {g['plain_tps']:.1f} over {g['plain_steps']}, runs {g['best']}"
+                                 for n, g in measured))
     return "\n".join(lines)
 
 
