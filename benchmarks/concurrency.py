@@ -9,7 +9,8 @@ them. For each number of clients N, N streaming
 greedy chat requests start together; reported: aggregate tokens/s (all tokens /
 wall time) on each server and the ratio, and whether every reply equals the same
 request run alone on the idle server. Then time to first token of a request that
-arrives while 3 others stream, against its time on the idle batched server.
+arrives while 3 others stream, against its time on the idle batched server (samples
+of the two alternating, medians).
 Other work on the cores skews all figures alike only roughly: run on quiet cores.
 """
 
@@ -113,8 +114,6 @@ def main() -> int:
         for name, (_, url) in servers.items():  # warm-up, and every reply alone on the idle server
             alone[name] = {p: asyncio.run(together(url, [p], args.max_tokens, args.mode))[0][0][0] for p in PROMPTS}
         url = servers["batched"][1]
-        idle_ttft = statistics.median(
-            asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2] for _ in range(3))
         runs = {(name, n): ([], [0]) for name in servers for n in levels}
         for r in range(args.rounds):
             for n in levels:
@@ -124,8 +123,13 @@ def main() -> int:
                     rates.append(sum(x[1] for x in res) / wall)
                     wrong[0] += sum(x[0] != alone[name][p] for x, p in zip(res, prompts[:n], strict=True))
         results = {key: (statistics.median(rates), wrong[0]) for key, (rates, wrong) in runs.items()}
-        loaded = statistics.median(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode)) for _ in range(3))
-        results["ttft"] = (idle_ttft, loaded)
+        # Idle and loaded samples alternate too (drift between an early idle sample and a late
+        # loaded one moved this ratio from 1.18x to 1.69x between two runs an hour apart).
+        idle_s, loaded_s = [], []
+        for _ in range(max(3, args.rounds)):
+            idle_s.append(asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2])
+            loaded_s.append(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode)))
+        results["ttft"] = (statistics.median(idle_s), statistics.median(loaded_s))
     finally:
         for proc, _ in servers.values():
             proc.terminate()
