@@ -54,7 +54,32 @@ def test_a_fresh_batch_size_measures_the_joint_choice_first():
     assert g.best(3) == "spec" and g.rate(3, "spec") is None
 
 
-@pytest.mark.parametrize("kw", [dict(run_steps=0), dict(wait=0), dict(wait=8, wait_max=4), dict(decay=0.0)])
+def test_a_new_batch_size_starts_from_its_nearest_measured_neighbour():
+    """Plain measured better at 4 and 8 rows: a batch of 5 starts with plain steps (rates
+    taken over from 4, tokens scaled by 5/4) instead of paying to measure speculation
+    first; what it then measures itself decides."""
+    g = SpecGuard()
+    _drive(g, 4, {"spec": 10.0, "plain": 20.0}, 200)
+    _drive(g, 8, {"spec": 10.0, "plain": 30.0}, 200)
+    assert g.choose(5) == "plain"
+    assert g.rate(5, "plain") == pytest.approx(25.0) and g.rate(5, "spec") == pytest.approx(12.5)
+    assert g.summary()[5]["plain_steps"] == 0  # nothing measured at 5 rows yet
+    _drive(g, 5, {"spec": 40.0, "plain": 20.0}, 400)  # at 5 rows speculation pays: found out
+    assert g.best(5) == "spec" and _drive(g, 5, {"spec": 40.0, "plain": 20.0}, 100)["spec"] >= 90
+
+
+def test_a_costly_loser_waits_longer():
+    """Re-measuring a regime that loses half the rate every 24 steps would cost ~10%: its
+    wait grows so that re-measuring costs about `explore` of the steps."""
+    costly, mild = SpecGuard(), SpecGuard()
+    ran_costly = _drive(costly, 8, {"spec": 10.0, "plain": 20.0}, 2000)["spec"]
+    ran_mild = _drive(mild, 8, {"spec": 19.0, "plain": 20.0}, 2000)["spec"]
+    assert ran_costly < ran_mild
+    assert ran_costly * 0.5 / 2000 < 0.03  # what re-measuring cost, as a share of the rate
+
+
+@pytest.mark.parametrize("kw", [dict(run_steps=0), dict(wait=0), dict(wait=8, wait_max=4), dict(decay=0.0),
+                                dict(explore=0.0)])
 def test_guard_settings_are_checked(kw):
     with pytest.raises(ValueError):
         SpecGuard(**kw)

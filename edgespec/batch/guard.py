@@ -15,10 +15,16 @@ So the batch measures what it gets. Per batch size n, two regimes:
 and the worker keeps, for each, the tokens committed and the seconds spent over the
 steps that ran under it (decayed sums, so the rate follows the traffic). The regime with
 the better measured rate runs, in runs of `run_steps` steps; the other is measured again
-for one run after `wait` steps of the winner, a wait that doubles (to `wait_max`) each time
-it loses again and resets when it wins. A fresh batch size measures both first (the joint
-choice first). Rows of other modes are unaffected; a row alone never asks (it prices with
-its own costs, `AdaptiveDecoder._pricing`).
+for one run after a wait of the winner's steps: at least `wait`, long enough that
+re-measuring a loser that cost a fraction x of the rate costs at most `explore` of the
+steps (run_steps * x / explore), doubled (to `wait_max`) each time it loses again, and
+back to the start when it wins. A batch size seen for the first time starts from the
+rates of the nearest one measured (tokens scaled by the row counts) and re-measures the
+other regime after `wait` steps, so a batch that grows from 4 to 5 rows does not pay to
+learn again what 4 rows taught, and a wrong guess costs at most `wait` steps; with nothing
+measured yet it measures both (the joint choice first). Rows of other modes are
+unaffected; a row alone never asks (it prices with its own costs,
+`AdaptiveDecoder._pricing`).
 
 Outputs do not depend on the regime: it only decides which verifier calls a row makes,
 and every call sequence of the adaptive decoder yields plain decoding's tokens.
@@ -35,12 +41,14 @@ KINDS = ("spec", "plain")
 class _Size:
     tokens: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     seconds: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
-    steps: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    steps: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # with a neighbour's, if taken over
+    own: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # steps measured at this size
     wait: dict = field(default_factory=dict)  # steps of the winner before the loser's next run
     since: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # steps since it last ran
     kind: str = "spec"  # the regime of the current run
     left: int = 0  # steps left in the current run
     probing: str | None = None  # the loser being re-measured in the current run
+    settled: bool = False  # both regimes measured (or taken over from a neighbouring size)
 
 
 class SpecGuard:
@@ -51,17 +59,34 @@ class SpecGuard:
     a pass commits, and the step in which they are committed, to the regime of the step
     that built the pass)."""
 
-    def __init__(self, run_steps: int = 6, wait: int = 24, wait_max: int = 384, decay: float = 0.85):
-        if run_steps < 1 or wait < 1 or wait_max < wait or not 0.0 < decay <= 1.0:
-            raise ValueError("SpecGuard needs run_steps >= 1, 1 <= wait <= wait_max, 0 < decay <= 1")
+    def __init__(self, run_steps: int = 6, wait: int = 24, wait_max: int = 384, decay: float = 0.85,
+                 explore: float = 0.03):
+        if run_steps < 1 or wait < 1 or wait_max < wait or not 0.0 < decay <= 1.0 or not 0.0 < explore < 1.0:
+            raise ValueError("SpecGuard needs run_steps >= 1, 1 <= wait <= wait_max, 0 < decay <= 1, "
+                             "0 < explore < 1")
         self.run_steps, self.wait0, self.wait_max, self.decay = run_steps, wait, wait_max, decay
+        self.explore = explore
         self._sizes: dict[int, _Size] = {}
 
     def _size(self, n: int) -> _Size:
         s = self._sizes.get(n)
         if s is None:
             s = self._sizes[n] = _Size(wait=dict.fromkeys(KINDS, self.wait0))
+            known = [m for m, t in self._sizes.items() if m != n and t.settled]
+            if known:  # the nearest measured size's rates (ties: the larger), tokens scaled to n rows
+                m = min(known, key=lambda m: (abs(m - n), -m))
+                t = self._sizes[m]
+                for k in KINDS:
+                    s.tokens[k], s.seconds[k], s.steps[k] = t.tokens[k] * n / m, t.seconds[k], t.steps[k]
+                s.settled = True  # the loser waits `wait` steps here (a neighbour's verdict is a guess)
         return s
+
+    def _loser_wait(self, n: int, loser: str, wait: int) -> int:
+        """The wait before re-measuring `loser`: `wait`, or longer where it cost so much that
+        one run of it every `wait` steps would spend more than `explore` of the rate."""
+        r, w = self.rate(n, loser), self.rate(n, KINDS[1 - KINDS.index(loser)])
+        loss = 1.0 - r / w if r is not None and w else 0.0
+        return int(min(max(wait, self.run_steps * loss / self.explore), self.wait_max))
 
     def rate(self, n: int, kind: str) -> float | None:
         """Measured tokens/s of `kind` at batch size n; None before it has run."""
@@ -90,7 +115,7 @@ class SpecGuard:
         if s.probing is not None:  # a loser's run ended: did it win this time?
             won = self.best(n) == s.probing
             loser = KINDS[1 - KINDS.index(s.probing)] if won else s.probing
-            s.wait[loser] = self.wait0 if won else min(2 * s.wait[loser], self.wait_max)
+            s.wait[loser] = self._loser_wait(n, loser, self.wait0 if won else min(2 * s.wait[loser], self.wait_max))
             s.probing = None
         fresh = [k for k in KINDS if s.steps[k] < self.run_steps]
         if fresh:  # a new batch size: measure both (the joint choice first)
@@ -98,6 +123,9 @@ class SpecGuard:
         else:
             best = self.best(n)
             other = KINDS[1 - KINDS.index(best)]
+            if not s.settled:  # both just measured: the loser's first wait
+                s.wait[other] = self._loser_wait(n, other, self.wait0)
+                s.settled = True
             if s.since[other] >= s.wait[other]:
                 s.kind, s.probing = other, other
             else:
@@ -113,9 +141,10 @@ class SpecGuard:
         s.tokens[kind] = self.decay * s.tokens[kind] + tokens
         s.seconds[kind] = self.decay * s.seconds[kind] + seconds
         s.steps[kind] += 1
+        s.own[kind] += 1
 
     def summary(self) -> dict[int, dict]:
         """Per batch size: measured rates, steps and the regime that runs now (for reports)."""
         return {n: {"spec_tps": self.rate(n, "spec"), "plain_tps": self.rate(n, "plain"),
-                    "spec_steps": s.steps["spec"], "plain_steps": s.steps["plain"], "best": self.best(n)}
+                    "spec_steps": s.own["spec"], "plain_steps": s.own["plain"], "best": self.best(n)}
                 for n, s in sorted(self._sizes.items())}
