@@ -13,6 +13,9 @@ sequence runs its decoding mode unchanged inside its own greenlet, with a
 3. runs the gathered requests in one pass (or a few, `group_rows`: rows padded to
    their longest T; a long prompt's chunk is not padded onto decode rows).
 
+Each step also has a speculation regime for its adaptive rows, chosen and credited
+from measured tokens/s per batch size (edgespec.batch.guard).
+
 Outputs are each request's own: a row of a batched pass sees only its own cache
 and mask, and sampling draws with noise keyed by (seed, position)
 (`Sampler.sample_at`), so a request's tokens do not depend on its neighbours.
