@@ -309,6 +309,22 @@ def test_speculation_is_priced_against_the_batch():
 
 
 # ------------------------------------------------------------------ edgespec bench --concurrency
+def test_bench_concurrency_table_names_the_guards_choice_per_batch_size():
+    from edgespec.benchmark.concurrency import format_concurrency
+
+    rows = [{"concurrency": c, "policy": p, "aggregate_tps": t, "per_request_tps": 1.0, "ttft_s": 0.1,
+             "tokens_per_pass": 1.0, "requests": c, "wrong": 0}
+            for c, p, t in ((1, "off", 5.0), (1, "on", 6.0), (1, "chosen", 6.0), (4, "off", 12.0), (4, "on", 8.0),
+                            (4, "chosen", 11.4))]
+    guard = {"4": {"spec_tps": 8.0, "plain_tps": 12.5, "spec_steps": 12, "plain_steps": 90, "best": "plain"},
+             "3": {"spec_tps": 9.0, "plain_tps": None, "spec_steps": 6, "plain_steps": 0, "best": "spec"}}
+    text = format_concurrency({"rows": rows, "guard": guard, "settings": {"levels": [1, 4],
+                                                                          "policies": ["off", "on", "chosen"]}})
+    assert "4 requests 0.95x" in text
+    assert "4 rows: speculation 8.0 tok/s over 12 steps, plain 12.5 over 90, runs plain" in text
+    assert "3 rows" not in text  # only sizes where both regimes were measured
+
+
 def test_bench_concurrency_reports_every_level_and_policy(tmp_path, monkeypatch, capsys):
     import json
 
@@ -333,6 +349,9 @@ def test_bench_concurrency_reports_every_level_and_policy(tmp_path, monkeypatch,
     assert all(r["tokens_per_pass"] == 1.0 for r in report["rows"] if r["policy"] == "off")
     assert "chosen / best" in (out / "concurrency.md").read_text()
     assert (out / "concurrency.png").stat().st_size > 0
+    # the guard's state goes into the report: per batch size, steps measured under each regime
+    assert all(set(g) >= {"spec_steps", "plain_steps", "best"} for g in report["guard"].values())
+    assert any(g["spec_steps"] + g["plain_steps"] > 0 for g in report["guard"].values())
     capsys.readouterr()
     assert main(["bench", "--concurrency", "1,0", "--out", str(out)]) != 0
     assert "--concurrency takes positive integers" in capsys.readouterr().err

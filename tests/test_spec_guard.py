@@ -3,8 +3,6 @@ speculation as the joint choice plans it or plain steps, whichever measured bett
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from conftest import make_tiny_engine
 
