@@ -10,6 +10,7 @@ rank 0 then runs each case (engine.generate(**case)) and prints {"results": [tok
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -25,6 +26,10 @@ def main() -> int:
     forever = "--forever" in sys.argv
 
     def loaded(rank, model, plan):
+        # What stays resident: collect cyclic garbage (a transient the loading left in a
+        # reference cycle still counts as active) and finish pending work before measuring.
+        gc.collect()
+        mx.synchronize()
         mx.clear_cache()
         line = {"rank": rank, "weights": dist.shard_bytes(model, plan), "active": mx.get_active_memory()}
         print(json.dumps(line), flush=True)

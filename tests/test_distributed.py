@@ -105,7 +105,9 @@ def test_sharded_verifier_equals_single_process(bundles, reference, split, n):
     assert sorted(memory) == list(range(n))
     for rank, m in memory.items():
         assert 0.6 * total / n <= m["weights"] <= 1.4 * total / n, (rank, m, total)
-        assert m["active"] <= m["weights"] * 1.05 + 4096, (rank, m)
+        # Resident = its shard: a rank holding another's weights would be 50-100% over. The
+        # slack covers a few small runtime arrays (once 43 KB over a 677 KB shard in CI).
+        assert m["active"] <= m["weights"] * 1.05 + 65536, (rank, m)
     assert sum(m["weights"] for m in memory.values()) >= total
 
 
