@@ -41,7 +41,6 @@ KINDS = ("spec", "plain")
 class _Size:
     tokens: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     seconds: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
-    steps: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # with a neighbour's, if taken over
     own: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # steps measured at this size
     wait: dict = field(default_factory=dict)  # steps of the winner before the loser's next run
     since: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # steps since it last ran
@@ -77,7 +76,7 @@ class SpecGuard:
                 m = min(known, key=lambda m: (abs(m - n), -m))
                 t = self._sizes[m]
                 for k in KINDS:
-                    s.tokens[k], s.seconds[k], s.steps[k] = t.tokens[k] * n / m, t.seconds[k], t.steps[k]
+                    s.tokens[k], s.seconds[k] = t.tokens[k] * n / m, t.seconds[k]
                 s.settled = True  # the loser waits `wait` steps here (a neighbour's verdict is a guess)
         return s
 
@@ -91,7 +90,7 @@ class SpecGuard:
     def rate(self, n: int, kind: str) -> float | None:
         """Measured tokens/s of `kind` at batch size n; None before it has run."""
         s = self._sizes.get(n)
-        if s is None or not s.steps[kind] or s.seconds[kind] <= 0:
+        if s is None or s.seconds[kind] <= 0:
             return None
         return s.tokens[kind] / s.seconds[kind]
 
@@ -117,7 +116,7 @@ class SpecGuard:
             loser = KINDS[1 - KINDS.index(s.probing)] if won else s.probing
             s.wait[loser] = self._loser_wait(n, loser, self.wait0 if won else min(2 * s.wait[loser], self.wait_max))
             s.probing = None
-        fresh = [k for k in KINDS if s.steps[k] < self.run_steps]
+        fresh = [] if s.settled else [k for k in KINDS if s.own[k] < self.run_steps]
         if fresh:  # a new batch size: measure both (the joint choice first)
             s.kind = fresh[0]
         else:
@@ -140,7 +139,6 @@ class SpecGuard:
         s = self._size(n)
         s.tokens[kind] = self.decay * s.tokens[kind] + tokens
         s.seconds[kind] = self.decay * s.seconds[kind] + seconds
-        s.steps[kind] += 1
         s.own[kind] += 1
 
     def summary(self) -> dict[int, dict]:

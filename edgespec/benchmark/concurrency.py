@@ -130,9 +130,10 @@ def run_concurrency(engine, prompts: list[list[int]], levels: list[int], max_tok
         engine.history = saved_history
         batcher.max_batch = saved_max
     rows = [cells[(c, p)].row() for c in levels for p in policies]
-    return {"rows": rows, "guard": {str(n): v for n, v in batcher.guard.summary().items()}, "settings": {"levels": levels, "policies": list(policies), "rounds": rounds,
-                                       "per_client": per_client, "max_tokens": max_tokens,
-                                       "prompts": len(prompts)}}
+    guard = {str(n): v for n, v in batcher.guard.summary().items()}
+    return {"rows": rows, "guard": guard,
+            "settings": {"levels": levels, "policies": list(policies), "rounds": rounds, "per_client": per_client,
+                         "max_tokens": max_tokens, "prompts": len(prompts)}}
 
 
 def summarise(report: dict) -> dict:
