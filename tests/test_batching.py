@@ -167,6 +167,55 @@ def test_a_request_arriving_mid_batch_gets_its_first_token_in_the_same_step(engi
     assert engine.batcher.counts() == (0, 0)
 
 
+@pytest.mark.parametrize("segment", [1, 2])
+def test_a_request_arriving_during_a_pass_starts_before_the_pass_ends(monkeypatch, segment):
+    """A pass is evaluated a few layers at a time; requests that arrive meanwhile are started
+    between two segments (their prompt's pass, their first token) in that same step, instead
+    of waiting for the whole pass and the next step. Their replies equal each run alone."""
+    monkeypatch.setattr(batcher_mod, "EVAL_SEGMENT", segment)
+    engine = make_tiny_engine(3, scale=1.3, num_hidden_layers=4)  # segments of 1 or 2 layers
+    kws = [dict(max_tokens=30, mode="auto"), dict(max_tokens=20, mode="plain"),
+           dict(max_tokens=20, temperature=0.9, seed=4, mode="auto")]
+    ref = [alone(engine, p, **kw) for p, kw in zip(PROMPTS[1:], kws, strict=True)]
+    b = engine.batcher
+    got = [[] for _ in kws]
+    first_step: dict[int, int] = {}
+    finished = threading.Semaphore(0)
+
+    def emitter(i):
+        def emit(kind, payload):
+            if kind == "chunk":
+                got[i].extend(payload.tokens)
+                first_step.setdefault(i, b.steps)
+            elif kind in ("done", "error"):
+                finished.release()
+        return emit
+
+    def submit(i):
+        opts = make_options(**kws[i])
+        engine.submit(PROMPTS[1 + i], opts, engine.resolve_mode(opts), emitter(i))
+
+    arrived: list[int] = []
+    real = batcher_mod.Batcher._eval_part
+
+    def eval_part(self, arrays):
+        real(self, arrays)
+        if len(got[0]) >= 3 and not arrived:  # request 0 is decoding: two more arrive mid-pass
+            arrived.append(b.steps)
+            submit(1)
+            submit(2)
+
+    monkeypatch.setattr(batcher_mod.Batcher, "_eval_part", eval_part)
+    submit(0)
+    assert finished.acquire(timeout=60)
+    assert arrived  # the first request's passes were evaluated in segments
+    for _ in kws[1:]:
+        assert finished.acquire(timeout=60)
+    assert got == [r.tokens for r in ref]
+    assert first_step[1] == first_step[2] == arrived[0]  # their first tokens came in that same step
+    assert b.counts() == (0, 0)
+
+
 def test_a_cancelled_stream_leaves_the_others_unchanged(engine):
     ref = [alone(engine, p, max_tokens=30, mode="plain").tokens for p in PROMPTS]
     streams = [engine.stream(p, max_tokens=30, mode="plain") for p in PROMPTS]

@@ -42,7 +42,7 @@ from greenlet import greenlet
 from edgespec.batch import memory
 from edgespec.batch.arena import KVArena, SlotCache
 from edgespec.batch.cost import PassCost, Peer, StepCost
-from edgespec.batch.forward import Row, batched_forward, group_rows
+from edgespec.batch.forward import Row, batched_forward, group_rows, layer_marks
 from edgespec.batch.guard import SpecGuard
 from edgespec.cache import KVCache
 from edgespec.generate import Chunk, GenerationStats, stream_tokens
@@ -54,6 +54,9 @@ IDLE_EXIT_S = 5.0  # an idle worker thread ends after this long
 # A request whose prompt + max_tokens may pass this keeps caches of its own instead of an arena
 # row (the arena's rows are all as long as its longest one).
 ARENA_POSITIONS = 1024
+# A pass is evaluated this many layers at a time, so a request arriving meanwhile starts within
+# a fraction of a step (time to first token under load).
+EVAL_SEGMENT = 6
 READER_GRACE_S = 0.005  # how long a step waits for readers to take the tokens just streamed
 _BATCHERS: weakref.WeakSet = weakref.WeakSet()
 _KEYS = itertools.count()
@@ -202,6 +205,7 @@ class Batcher:
         self._cost: tuple | None = None  # (curve id, StepCost)
         self._arena: KVArena | None = None  # the live sequences' KV rows (edgespec.batch.arena)
         self._last_passes: list[tuple[int, int]] = []  # (rows, T) of the last step's passes
+        self._marks: list[list] = []  # per segment, arrays ending it (forward.layer_marks)
         # Speculation in a batch, measured (edgespec.batch.guard): the regime of this step, whether
         # an adaptive row asked for it, tokens committed so far in it, and the last step's
         # (regime, batch size, asked, clean) to credit this step's tokens and time to.
@@ -291,21 +295,28 @@ class Batcher:
                         return False
                 if self._stopping and not self._live and not self._waiting:
                     return False
-                while self._waiting and len(self._live) < self.max_batch:
-                    req = self._waiting[0]
-                    if req.cancelled:  # its client left while it waited: never touch the model
-                        self._waiting.popleft()
-                        req.emit("done", req.stats)
-                        continue
-                    if self._live and self.held_bytes(req) > self.budget:
-                        break  # waits for memory (FIFO: nobody overtakes it)
-                    self._waiting.popleft()
-                    self._reserved += req.own_bytes
-                    seq = _Seq(req, None)
-                    seq.glet = greenlet(functools.partial(self._run, seq), parent=self._hub)
-                    self._live.append(seq)
+                self._take_waiting()
                 if self._live:
                     return True
+
+    def _take_waiting(self) -> list[_Seq]:
+        """Admit waiting requests in order while the batch has room and memory (lock held)."""
+        new = []
+        while self._waiting and len(self._live) < self.max_batch:
+            req = self._waiting[0]
+            if req.cancelled:  # its client left while it waited: never touch the model
+                self._waiting.popleft()
+                req.emit("done", req.stats)
+                continue
+            if self._live and self.held_bytes(req) > self.budget:
+                break  # waits for memory (FIFO: nobody overtakes it)
+            self._waiting.popleft()
+            self._reserved += req.own_bytes
+            seq = _Seq(req, None)
+            seq.glet = greenlet(functools.partial(self._run, seq), parent=self._hub)
+            self._live.append(seq)
+            new.append(seq)
+        return new
 
     def held_bytes(self, new: Request | None = None) -> int:
         """Bytes the live sequences' caches may come to hold, with `new` admitted too: each
@@ -362,31 +373,29 @@ class Batcher:
 
     def _step_body(self) -> None:
         self._clean = True
-        # Time to first token: a request admitted this step goes first. Its prompt's pass is
-        # computed before the others' pending pass is waited for, it streams its first token at
-        # once, and its next call joins this step's pass with the others.
+        # Time to first token: a request admitted this step goes first (_start).
         new = [s for s in self._live if not s.started]
-        for seq in new:
-            self._resume(seq)
-        prompts = [s for s in new if s.row is not None]
-        if new:
-            self._clean = False  # a prompt's pass: not a decoding step's cost
-        if prompts and len(prompts) < len(self._live):
-            for g in group_rows([s.row.T for s in prompts], self._pass_cost):
-                self._run_pass([prompts[i] for i in g])
-            for s in prompts:
-                if not s.emitted and s.row is None and not s.glet.dead and not s.on_reader \
-                        and not s.req.cancelled:
-                    self.early_starts += 1
-                    self._resume(s)
+        self._start(new)
         # The last pass, computed before anyone is looked at: its readers take their chunks
         # meanwhile (MLX computes without the GIL), so a sequence that streamed a token last
-        # step is ready again now instead of missing this step's pass.
+        # step is ready again now instead of missing this step's pass. It is computed a few
+        # layers at a time, and a request that arrives meanwhile starts between two of them
+        # instead of waiting for the whole pass (a speculation step's can take several times a
+        # plain step's).
         pending = [s.value for s in self._live if s not in new and isinstance(s.value, (mx.array, tuple))]
+        marks, self._marks = self._marks, []
         if pending:
             t0 = time.perf_counter()
+            arrived = False
+            while marks:
+                self._eval_part(marks.pop(0))  # popped: a buffer held here could not be written in place
+                if self._waiting:
+                    with self._cv:
+                        late = self._take_waiting()
+                    arrived |= bool(late)
+                    self._start(late)  # resumed below like the others (they are started now)
             mx.eval(pending)
-            if len(self._last_passes) == 1 and self._last_passes[0][0] > 1:
+            if len(self._last_passes) == 1 and self._last_passes[0][0] > 1 and not arrived:
                 # what a pass of this shape costs here, for pricing speculation (cost.StepCost)
                 self._step_cost().observe(*self._last_passes[0], time.perf_counter() - t0)
         self._last_passes = []
@@ -429,9 +438,38 @@ class Batcher:
                 with self._cv:
                     self._cv.wait(0.05)
             return
+        layers: list[list] = []
         for g in group_rows([s.row.T for s in rows], self._pass_cost):
             self._last_passes.append((len(g), max(rows[i].row.T for i in g)))
+            cache = rows[g[0]].row.cache
             self._run_pass([rows[i] for i in g])
+            layers.append(layer_marks(cache))
+        # where the next step may pause evaluating these passes: every EVAL_SEGMENT layers
+        n = min(len(m) for m in layers)
+        self._marks = [[m[i] for m in layers] for i in range(EVAL_SEGMENT - 1, n - 1, EVAL_SEGMENT)]
+
+    def _eval_part(self, arrays: list) -> None:
+        """Evaluate one segment of the pending pass (a method: tests act between segments)."""
+        mx.eval(arrays)
+
+    def _start(self, new: list[_Seq]) -> None:
+        """Start requests just admitted: each runs up to its prompt's call; while others decode,
+        the prompts' passes are computed at once (before the others' pending pass is waited
+        for), each streams its first token, and its next call joins this step's pass."""
+        if not new:
+            return
+        self._clean = False  # a prompt's pass: not a decoding step's cost
+        for seq in new:
+            self._resume(seq)
+        prompts = [s for s in new if s.row is not None]
+        if prompts and len(prompts) < len(self._live):
+            for g in group_rows([s.row.T for s in prompts], self._pass_cost):
+                self._run_pass([prompts[i] for i in g])
+            for s in prompts:
+                if not s.emitted and s.row is None and not s.glet.dead and not s.on_reader \
+                        and not s.req.cancelled:
+                    self.early_starts += 1
+                    self._resume(s)
 
     def _resume(self, seq: _Seq) -> None:
         """Run `seq` up to its next model call (seq.row), its reader (on_reader) or its end."""

@@ -191,6 +191,20 @@ def batched_forward(model, rows: list[Row]) -> list:
     return results
 
 
+def layer_marks(cache: list) -> list:
+    """Per layer, the K buffer a pass over `cache` (one row's caches) has just written, or []
+    when the caches keep none: evaluating the i-th computes that pass up to layer i, so a long
+    pass can be evaluated a few layers at a time (the batcher starts new requests between)."""
+    marks = []
+    for c in cache:
+        own = getattr(c, "own", c)  # a SlotCache's own KVCache (None once in its arena row)
+        a = c.arena.keys.get(c.layer) if own is None else getattr(own, "keys", None)
+        if not isinstance(a, mx.array):
+            return []
+        marks.append(a)
+    return marks
+
+
 def group_rows(sizes: list[int], cost) -> list[list[int]]:
     """Split rows into passes so the step costs least: padding a decode row (T=1) to a
     prefill chunk's 128 tokens wastes more than a second pass costs, padding it to a
