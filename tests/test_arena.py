@@ -20,6 +20,7 @@ import edgespec.batch.forward as forward_mod
 from edgespec.batch import Row, batched_forward
 from edgespec.batch.arena import KVArena, SlotCache
 from edgespec.batch.cost import PassCost, Peer, StepCost, joint_sizes
+from edgespec.engine import make_options
 from edgespec.kernels import commit_kv, tree_mask
 
 
@@ -110,6 +111,91 @@ def test_the_arena_grows_rows_and_positions_keeping_what_it_holds():
     np.testing.assert_array_equal(np.array(other.state[1]), np.array(k2 * 2))
     arena.release(rows[0])
     assert arena.used == 4 and arena.acquire() == rows[0]
+
+
+def test_rows_read_in_any_order_and_with_gaps_without_a_gather(monkeypatch):
+    """Rows with gaps (a sequence ended between them) and rows given out of arena order read
+    what a gather would, and a batched pass over them equals each row on caches of its own,
+    without mx.take (a gather of every row, every layer: the slow path on a CPU)."""
+    model = make_tiny_model(4, scale=1.3)
+    prompts = [[1, 2, 3], list(range(5, 18)), [9] * 7, [4, 8, 15, 16]]
+    arena = KVArena()
+    own = [model.make_cache() for _ in prompts]
+    rows_ = [_arena_caches(model, arena) for _ in prompts]
+    for p, a, b in zip(prompts, own, rows_, strict=True):
+        _prefill(model, a, p)
+        _prefill(model, b, p)
+    mx.eval(batched_forward(model, [Row(mx.array([[5]]), c) for c in rows_]))  # all attached
+    for c in own:
+        mx.eval(model(mx.array([[5]]), c))
+    K = arena.keys[0]
+    for rows in ([0, 1, 3], [1, 3], [0, 2, 3]):
+        k, v = arena.read_rows(0, rows, 9)
+        np.testing.assert_array_equal(np.array(k), np.array(K[mx.array(rows)][:, :, :9]))
+
+    def take_forbidden(*a, **k):
+        raise AssertionError("rows were gathered with mx.take")
+
+    monkeypatch.setattr(mx, "take", take_forbidden)
+    pick = [3, 0, 2]  # out of order, with a gap
+    want = [model(mx.array([[20 + i]]), own[i]) for i in pick]
+    got = batched_forward(model, [Row(mx.array([[20 + i]]), rows_[i]) for i in pick])
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-4)
+
+
+def test_moving_a_row_keeps_its_entries():
+    arena = KVArena()
+    rows = [arena.acquire(3) for _ in range(3)]
+    caches = [SlotCache(arena, 0, r) for r in rows]
+    ks = [mx.random.normal((1, 2, 4 + i, 4)) for i in range(3)]
+    for c, k in zip(caches, ks, strict=True):
+        c.attach()
+        c.update_and_fetch(k, -k)
+    arena.release(rows[0])
+    arena.move(rows[2], rows[0])
+    caches[2].row = rows[0]
+    assert arena.free_rows() == [rows[2]] and arena.used == 2
+    np.testing.assert_array_equal(np.array(caches[2].state[0]), np.array(ks[2]))
+    np.testing.assert_array_equal(np.array(caches[2].state[1]), np.array(-ks[2]))
+    np.testing.assert_array_equal(np.array(caches[1].state[0]), np.array(ks[1]))
+
+
+def test_rows_stay_contiguous_when_a_sequence_in_the_middle_ends(monkeypatch):
+    """Four requests, the second ends first: the batcher moves the highest row down into its
+    place, so every later pass reads one slice of the arena; every reply equals it alone."""
+    engine = make_tiny_engine(3, scale=1.3)
+    prompts = [[(7 * i + 3 * j) % 60 + 1 for j in range(4 + 5 * i)] for i in range(4)]
+    lengths = [30, 6, 24, 30]
+    ref = [engine.generate(p, max_tokens=m, mode="plain").tokens for p, m in zip(prompts, lengths, strict=True)]
+    reads = []
+    real = KVArena.read_rows
+
+    def read_rows(self, layer, rows, n):
+        reads.append(list(rows))
+        return real(self, layer, rows, n)
+
+    monkeypatch.setattr(KVArena, "read_rows", read_rows)
+    got = [[] for _ in prompts]
+    finished = threading.Semaphore(0)
+
+    def emitter(i):
+        def emit(kind, payload):
+            if kind == "chunk":
+                got[i].extend(payload.tokens)
+            elif kind in ("done", "error"):
+                finished.release()
+        return emit
+
+    for i, (p, m) in enumerate(zip(prompts, lengths, strict=True)):  # admitted in this order: rows 0-3
+        opts = make_options(max_tokens=m, mode="plain")
+        engine.submit(p, opts, engine.resolve_mode(opts), emitter(i))
+    for _ in prompts:
+        assert finished.acquire(timeout=60)
+    many = got
+    assert many == ref
+    assert any(len(r) == 3 for r in reads)  # passes ran after the short one ended
+    assert all(r == list(range(r[0], r[0] + len(r))) for r in reads)
 
 
 LONG_SHORT = [[(5 * j) % 60 + 1 for j in range(10)], [(3 * j) % 60 + 2 for j in range(10)],

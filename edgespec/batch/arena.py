@@ -53,6 +53,23 @@ class KVArena:
     def release(self, row: int) -> None:
         self._free.append(row)
 
+    def free_rows(self) -> list[int]:
+        return sorted(self._free)
+
+    def move(self, src: int, dst: int, copy: bool = True) -> None:
+        """Row `src`'s entries (with `copy`) into the free row `dst`; `src` is free after. The
+        batcher moves its highest row down into one a finished sequence left, so the rows in use
+        stay one slice: a pass over rows with gaps has to copy them together every layer."""
+        self._free.remove(dst)
+        self._free.append(src)
+        if not copy:
+            return
+        idx = mx.array([src], dtype=mx.int32)
+        moved = [(d, layer, mx.take(d[layer], idx, axis=0)) for d in (self.keys, self.values) for layer in d]
+        mx.eval([m for _, _, m in moved])  # nothing may hold the old buffers when they are written
+        for d, layer, m in moved:
+            d[layer][dst : dst + 1] = m
+
     @property
     def used(self) -> int:
         return self.rows - len(self._free)
@@ -118,15 +135,32 @@ class KVArena:
     def read_rows(self, layer: int, rows: list[int], n: int) -> tuple[mx.array, mx.array]:
         """(B, Hk, n, D) keys and values of `rows`, in that order."""
         K, V = self.keys[layer], self.values[layer]
-        lo = rows[0]
-        if rows == list(range(lo, lo + len(rows))):
-            return K[lo : lo + len(rows), :, :n, :], V[lo : lo + len(rows), :, :n, :]
+        runs = _runs(rows)
+        if len(runs) == 1:
+            lo, hi = runs[0]
+            return K[lo:hi, :, :n, :], V[lo:hi, :, :n, :]
+        if rows == sorted(rows):
+            # rows with gaps (a sequence ended between them): contiguous runs copied together,
+            # several times faster here than a gather (mx.take) of the same rows
+            return (mx.concatenate([K[lo:hi, :, :n, :] for lo, hi in runs], axis=0),
+                    mx.concatenate([V[lo:hi, :, :n, :] for lo, hi in runs], axis=0))
         idx = mx.array(rows, dtype=mx.int32)
         return mx.take(K[:, :, :n, :], idx, axis=0), mx.take(V[:, :, :n, :], idx, axis=0)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for d in (self.keys, self.values) for a in d.values())
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """`rows` as runs of consecutive row numbers, [lo, hi) each, in order."""
+    runs = [[rows[0], rows[0] + 1]]
+    for r in rows[1:]:
+        if r == runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, r + 1])
+    return [(lo, hi) for lo, hi in runs]
 
 
 class SlotCache:

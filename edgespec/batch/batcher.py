@@ -180,7 +180,7 @@ class _Seq:
         self.gains = None  # its latest gain curve (adaptive decoding), see cost.joint_sizes
         self.extra_s = 0.0  # host seconds its tree round costs beyond a plain step
         self.key = next(_KEYS)  # admission order: the tie-break of the joint choice
-        self.arena_rows: list[int] = []  # rows of the batch's KV arena it holds
+        self.arena_rows: dict[int, list] = {}  # rows of the batch's KV arena it holds -> its SlotCaches
 
 
 class Batcher:
@@ -529,16 +529,18 @@ class Batcher:
             self._arena = KVArena()
         # Rows up to one per short request live (what held_bytes accounts), not doubled.
         row = self._arena.acquire(sum(1 for s in self._live if s.req.arena_positions))
-        seq.arena_rows.append(row)
-        return [SlotCache(self._arena, i, row) for i in range(len(caches))]
+        seq.arena_rows[row] = [SlotCache(self._arena, i, row) for i in range(len(caches))]
+        return seq.arena_rows[row]
 
     def _finish(self, seq: _Seq) -> None:
         if self._arena is not None:
             for row in seq.arena_rows:
                 self._arena.release(row)
-            seq.arena_rows = []
+            seq.arena_rows = {}
             if not self._arena.used:
                 self._arena = None  # the batch is empty: its memory goes
+            else:
+                self._compact(seq)
         with self._cv:
             self._live.remove(seq)
             self._reserved -= seq.req.own_bytes
@@ -550,6 +552,22 @@ class Batcher:
                 self.on_idle()
             except Exception:
                 log.exception("the idle callback failed")
+
+    def _compact(self, gone: _Seq) -> None:
+        """Move the highest rows in use down into the free ones below them (arena.move), so the
+        live rows stay contiguous after `gone` ended."""
+        arena = self._arena
+        held = {row: s for s in self._live if s is not gone for row in s.arena_rows}
+        while held and arena.free_rows() and arena.free_rows()[0] < max(held):
+            src, dst = max(held), arena.free_rows()[0]
+            seq = held.pop(src)
+            slots = seq.arena_rows.pop(src)
+            # entries still in caches of their own (not attached yet): only the row number changes
+            arena.move(src, dst, copy=any(c.attached for c in slots))
+            for c in slots:
+                c.row = dst
+            seq.arena_rows[dst] = slots
+            held[dst] = seq
 
     def _step_cost(self) -> StepCost:
         """step(sizes) on the adaptive decoder's measured pass-cost curve when the engine has

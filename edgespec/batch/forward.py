@@ -169,6 +169,15 @@ def batched_forward(model, rows: list[Row]) -> list:
         r = rows[0]
         return [model(r.inputs, r.cache, mask=r.mask, positions=r.positions, return_hidden=r.return_hidden,
                       last_only=r.last_only)]
+    if _shared_arena(rows) is not None:
+        # the rows in arena order, so attention reads them as one slice of the arena (or a few)
+        order = sorted(range(len(rows)), key=lambda b: rows[b].cache[0].row)
+        if order != list(range(len(rows))):
+            out = batched_forward(model, [rows[b] for b in order])
+            results = [None] * len(rows)
+            for res, b in zip(out, order, strict=True):
+                results[b] = res
+            return results
     t_max = max(r.T for r in rows)
     s_max = max(r.S for r in rows)
     inputs = mx.concatenate(
