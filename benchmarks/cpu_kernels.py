@@ -14,6 +14,9 @@ On the default model's bundle (or --model), CPU device:
   137, ...) at T = 1..8 tokens each, median ms, beside what the batcher estimates for
   it from the measured (B, 1) pass scaled along the one-sequence cost curve (the
   adaptive decoder's calibration, edgespec.batch.cost.StepCost);
+- arena rows: a decoding pass over 7 of an 8-row KV arena's rows, contiguous, with a
+  gap (read as contiguous runs), and with a gap or reversed read by a gather (mx.take,
+  what a pass did before it took its rows in arena order and copied runs), median ms;
 - joint choice: one row's `edgespec.batch.cost.joint_sizes` among B = 2, 4, 8 adaptive
   rows (gain curves of 32 tokens), ms a call, with the step-cost memo cleared before
   every call (what every measured pass did before `MEMO_REFRESH`) and kept.
@@ -131,6 +134,46 @@ def batch_shapes(engine, reps: int) -> None:
               + " / ".join(f"{med[1] * c(B * T) / c(B) * 1000:.0f}" for T in Ts))
 
 
+def arena_rows(engine, reps: int) -> None:
+    from edgespec.batch.arena import KVArena, SlotCache
+    from edgespec.batch.forward import Row, batched_forward
+
+    model = engine.model
+    arena = KVArena()
+    caches = []
+    for i in range(8):
+        row = arena.acquire(8)
+        cache = [SlotCache(arena, j, row) for j in range(len(model.layers))]
+        for sc in cache:
+            sc.attach()
+        mx.eval(model((mx.arange(1, 91 + 7 * i) % 1000)[None], cache))
+        caches.append(cache)
+    real_read = KVArena.read_rows
+
+    def gather_read(self, layer, rows, n):  # the read before runs and compaction: one gather
+        idx = mx.array(rows, dtype=mx.int32)
+        return (mx.take(self.keys[layer][:, :, :n, :], idx, axis=0),
+                mx.take(self.values[layer][:, :, :n, :], idx, axis=0))
+
+    cases = {"7 contiguous": (list(range(7)), real_read), "7 with a gap": ([0, 1, 2, 3, 4, 5, 7], real_read),
+             "7 with a gap, gathered": ([0, 1, 2, 3, 4, 5, 7], gather_read),
+             "7 reversed, gathered": ([6, 5, 4, 3, 2, 1, 0], gather_read)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    try:
+        for _ in range(1 + 4 * reps):
+            for name, (rows, read) in cases.items():
+                KVArena.read_rows = read
+                calls = [Row(mx.array([[7]]), caches[r]) for r in rows]
+                times[name].append(_timed(lambda calls=calls: batched_forward(model, calls)))
+                for r in rows:
+                    for sc in caches[r]:
+                        sc.trim(1)
+    finally:
+        KVArena.read_rows = real_read
+    print("arena rows, a decoding pass of 7 of 8 rows, median ms: "
+          + "; ".join(f"{k} {statistics.median(v[1:]) * 1000:.0f}" for k, v in times.items()))
+
+
 def joint_choice(reps: int) -> None:
     from edgespec.batch.cost import PassCost, Peer, StepCost, joint_sizes
 
@@ -166,6 +209,7 @@ def main(argv=None) -> int:
     linear(engine.model, args.reps)
     attention(args.reps)
     batch_shapes(engine, args.reps)
+    arena_rows(engine, args.reps)
     joint_choice(args.reps)
     return 0
 

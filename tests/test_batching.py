@@ -216,6 +216,25 @@ def test_a_request_arriving_during_a_pass_starts_before_the_pass_ends(monkeypatc
     assert b.counts() == (0, 0)
 
 
+def test_a_full_batch_evaluates_its_pass_at_once(monkeypatch):
+    """Segments are for requests that could start before the pass ends: with the batch full,
+    a pass is evaluated at once (each segment boundary is a synchronisation)."""
+    monkeypatch.setattr(batcher_mod, "EVAL_SEGMENT", 1)
+    engine = make_tiny_engine(3, scale=1.3, num_hidden_layers=4)
+    parts = []
+    real = batcher_mod.Batcher._eval_part
+    monkeypatch.setattr(batcher_mod.Batcher, "_eval_part",
+                        lambda self, a: (parts.append(len(self._live)), real(self, a)))
+    engine.batcher.max_batch = 2
+    ref = [alone(engine, p, max_tokens=12, mode="plain").tokens for p in PROMPTS[:2]]
+    parts.clear()
+    assert [r.tokens for r in engine.generate_many(PROMPTS[:2], max_tokens=12, mode="plain")] == ref
+    assert 2 not in parts  # (a step with the first request alone had room for the second)
+    engine.batcher.max_batch = 3  # room for one more: the same passes in segments
+    assert [r.tokens for r in engine.generate_many(PROMPTS[:2], max_tokens=12, mode="plain")] == ref
+    assert 2 in parts
+
+
 def test_a_cancelled_stream_leaves_the_others_unchanged(engine):
     ref = [alone(engine, p, max_tokens=30, mode="plain").tokens for p in PROMPTS]
     streams = [engine.stream(p, max_tokens=30, mode="plain") for p in PROMPTS]

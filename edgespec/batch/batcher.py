@@ -378,12 +378,14 @@ class Batcher:
         self._start(new)
         # The last pass, computed before anyone is looked at: its readers take their chunks
         # meanwhile (MLX computes without the GIL), so a sequence that streamed a token last
-        # step is ready again now instead of missing this step's pass. It is computed a few
-        # layers at a time, and a request that arrives meanwhile starts between two of them
-        # instead of waiting for the whole pass (a speculation step's can take several times a
-        # plain step's).
+        # step is ready again now instead of missing this step's pass. While the batch has
+        # room, it is computed a few layers at a time, and a request that arrives meanwhile
+        # starts between two of them instead of waiting for the whole pass (a speculation
+        # step's can take several times a plain step's).
         pending = [s.value for s in self._live if s not in new and isinstance(s.value, (mx.array, tuple))]
         marks, self._marks = self._marks, []
+        if len(self._live) >= self.max_batch:
+            marks = []  # nobody could be admitted before the pass ends: evaluate it at once
         if pending:
             t0 = time.perf_counter()
             arrived = False
