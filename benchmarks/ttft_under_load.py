@@ -6,8 +6,9 @@ Starts one batched `edgespec serve` per value of the batcher's EVAL_SEGMENT (lay
 evaluated segment of a pass; 1000 = the whole pass at once, as before segments), all up
 together. Each round, on each server in turn (the order turning): one request alone (idle
 time to first token), one sent once 3 others stream (benchmarks/concurrency.py's
-`ttft_under_load`), and 8 requests sent together (aggregate tokens/s: what evaluating in
-segments costs). Medians per server. Run on quiet cores.
+`ttft_under_load`), and 4 requests sent together (aggregate tokens/s: what evaluating in
+segments costs; with --max-batch 8 the batch has room, so the passes are segmented).
+Medians per server. Run on quiet cores.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main() -> int:
                 url = servers[seg][1]
                 samples[seg][0].append(asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2])
                 samples[seg][1].append(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode)))
-                res, wall = asyncio.run(together(url, PROMPTS[:8], args.max_tokens, args.mode))
+                res, wall = asyncio.run(together(url, PROMPTS[:4], args.max_tokens, args.mode))
                 samples[seg][2].append(sum(x[1] for x in res) / wall)
     finally:
         for proc, _ in servers.values():
@@ -67,7 +68,7 @@ def main() -> int:
     for seg, (idle, loaded, rates) in samples.items():
         i, lo = statistics.median(idle), statistics.median(loaded)
         print(f"EVAL_SEGMENT {seg}: idle {i * 1000:.0f} ms, loaded {lo * 1000:.0f} ms ({lo / i:.2f}x); "
-              f"loaded samples {' / '.join(f'{x * 1000:.0f}' for x in loaded)}; 8 requests together "
+              f"loaded samples {' / '.join(f'{x * 1000:.0f}' for x in loaded)}; 4 requests together "
               f"{statistics.median(rates):.1f} tok/s ({' / '.join(f'{x:.1f}' for x in rates)})")
     return 0
 
