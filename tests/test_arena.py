@@ -192,8 +192,7 @@ def test_rows_stay_contiguous_when_a_sequence_in_the_middle_ends(monkeypatch):
         engine.submit(p, opts, engine.resolve_mode(opts), emitter(i))
     for _ in prompts:
         assert finished.acquire(timeout=60)
-    many = got
-    assert many == ref
+    assert got == ref
     assert any(len(r) == 3 for r in reads)  # passes ran after the short one ended
     assert all(r == list(range(r[0], r[0] + len(r))) for r in reads)
 
