@@ -542,7 +542,7 @@ class Batcher:
             if not self._arena.used:
                 self._arena = None  # the batch is empty: its memory goes
             else:
-                self._compact(seq)
+                self._compact()
         with self._cv:
             self._live.remove(seq)
             self._reserved -= seq.req.own_bytes
@@ -555,11 +555,11 @@ class Batcher:
             except Exception:
                 log.exception("the idle callback failed")
 
-    def _compact(self, gone: _Seq) -> None:
+    def _compact(self) -> None:
         """Move the highest rows in use down into the free ones below them (arena.move), so the
-        live rows stay contiguous after `gone` ended."""
+        live rows stay contiguous after a sequence ended (its rows already released)."""
         arena = self._arena
-        held = {row: s for s in self._live if s is not gone for row in s.arena_rows}
+        held = {row: s for s in self._live for row in s.arena_rows}
         while held and arena.free_rows() and arena.free_rows()[0] < max(held):
             src, dst = max(held), arena.free_rows()[0]
             seq = held.pop(src)
