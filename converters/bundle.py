@@ -15,7 +15,6 @@ import mlx.core as mx
 
 from edgespec.bundle import FORMAT_VERSION, MANIFEST, file_entry
 
-
 PID_MARKER = ".edgespec-writer-pid"
 
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from edgespec.kernels.attention import (
+    BLOCK_ROWS,
     CPU_NUMPY_MIN_QUERIES,
     CPU_NUMPY_MIN_SCORES,
-    BLOCK_ROWS,
     attention,
     numpy_attention,
     use_numpy_attention,
