@@ -9,7 +9,6 @@ with cancellation, chunked prompts, per-request options and memory limits.
 from __future__ import annotations
 
 import threading
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -234,64 +233,6 @@ def test_a_full_batch_evaluates_its_pass_at_once(monkeypatch):
     engine.batcher.max_batch = 3  # room for one more: the same passes in segments
     assert [r.tokens for r in engine.generate_many(PROMPTS[:2], max_tokens=12, mode="plain")] == ref
     assert 2 in parts
-
-
-def _submitter(engine, prompts, kws, got, finished):
-    def submit(i):
-        def emit(kind, payload):
-            if kind == "chunk":
-                got[i].extend(payload.tokens)
-            elif kind in ("done", "error"):
-                finished.release()
-        opts = make_options(**kws[i])
-        engine.submit(prompts[i], opts, engine.resolve_mode(opts), emit)
-    return submit
-
-
-def test_announced_requests_start_in_one_prompt_pass(monkeypatch):
-    """Requests a front end announced (received, still being parsed) are waited for before new
-    prompts start: sent together, they share one prompt pass instead of the first starting
-    alone and the others after it. Replies equal each run alone (greedy, sampled, auto)."""
-    monkeypatch.setattr(batcher_mod, "GATHER_S", 30.0)  # the wait ends when they arrive, not by time
-    engine = make_tiny_engine(3, scale=1.3)
-    prompts = [[(5 * i + 7 * j) % 60 + 1 for j in range(20)] for i in range(3)]  # equal lengths
-    kws = [dict(max_tokens=12, mode="plain"), dict(max_tokens=12, mode="auto"),
-           dict(max_tokens=12, temperature=0.9, seed=3, mode="plain")]
-    ref = [alone(engine, p, **kw).tokens for p, kw in zip(prompts, kws, strict=True)]
-    passes = []
-    real = batcher_mod.batched_forward
-    monkeypatch.setattr(batcher_mod, "batched_forward",
-                        lambda model, rows: (passes.append(sorted(r.T for r in rows)), real(model, rows))[1])
-    b = engine.batcher
-    got = [[] for _ in kws]
-    finished = threading.Semaphore(0)
-    submit = _submitter(engine, prompts, kws, got, finished)
-    arrived = [b.announce() for _ in kws]
-    arrived[0]()
-    arrived[0]()  # idempotent
-    submit(0)
-    time.sleep(0.3)  # long enough for the worker to have started the first prompt, were it not waiting
-    for i in (1, 2):
-        arrived[i]()
-        submit(i)
-    for _ in kws:
-        assert finished.acquire(timeout=60)
-    assert got == ref
-    assert [p for p in passes if p[-1] > 1][0] == [20, 20, 20]  # the first prompt pass holds all three
-    assert b.gathered >= 1 and b._incoming == 0
-
-
-def test_an_announced_request_that_never_comes_delays_the_others_only_briefly(monkeypatch):
-    monkeypatch.setattr(batcher_mod, "GATHER_S", 0.05)
-    engine = make_tiny_engine(3, scale=1.3)
-    ref = alone(engine, PROMPTS[1], max_tokens=10, mode="plain").tokens
-    never = engine.batcher.announce()  # e.g. a client that sent headers and then nothing
-    got, finished = [[]], threading.Semaphore(0)
-    _submitter(engine, [PROMPTS[1]], [dict(max_tokens=10, mode="plain")], got, finished)(0)
-    assert finished.acquire(timeout=30)
-    assert got == [ref] and engine.batcher.gathered == 1
-    never()
-    assert engine.batcher._incoming == 0
 
 
 def test_a_cancelled_stream_leaves_the_others_unchanged(engine):

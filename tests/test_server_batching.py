@@ -94,35 +94,3 @@ def test_a_request_that_can_never_fit_the_memory_budget_is_a_400(tmp_path):
         assert "KV cache" in msg and "--memory-budget" in msg
     finally:
         server.stop()
-
-
-def test_generation_requests_are_announced_until_submitted_and_a_lone_one_never_waits(tmp_path):
-    """The server announces a generation request to the batch as it comes in (so requests sent
-    together share a prompt pass, Batcher.announce) and withdraws it once the request is
-    submitted or refused: a lone request never makes the batch wait for it, and nothing
-    stays announced after errors."""
-    from edgespec.apps.server import ServerSettings, create_app
-    from starlette.testclient import TestClient
-
-    bundle = write_tiny_bundle(tmp_path / "tiny")
-    engine = edgespec.load(bundle, drafter="none", progress=False, history="off")
-    ref = engine.generate(PROMPTS[0], max_tokens=8).text
-    app = create_app(engine, ServerSettings(model_id="tiny"))
-    sched, b = app.state.scheduler, engine.batcher
-    announced = []
-    real = sched.announce
-    sched.announce = lambda: (announced.append(1), real())[1]
-    body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 8}
-    with TestClient(app) as c:
-        assert c.get("/health").status_code == 200
-        assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == ref
-        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                           if line.startswith("data: {"))
-        assert text == ref
-        assert c.post("/v1/completions", json={**body, "model": "nope"}).status_code == 404
-        assert c.post("/v1/completions", json={**body, "max_tokens": "many"}).status_code == 400
-        assert c.post("/v1/chat/completions", json={"model": "default", "messages": []}).status_code == 400
-    assert len(announced) == 5  # the generation requests, not /health
-    assert b._incoming == 0
-    assert b.gathered == 0  # never waited: each was withdrawn before it was submitted

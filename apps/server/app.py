@@ -35,7 +35,6 @@ from edgespec.errors import ContextLengthError, EdgespecError
 from edgespec.modes import available_modes
 
 KEEPALIVE_S = 1.0  # seconds without an event before an SSE keep-alive comment (see _sse)
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")  # the requests Batcher.announce counts
 FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 
 
@@ -132,15 +131,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
             return error_response(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
-        if request.method != "POST" or request.url.path not in GENERATION_PATHS:
-            return await call_next(request)
-        # Announced before its body is read and its prompt tokenized, so requests sent
-        # together start in one prompt pass (Batcher.announce); _submit withdraws it.
-        request.state.arrived = arrived = scheduler.announce()
-        try:
-            return await call_next(request)
-        finally:
-            arrived()
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -167,39 +158,31 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
-        job = await _submit(body, request, messages=messages)
+        job = await _submit(body, messages=messages)
         return await _respond(request, body, job, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        job = await _submit(body, request, prompt=body.prompt)
+        job = await _submit(body, prompt=body.prompt)
         return await _respond(request, body, job, chat=False)
 
-    async def _submit(body, request: Request, prompt=None, messages=None) -> Job:
-        arrived = getattr(request.state, "arrived", lambda: None)  # announced by _gate
+    async def _submit(body, prompt=None, messages=None) -> Job:
+        _check_model(body.model, model_ids)
+        options = _options(body, settings.defaults, settings.max_tokens_limit)
         try:
-            _check_model(body.model, model_ids)
-            options = _options(body, settings.defaults, settings.max_tokens_limit)
-            try:
-                # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
-                ids = await run_in_threadpool(engine.encode_prompt, prompt, messages)
-            except ContextLengthError as e:
-                raise APIError(400, str(e), "messages" if messages is not None else "prompt",
-                               "context_length_exceeded") from None
-            except ValueError as e:
-                raise APIError(400, str(e), "messages" if messages is not None else "prompt",
-                               "invalid_prompt") from None
-            job = Job(ids, options, asyncio.get_running_loop())
-            # No longer awaited from here: withdrawn before the submit, so the worker never
-            # waits for a request it already holds.
-            arrived()
-            try:
-                scheduler.submit(job)
-            except QueueFull as e:
-                raise APIError(503, str(e), None, "queue_full", headers={"Retry-After": "1"}) from None
-            return job
-        finally:
-            arrived()  # refused: not coming either
+            # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+            ids = await run_in_threadpool(engine.encode_prompt, prompt, messages)
+        except ContextLengthError as e:
+            raise APIError(400, str(e), "messages" if messages is not None else "prompt",
+                           "context_length_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e), "messages" if messages is not None else "prompt", "invalid_prompt") from None
+        job = Job(ids, options, asyncio.get_running_loop())
+        try:
+            scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(503, str(e), None, "queue_full", headers={"Retry-After": "1"}) from None
+        return job
 
     async def _respond(request: Request, body, job: Job, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -90,12 +90,6 @@ class Scheduler:
         self._batcher.on_idle = clear_cache
 
     # ------------------------------------------------------------ request side
-    def announce(self):
-        """A generation request was received and will be submitted once parsed: the batch
-        waits a moment for it before starting new prompts (Batcher.announce). Returns the
-        callable to call once it is submitted or refused."""
-        return self._batcher.announce()
-
     def submit(self, job: Job) -> None:
         with self._lock:
             # max_batch run, max_waiting wait behind them. Counting accepted jobs rather than

@@ -58,9 +58,6 @@ ARENA_POSITIONS = 1024
 # a fraction of a step (time to first token under load).
 EVAL_SEGMENT = 6
 READER_GRACE_S = 0.005  # how long a step waits for readers to take the tokens just streamed
-# Requests a front end has announced (Batcher.announce: received, still being parsed and
-# tokenized) are waited for this long at most before new prompts start without them.
-GATHER_S = 0.05
 _BATCHERS: weakref.WeakSet = weakref.WeakSet()
 _KEYS = itertools.count()
 
@@ -199,8 +196,6 @@ class Batcher:
         self._waiting: deque[Request] = deque()
         self._live: list[_Seq] = []
         self._reserved = 0
-        self._incoming = 0  # announced requests not yet submitted (announce)
-        self.gathered = 0  # steps that waited for announced requests before starting prompts
         self._thread: threading.Thread | None = None
         self._hub: greenlet | None = None
         self.steps = 0  # batched steps run (for tests and benchmarks)
@@ -243,26 +238,6 @@ class Batcher:
                 self._thread = threading.Thread(target=self._work, name="edgespec-batch", daemon=True)
                 self._thread.start()
             self._cv.notify()
-
-    def announce(self) -> Callable[[], None]:
-        """A front end has received a request it will submit once parsed and tokenized (a few
-        ms). Until the returned callable is called (idempotent; call it just before `submit`,
-        or when the request is refused), new prompts wait up to GATHER_S for it, so requests
-        sent together start in one prompt pass: on a CPU a pass over 4 prompts of 38 tokens
-        costs about twice one, four passes four times."""
-        with self._cv:
-            self._incoming += 1
-        done = False
-
-        def arrived() -> None:
-            nonlocal done
-            with self._cv:
-                if not done:
-                    done = True
-                    self._incoming -= 1
-                    self._cv.notify_all()
-
-        return arrived
 
     def wake(self) -> None:
         """A reader took a chunk: a sequence waiting on it may go on."""
@@ -396,22 +371,8 @@ class Batcher:
         self._asked = True
         return self._regime == "spec"
 
-    def _gather(self) -> None:
-        """New prompts are about to start and announced requests are on their way: wait for
-        them (at most GATHER_S, and only while the batch has room), so they join this step."""
-        deadline = time.perf_counter() + GATHER_S
-        with self._cv:
-            self.gathered += 1
-            while self._incoming and len(self._live) + len(self._waiting) < self.max_batch:
-                left = deadline - time.perf_counter()
-                if left <= 0 or not self._cv.wait(left):
-                    break
-            self._take_waiting()
-
     def _step_body(self) -> None:
         self._clean = True
-        if self._incoming and any(not s.started for s in self._live):
-            self._gather()
         # Time to first token: a request admitted this step goes first (_start).
         new = [s for s in self._live if not s.started]
         self._start(new)
@@ -430,8 +391,7 @@ class Batcher:
             arrived = False
             while marks:
                 self._eval_part(marks.pop(0))  # popped: a buffer held here could not be written in place
-                # (while more are announced, arrivals wait for the next step's gathering instead)
-                if self._waiting and not self._incoming:
+                if self._waiting:
                     with self._cv:
                         late = self._take_waiting()
                     arrived |= bool(late)
