@@ -19,7 +19,15 @@ On the default model's bundle (or --model), CPU device:
   what a pass did before it took its rows in arena order and copied runs), median ms;
 - joint choice: one row's `edgespec.batch.cost.joint_sizes` among B = 2, 4, 8 adaptive
   rows (gain curves of 32 tokens), ms a call, with the step-cost memo cleared before
-  every call (what every measured pass did before `MEMO_REFRESH`) and kept.
+  every call (what every measured pass did before `MEMO_REFRESH`) and kept;
+- weights: every 2-D weight of the model (538 MB for SmolLM2, more than the caches hold)
+  times B = 1, 4, 8 rows, MLX's `x @ W.T` (its CPU BLAS: a general product, also for
+  one row) vs numpy's `W @ x` (numpy's own OpenBLAS, a matrix-vector product for one
+  row), median ms a sweep: what a decoding pass's weights cost apart from everything
+  else in it, and what the MLX CPU path leaves on the table.
+
+`--only NAME[,NAME]` runs some of them (activation, linear, attention, shapes, arena,
+joint, weights).
 """
 
 from __future__ import annotations
@@ -198,19 +206,54 @@ def joint_choice(reps: int) -> None:
         print(f"joint choice, {B} rows: {out[0]:.2f} ms a call with the memo cleared, {out[1]:.2f} kept")
 
 
+def weights(model, reps: int) -> None:
+    from mlx.utils import tree_flatten
+
+    ws = [w for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
+    wn = [np.array(w) for w in ws]
+    mb = sum(w.nbytes for w in ws) / 1e6
+    for B in (1, 4, 8):
+        xs = [mx.ones((B, w.shape[1])) for w in ws]
+        xn = [np.ones(w.shape[1], np.float32) if B == 1 else np.ones((w.shape[1], B), np.float32) for w in wn]
+        mx.eval(xs)
+        times: dict[str, list[float]] = {"mlx x@W.T": [], "numpy W@x": []}
+        for _ in range(reps):
+            # In blocks, with a pause between libraries: an OpenBLAS's threads spin for a while
+            # after a call, and the other library's product running meanwhile shares the cores
+            # with them (alternated call by call, MLX's sweep took twice as long here).
+            for _ in range(3):
+                times["mlx x@W.T"].append(_timed(lambda xs=xs: [x @ w.T for x, w in zip(xs, ws, strict=True)]))
+            time.sleep(0.5)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for w, x in zip(wn, xn, strict=True):
+                    w @ x
+                times["numpy W@x"].append(time.perf_counter() - t0)
+            time.sleep(0.5)
+        print(f"weights, {mb:.0f} MB times {B} rows, median ms: " + ", ".join(
+            f"{k} {statistics.median(v) * 1000:.1f}" for k, v in times.items()))
+
+
+SECTIONS = {"activation": lambda e, r: activation(e.model, r), "linear": lambda e, r: linear(e.model, r),
+            "attention": lambda e, r: attention(r), "shapes": batch_shapes, "arena": arena_rows,
+            "joint": lambda e, r: joint_choice(r), "weights": lambda e, r: weights(e.model, r)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="bundle folder (default: the default model's bundle)")
     ap.add_argument("--reps", type=int, default=3, help="measured rounds per comparison")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
     args = ap.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in only if s not in SECTIONS]
+    if bad or not only:
+        ap.error(f"--only: unknown section(s) {bad}; choose from {', '.join(SECTIONS)}")
     mx.set_default_device(mx.cpu)
     engine = edgespec.load(args.model, drafter="none", progress=False, history="off")
-    activation(engine.model, args.reps)
-    linear(engine.model, args.reps)
-    attention(args.reps)
-    batch_shapes(engine, args.reps)
-    arena_rows(engine, args.reps)
-    joint_choice(args.reps)
+    for name in only:
+        SECTIONS[name](engine, args.reps)
     return 0
 
 

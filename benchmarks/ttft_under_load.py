@@ -1,13 +1,16 @@
-"""Time to first token under load, a pass evaluated in segments vs whole, over HTTP, side by side.
+"""A batcher setting A/B over HTTP, side by side: time to first token under load, and requests sent together.
 
-    python benchmarks/ttft_under_load.py [--model PATH] [--mode auto] [--rounds 6] [--segments 6,1000]
+    python benchmarks/ttft_under_load.py [--model PATH] [--mode auto] [--rounds 6]
+        [--setting EVAL_SEGMENT=6,1000] [--together 4]
 
-Starts one batched `edgespec serve` per value of the batcher's EVAL_SEGMENT (layers per
-evaluated segment of a pass; 1000 = the whole pass at once, as before segments), all up
-together. Each round, on each server in turn (the order turning): one request alone (idle
-time to first token), one sent once 3 others stream (benchmarks/concurrency.py's
-`ttft_under_load`), and 4 requests sent together (aggregate tokens/s: what evaluating in
-segments costs; with --max-batch 8 the batch has room, so the passes are segmented).
+Starts one batched `edgespec serve` (--max-batch 8) per value of a constant of
+edgespec.batch.batcher, all up together. The default compares EVAL_SEGMENT (layers per
+evaluated segment of a pass; 1000 = the whole pass at once, as before segments);
+`--setting READER_GRACE_S=0.005,0` compares a step waiting 5 ms for readers to take
+the tokens just streamed with not waiting. Each round, on each server in turn (the order turning): one
+request alone (idle time to first token), one sent once 3 others stream
+(benchmarks/concurrency.py's `ttft_under_load`), and for each --together N, N requests
+sent together (aggregate tokens/s, from the first request sent to the last reply).
 Medians per server. Run on quiet cores.
 """
 
@@ -25,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from concurrency import PROMPTS, together, ttft_under_load  # noqa: E402
 
 
-def start(model: str | None, segment: int) -> tuple[subprocess.Popen, str]:
-    code = ("import sys, edgespec.batch.batcher as b; b.EVAL_SEGMENT = int(sys.argv.pop(1)); "
-            "from edgespec.cli import main; sys.exit(main())")
-    cmd = [sys.executable, "-c", code, str(segment), "serve", "--port", "0", "--drafter", "none", "--history", "off",
+def start(model: str | None, name: str, value: str) -> tuple[subprocess.Popen, str]:
+    code = ("import sys, edgespec.batch.batcher as b; name, value = sys.argv.pop(1), sys.argv.pop(1); "
+            "setattr(b, name, type(getattr(b, name))(value)); from edgespec.cli import main; sys.exit(main())")
+    cmd = [sys.executable, "-c", code, name, value, "serve", "--port", "0", "--drafter", "none", "--history", "off",
            "--max-batch", "8", *(["--model", model] if model else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     m = re.search(r":(\d+)/v1", proc.stdout.readline())
@@ -44,32 +47,43 @@ def main() -> int:
     ap.add_argument("--mode", default="auto", help="decoding mode of every request")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--segments", default="6,1000", help="EVAL_SEGMENT of each server")
+    ap.add_argument("--setting", default="EVAL_SEGMENT=6,1000",
+                    help="NAME=V1,V2,...: a constant of edgespec.batch.batcher, one server per value")
+    ap.add_argument("--segments", default=None, help="shorthand for --setting EVAL_SEGMENT=...")
+    ap.add_argument("--together", default="4", help="comma-separated numbers of requests sent together")
     args = ap.parse_args()
-    segments = [int(x) for x in args.segments.split(",")]
+    import edgespec.batch.batcher as batcher
+
+    name, _, values = (f"EVAL_SEGMENT={args.segments}" if args.segments else args.setting).partition("=")
+    values = [v.strip() for v in values.split(",") if v.strip()]
+    if not isinstance(getattr(batcher, name, None), (int, float)) or len(values) < 2:
+        raise SystemExit(f"--setting: NAME=V1,V2 with NAME a number constant of edgespec.batch.batcher, got {args.setting!r}")
+    together_n = [int(x) for x in args.together.split(",")]
     servers = {}
     try:
-        for seg in segments:
-            servers[seg] = start(args.model, seg)
-        samples = {seg: ([], [], []) for seg in segments}
+        for v in values:
+            servers[v] = start(args.model, name, v)
+        samples = {v: ([], [], {n: [] for n in together_n}) for v in values}
         for _, url in servers.values():  # warm-up
             asyncio.run(together(url, PROMPTS[:4], args.max_tokens, args.mode))
         for r in range(args.rounds):
-            for seg in segments[r % len(segments):] + segments[: r % len(segments)]:
-                url = servers[seg][1]
-                samples[seg][0].append(asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2])
-                samples[seg][1].append(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode)))
-                res, wall = asyncio.run(together(url, PROMPTS[:4], args.max_tokens, args.mode))
-                samples[seg][2].append(sum(x[1] for x in res) / wall)
+            for v in values[r % len(values):] + values[: r % len(values)]:
+                url = servers[v][1]
+                samples[v][0].append(asyncio.run(together(url, [PROMPTS[0]], args.max_tokens, args.mode))[0][0][2])
+                samples[v][1].append(asyncio.run(ttft_under_load(url, args.max_tokens, args.mode)))
+                for n in together_n:
+                    res, wall = asyncio.run(together(url, PROMPTS[:n], args.max_tokens, args.mode))
+                    samples[v][2][n].append(sum(x[1] for x in res) / wall)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
-    print(f"mode {args.mode}, time to first token, idle vs while 3 others stream, {args.rounds} rounds (medians)")
-    for seg, (idle, loaded, rates) in samples.items():
+    print(f"mode {args.mode}, {args.rounds} rounds (medians); time to first token idle vs while 3 others stream")
+    for v, (idle, loaded, rates) in samples.items():
         i, lo = statistics.median(idle), statistics.median(loaded)
-        print(f"EVAL_SEGMENT {seg}: idle {i * 1000:.0f} ms, loaded {lo * 1000:.0f} ms ({lo / i:.2f}x); "
-              f"loaded samples {' / '.join(f'{x * 1000:.0f}' for x in loaded)}; 4 requests together "
-              f"{statistics.median(rates):.1f} tok/s ({' / '.join(f'{x:.1f}' for x in rates)})")
+        print(f"{name} {v}: idle {i * 1000:.0f} ms, loaded {lo * 1000:.0f} ms ({lo / i:.2f}x); "
+              f"loaded samples {' / '.join(f'{x * 1000:.0f}' for x in loaded)}" + "".join(
+                  f"; {n} requests together {statistics.median(x):.1f} tok/s ({' / '.join(f'{y:.1f}' for y in x)})"
+                  for n, x in rates.items()))
     return 0
 
 
