@@ -7,8 +7,8 @@ Starts one batched `edgespec serve` (--max-batch 8) per value of a constant of
 edgespec.batch.batcher, all up together. The default compares EVAL_SEGMENT (layers per
 evaluated segment of a pass; 1000 = the whole pass at once, as before segments);
 `--setting READER_GRACE_S=0.005,0` compares a step waiting 5 ms for readers to take
-the tokens just streamed with not waiting. Each round, on each server in turn (the order turning): one
-request alone (idle time to first token), one sent once 3 others stream
+the tokens just streamed with not waiting. Each round, on each server in turn (the
+order turning): one request alone (idle time to first token), one sent once 3 others stream
 (benchmarks/concurrency.py's `ttft_under_load`), and for each --together N, N requests
 sent together (aggregate tokens/s, from the first request sent to the last reply).
 Medians per server. Run on quiet cores.
@@ -54,10 +54,11 @@ def main() -> int:
     args = ap.parse_args()
     import edgespec.batch.batcher as batcher
 
-    name, _, values = (f"EVAL_SEGMENT={args.segments}" if args.segments else args.setting).partition("=")
+    spec = f"EVAL_SEGMENT={args.segments}" if args.segments else args.setting
+    name, _, values = spec.partition("=")
     values = [v.strip() for v in values.split(",") if v.strip()]
     if not isinstance(getattr(batcher, name, None), (int, float)) or len(values) < 2:
-        raise SystemExit(f"--setting: NAME=V1,V2 with NAME a number constant of edgespec.batch.batcher, got {args.setting!r}")
+        raise SystemExit(f"--setting: NAME=V1,V2 with NAME a number constant of edgespec.batch.batcher, got {spec!r}")
     together_n = [int(x) for x in args.together.split(",")]
     servers = {}
     try:
