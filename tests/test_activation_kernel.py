@@ -29,32 +29,6 @@ def test_numpy_activation_matches_mlx(kind, ref):
     assert np.isfinite(np.array(out)).all()
 
 
-def test_rows_are_counted_per_sequence_not_per_batch(monkeypatch):
-    """A batched pass of many short rows (8 verification rounds of 9 tokens: 72 rows in all)
-    is no prompt chunk: it stays in MLX's graph, unevaluated, as each round alone would. A
-    prompt chunk of 65+ tokens takes numpy, in a batch too."""
-    from conftest import make_tiny_model
-
-    from edgespec.batch import Row, batched_forward
-
-    assert not act.use_numpy_activation("silu", mx.zeros((8, 9, 96)))
-    assert act.use_numpy_activation("silu", mx.zeros((2, act.CPU_NUMPY_MIN_ROWS, 96))) == ON_CPU
-    model = make_tiny_model(4)
-    taken = []
-    real = act._silu_times
-    monkeypatch.setitem(act._NUMPY, "silu", lambda *a: (taken.append(a[0].shape), real(*a)))
-    caches = [model.make_cache() for _ in range(8)]
-    for i, c in enumerate(caches):
-        mx.eval(model(mx.array([[1 + i, 2, 3]]), c))
-    taken.clear()
-    out = batched_forward(model, [Row(mx.array([[5 + i] * 9]), c) for i, c in enumerate(caches)])
-    assert not taken  # (it was taken, evaluating the pass layer by layer, when 8 x 9 counted)
-    mx.eval(out)
-    long = [model.make_cache() for _ in range(2)]
-    batched_forward(model, [Row(mx.array([[3 + i] * act.CPU_NUMPY_MIN_ROWS]), c) for i, c in enumerate(long)])
-    assert bool(taken) == ON_CPU
-
-
 def test_half_precision_comes_back_in_its_dtype():
     gate, up = _gate_up(act.CPU_NUMPY_MIN_ROWS, dtype=mx.bfloat16)
     out = act.gated_activation("silu", gate, up, inference=True)

@@ -22,9 +22,8 @@ import numpy as np
 
 from edgespec.kernels.attention import CPU_NUMPY_MIN_QUERIES, _pool, _workers
 
-# Prompt chunks only, as for attention: verification rounds (at most 64 tokens a row) and
-# decoding steps, batched or not, stay in one MLX graph (a numpy call is a synchronisation
-# point: every layer's would be evaluated while the pass is being built).
+# Prompt chunks only, as for attention: verification rounds (at most 64 rows) and decoding
+# steps stay in one MLX graph (a numpy call is a synchronisation point).
 CPU_NUMPY_MIN_ROWS = CPU_NUMPY_MIN_QUERIES
 _GELU_C = np.float32(math.sqrt(2 / math.pi))
 
@@ -57,10 +56,8 @@ ACTIVATIONS = tuple(_MLX)
 
 
 def use_numpy_activation(kind: str, gate: mx.array) -> bool:
-    # A row's own length (gate is (B, T, F)), as attention counts queries: a batched pass of
-    # 8 verification rounds of 9 tokens is 72 rows, but each is a round, not a prompt chunk.
-    T = gate.shape[-2] if gate.ndim >= 2 else 0
-    return kind in _NUMPY and T >= CPU_NUMPY_MIN_ROWS and mx.default_device() == mx.cpu
+    rows = gate.size // gate.shape[-1] if gate.ndim else 0
+    return kind in _NUMPY and rows >= CPU_NUMPY_MIN_ROWS and mx.default_device() == mx.cpu
 
 
 def gated_activation(kind: str, gate: mx.array, up: mx.array, inference: bool = False) -> mx.array:
