@@ -11,7 +11,7 @@ On the default model's bundle (or --model), CPU device:
 - attention: numpy attention (edgespec.kernels.attention) of one layer's worth of
   SmolLM2-shaped heads over a whole 8,190-token prefill in 512-query chunks, ms;
 - batch shapes: a batched pass of B = 2, 4, 8 rows of one KV arena (contexts 100,
-  137, ...) at T = 1..8 tokens each, median ms, beside what the batcher estimates for
+  137, ...) at T = 1..16 tokens each, median ms, beside what the batcher estimates for
   it from the measured (B, 1) pass scaled along the one-sequence cost curve (the
   adaptive decoder's calibration, edgespec.batch.cost.StepCost);
 - arena rows: a decoding pass over 7 of an 8-row KV arena's rows, contiguous, with a
@@ -117,7 +117,7 @@ def batch_shapes(engine, reps: int) -> None:
     model = engine.model
     curve = adaptive_costs(engine)
     c = PassCost(curve.sizes, curve.verify_s)
-    Ts = (1, 2, 3, 4, 6, 8)
+    Ts = (1, 2, 3, 4, 6, 8, 12, 16)
     for B in (2, 4, 8):
         arena = KVArena()
         caches = []
