@@ -24,10 +24,13 @@ On the default model's bundle (or --model), CPU device:
   times B = 1, 4, 8 rows, MLX's `x @ W.T` (its CPU BLAS: a general product, also for
   one row) vs numpy's `W @ x` (numpy's own OpenBLAS, a matrix-vector product for one
   row), median ms a sweep: what a decoding pass's weights cost apart from everything
-  else in it, and what the MLX CPU path leaves on the table.
+  else in it, and what the MLX CPU path leaves on the table;
+- prefill bound: the 8,190 / 512-token prefill rate ratio this machine allows, predicted
+  from a 512-token prefill's rate plus one layer's numpy attention over 8,190 tokens (times
+  the layers) as it runs, with numpy's `exp` skipped, and its two matrix products alone.
 
 `--only NAME[,NAME]` runs some of them (activation, linear, attention, shapes, arena,
-joint, weights).
+joint, weights, bound).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import argparse
 import random
 import statistics
 import time
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -90,7 +94,9 @@ def linear(model, reps: int) -> None:
         lin.CPU_SWAP_MAX_ROWS = saved
 
 
-def attention(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, chunk: int = 512) -> None:
+def _attention_layer(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, chunk: int = 512) -> list[float]:
+    """Seconds of numpy attention for one layer's worth of SmolLM2-shaped heads over a whole
+    S-token prefill in `chunk`-query chunks, per rep."""
     rng = np.random.default_rng(0)
     Q = mx.array(rng.standard_normal((1, H, S, D)).astype(np.float32))
     K = mx.array(rng.standard_normal((1, Hk, S, D)).astype(np.float32))
@@ -104,8 +110,99 @@ def attention(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, ch
             mx.eval(q, k)
             total += _timed(lambda q=q, k=k: numpy_attention(q, k, k, D**-0.5))
         totals.append(total)
+    return totals
+
+
+def attention(reps: int, S: int = 8190, chunk: int = 512) -> None:
+    totals = _attention_layer(reps, S=S, chunk=chunk)
     print(f"attention, one layer over a {S}-token prefill in {chunk}-query chunks, ms: "
           + " / ".join(f"{t * 1000:.0f}" for t in totals))
+
+
+def _products(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, chunk: int = 512) -> list[float]:
+    """Seconds of the two matrix products alone of what `_attention_layer` times: the same
+    score blocks (BLOCK_ROWS score rows, causal ends), on one thread per core with BLAS held
+    to one thread, as numpy_attention runs them."""
+    from edgespec.kernels.attention import BLOCK_ROWS, _blas_controller, _pool, _workers
+
+    G = H // Hk
+    qb = max(1, BLOCK_ROWS // G)
+    rng = np.random.default_rng(0)
+    qg = rng.standard_normal((Hk, S * G, D)).astype(np.float32)
+    kn = rng.standard_normal((Hk, S, D)).astype(np.float32)
+    va = rng.standard_normal((Hk, S, -(-(D + 1) // 8) * 8)).astype(np.float32)
+
+    def block(job):
+        h, t0, t1 = job
+        (qg[h, t0 * G : t1 * G] @ kn[h, :t1].T) @ va[h, :t1]
+
+    jobs = [(h, t0, min(e, t0 + qb)) for s in range(0, S, chunk) for e in [min(S, s + chunk)]
+            for h in range(Hk) for t0 in range(s, e, qb)]
+    totals = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with _blas_controller().limit(limits=1, user_api="blas"):
+            if _workers() == 1:
+                for job in jobs:
+                    block(job)
+            else:
+                list(_pool().map(block, jobs))
+        totals.append(time.perf_counter() - t0)
+    return totals
+
+
+def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
+    """How the S-token prefill rate can compare with the `short`-token rate on this machine.
+
+    A long prompt's chunks cost what a short prompt's tokens cost (weights, norms, the
+    MLP: the short prompt's rate measures them, its own attention included) plus causal
+    attention over the growing prefix. Timed: the short prompt's prefill rate, one layer of
+    numpy attention over the S-token prefill (as `attention`), the same layer with numpy's
+    `exp` skipped, and its two matrix products alone. Printed: the S / short rate ratio
+    those predict with attention as it runs, without its exponentials, and with its
+    products alone (nothing else of the softmax: the best numpy's BLAS allows here)."""
+    import edgespec.kernels.attention as attn_mod
+
+    a = model.args
+    shape = dict(H=a.num_attention_heads, Hk=a.num_key_value_heads, D=a.head_dim, S=S)
+    rng = random.Random(0)
+    ids = [rng.randrange(a.vocab_size) for _ in range(short)]
+    mx.eval(prefill(model, model.make_cache(), ids[:64]))  # warm-up
+    rates = []
+    for _ in range(reps):
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        mx.eval(prefill(model, cache, ids))
+        rates.append(short / (time.perf_counter() - t0))
+    r_short = statistics.median(rates)
+
+    class _NoExp:  # numpy, except that exp leaves its input as it is
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def exp(x, out=None):
+            return x if out is None else out
+
+    full = statistics.median(_attention_layer(reps, **shape))
+    attn_mod.np = _NoExp()
+    try:
+        with warnings.catch_warnings():  # unexponentiated scores: the division meets inf and nan
+            warnings.simplefilter("ignore", RuntimeWarning)
+            no_exp = statistics.median(_attention_layer(reps, **shape))
+    finally:
+        attn_mod.np = np
+    products = statistics.median(_products(reps, **shape))
+    layers = len(model.layers)
+    base = S / r_short  # seconds of everything but the long prefix's extra attention
+
+    def ratio(per_layer: float) -> float:
+        return (S / (base + layers * per_layer)) / r_short
+
+    print(f"prefill bound, {short}-token prefill {r_short:.0f} tok/s; one layer's attention over {S} tokens "
+          f"{full * 1000:.0f} ms (without exp {no_exp * 1000:.0f}, products alone {products * 1000:.0f}); "
+          f"{S} / {short} rate ratio predicted, {layers} layers: as it runs {ratio(full):.2f}, "
+          f"exp free {ratio(no_exp):.2f}, products alone {ratio(products):.2f}")
 
 
 def batch_shapes(engine, reps: int) -> None:
@@ -236,7 +333,8 @@ def weights(model, reps: int) -> None:
 
 SECTIONS = {"activation": lambda e, r: activation(e.model, r), "linear": lambda e, r: linear(e.model, r),
             "attention": lambda e, r: attention(r), "shapes": batch_shapes, "arena": arena_rows,
-            "joint": lambda e, r: joint_choice(r), "weights": lambda e, r: weights(e.model, r)}
+            "joint": lambda e, r: joint_choice(r), "weights": lambda e, r: weights(e.model, r),
+            "bound": lambda e, r: prefill_bound(e.model, r)}
 
 
 def main(argv=None) -> int:
