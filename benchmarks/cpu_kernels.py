@@ -170,11 +170,11 @@ def _products(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, ch
 def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
     """How the S-token prefill rate can compare with the `short`-token rate on this machine.
 
-    A long prompt's chunks cost what a short prompt's tokens cost (weights, norms, the
-    MLP: the short prompt's rate measures them, its own attention included) plus causal
-    attention over the growing prefix. Timed: the short prompt's prefill rate, one layer of
-    numpy attention over the S-token prefill (as `attention`), the same layer with numpy's
-    `exp` skipped, and its two matrix products alone. Printed: the S / short rate ratio
+    A long prompt's chunks cost what a short prompt's tokens cost apart from attention
+    (weights, norms, the MLP: the short prompt's rate less its own attention) plus causal
+    attention over the whole prefix. Timed: the short prompt's prefill rate, one layer of
+    numpy attention over the short prompt and over the S-token prefill (as `attention`),
+    the latter again with numpy's `exp` skipped, and its two matrix products alone. Printed: the S / short rate ratio
     those predict with attention as it runs, without its exponentials, and with its
     products alone (nothing else of the softmax: the best numpy's BLAS allows here)."""
     import edgespec.kernels.attention as attn_mod
@@ -201,6 +201,7 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
             return x if out is None else out
 
     full = statistics.median(_attention_layer(reps, **shape))
+    own = statistics.median(_attention_layer(reps, **{**shape, "S": short}))  # what the short prompt's rate holds
     attn_mod.np = _NoExp()
     try:
         with warnings.catch_warnings():  # unexponentiated scores: the division meets inf and nan
@@ -210,13 +211,15 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
         attn_mod.np = np
     products = statistics.median(_products(reps, **shape))
     layers = len(model.layers)
-    base = S / r_short  # seconds of everything but the long prefix's extra attention
+    # seconds of everything but attention: the short prompt's time per token, less its attention
+    base = S / r_short - (S / short) * layers * own
 
     def ratio(per_layer: float) -> float:
         return (S / (base + layers * per_layer)) / r_short
 
     print(f"prefill bound, {short}-token prefill {r_short:.0f} tok/s; one layer's attention over {S} tokens "
-          f"{full * 1000:.0f} ms (without exp {no_exp * 1000:.0f}, products alone {products * 1000:.0f}); "
+          f"{full * 1000:.0f} ms (without exp {no_exp * 1000:.0f}, products alone {products * 1000:.0f}; "
+          f"over the {short}-token prompt {own * 1000:.0f}); "
           f"{S} / {short} rate ratio predicted, {layers} layers: as it runs {ratio(full):.2f}, "
           f"exp free {ratio(no_exp):.2f}, products alone {ratio(products):.2f}")
 
