@@ -174,9 +174,10 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
     (weights, norms, the MLP: the short prompt's rate less its own attention) plus causal
     attention over the whole prefix. Timed: the short prompt's prefill rate, one layer of
     numpy attention over the short prompt and over the S-token prefill (as `attention`),
-    the latter again with numpy's `exp` skipped, and its two matrix products alone. Printed: the S / short rate ratio
-    those predict with attention as it runs, without its exponentials, and with its
-    products alone (nothing else of the softmax: the best numpy's BLAS allows here)."""
+    the latter again with numpy's `exp` skipped, and its two matrix products alone.
+    Printed: the S / short rate ratio those predict with attention as it runs, without
+    its exponentials, and with its products alone (nothing else of the softmax: the best
+    numpy's BLAS allows here)."""
     import edgespec.kernels.attention as attn_mod
 
     a = model.args
