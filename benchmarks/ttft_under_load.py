@@ -60,6 +60,8 @@ def main() -> int:
     if not isinstance(getattr(batcher, name, None), (int, float)) or len(values) < 2:
         raise SystemExit(f"--setting: NAME=V1,V2 with NAME a number constant of edgespec.batch.batcher, got {spec!r}")
     together_n = [int(x) for x in args.together.split(",")]
+    if any(not 1 <= n <= len(PROMPTS) for n in together_n):
+        raise SystemExit(f"--together: each number from 1 to {len(PROMPTS)} (the prompts there are), got {args.together!r}")
     servers = {}
     try:
         for v in values:
