@@ -1,17 +1,23 @@
 # The two commands of the README:  make chat  |  make test
-# Each sets up everything it needs (a virtual environment in .venv, and on Linux
-# Debian's OpenBLAS, preloaded so MLX's CPU matmuls batch like a real accelerator).
+# Each sets up everything it needs: a virtual environment in .venv, and on Linux an
+# OpenBLAS preloaded under MLX's CPU matmuls, so they batch like a real accelerator:
+# numpy's own, through a shim built here (edgespec/kernels/cpu_blas.py), or where that
+# cannot be built, Debian's.
 
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 UNAME     := $(shell uname -s)
 OPENBLAS  := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+CBLAS     := .cache/lib/libedgespec_cblas.so
 ifeq ($(UNAME),Linux)
   EXTRAS  := cpu,dev
-  RUNENV  := LD_PRELOAD=$(OPENBLAS)
+  # Expanded when a recipe runs, after setup: the shim if it was built, else Debian's.
+  PRELOAD  = $(if $(wildcard $(CBLAS)),$(abspath $(CBLAS)),$(OPENBLAS))
+  RUNENV   = LD_PRELOAD=$(PRELOAD)
 else
   EXTRAS  := dev
-  RUNENV  :=
+  PRELOAD  =
+  RUNENV   =
 endif
 PYTEST_ARGS ?=
 # The Swift package (apps/swift, EdgespecKit) is built and tested after pytest when a
@@ -21,7 +27,7 @@ SWIFT_FIXTURE := .cache/swift-test
 # A hung Swift test ends the run after 15 minutes instead of holding CI (they take ~10 s).
 SWIFT_TIMEOUT := $(shell command -v timeout >/dev/null 2>&1 && echo timeout 900)
 
-.PHONY: chat test swift-test setup openblas clean
+.PHONY: chat test swift-test setup openblas preload clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,12 +37,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0" || $(PY) -m pip install -q --disable-pip-version-check torch
 	touch $@
 
+# MLX's CPU products on numpy's OpenBLAS (one OpenBLAS in the process, its few-row
+# kernels); built and checked in a fresh process, written atomically. A failure is
+# reported and leaves Debian's OpenBLAS as the fallback below.
+$(CBLAS): $(VENV)/.installed edgespec/kernels/cblas_forward.c edgespec/kernels/cpu_blas.py
+	-$(PY) -m edgespec.kernels.cpu_blas $@
+
 openblas:
 ifeq ($(UNAME),Linux)
-	@test -f $(OPENBLAS) || { (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
+	@$(MAKE) --no-print-directory $(CBLAS)
+	@test -f $(CBLAS) || test -f $(OPENBLAS) || { (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
 	  || sudo sh -c 'apt-get update -qq && apt-get install -y -qq libopenblas0-pthread' >/dev/null 2>&1; }
-	@test -f $(OPENBLAS) || echo "warning: could not install libopenblas0-pthread; MLX falls back to its slow reference BLAS"
+	@test -f $(CBLAS) || test -f $(OPENBLAS) || echo "warning: no OpenBLAS (shim not built, libopenblas0-pthread not installed); MLX falls back to its slow reference BLAS"
 endif
+
+# What to preload for commands run by hand (benchmarks): LD_PRELOAD=$$(make -s preload)
+preload:
+	@echo $(PRELOAD)
 
 setup: $(VENV)/.installed openblas
 
@@ -57,7 +74,7 @@ else
 	$(RUNENV) $(PY) tests/swift_fixture.py $(SWIFT_FIXTURE)
 	cd apps/swift && $(SWIFT) build
 	cd apps/swift && EDGESPEC_TEST_PYTHON=$(abspath $(PY)) EDGESPEC_TEST_FIXTURE=$(abspath $(SWIFT_FIXTURE)) \
-	  EDGESPEC_TEST_PRELOAD="$(if $(RUNENV),$(OPENBLAS))" $(SWIFT_TIMEOUT) $(SWIFT) test
+	  EDGESPEC_TEST_PRELOAD="$(PRELOAD)" $(SWIFT_TIMEOUT) $(SWIFT) test
 endif
 
 clean:

@@ -107,8 +107,10 @@ def reproduce_command(args) -> str:
             parts += [flag, str(value)]
     parts += [f for f, on in (("--raw", args.raw), ("--no-plots", args.no_plots)) if on]
     cmd = shlex.join(parts)
+    from edgespec.kernels import cpu_blas
+
     preload = os.environ.get("LD_PRELOAD", "")
-    if "openblas" in preload.lower():
+    if cpu_blas.describe(preload):
         cmd = f"LD_PRELOAD={shlex.quote(preload)} {cmd}"
     return cmd
 
@@ -124,8 +126,11 @@ def machine_info() -> dict:
         "device": str(mx.default_device()),
         "mlx": getattr(mx, "__version__", "?"),
     }
-    if "openblas" in os.environ.get("LD_PRELOAD", "").lower():
-        info["blas"] = "OpenBLAS (preloaded)"
+    from edgespec.kernels import cpu_blas
+
+    blas = cpu_blas.describe()
+    if blas:
+        info["blas"] = blas
     return info
 
 

@@ -1,6 +1,6 @@
 """The CPU kernel choices of edgespec.kernels, each against the alternative, side by side in one process.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+    LD_PRELOAD=$(make -s preload) \\
         .venv/bin/python benchmarks/cpu_kernels.py [--model BUNDLE] [--reps 3]
 
 On the default model's bundle (or --model), CPU device:

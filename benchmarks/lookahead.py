@@ -1,6 +1,6 @@
 """Plain vs lookahead vs prompt lookup, side by side in one run, on the default model.
 
-    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0  # Linux CPU
+    export LD_PRELOAD=$(make -s preload)  # Linux CPU
     python benchmarks/lookahead.py [--max-tokens 96] [--repeats 2] [--window 4 --ngram 4 --guesses 4]
                                    [--memory-context 2048] [--json out.json]
 

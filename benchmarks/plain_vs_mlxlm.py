@@ -1,6 +1,6 @@
 """Plain decoding: edgespec vs mlx-lm's generate on the same weights, side by side in one run.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    LD_PRELOAD=$(make -s preload) \
         .venv/bin/python benchmarks/plain_vs_mlxlm.py [--model BUNDLE] [--tokens 128] [--repeats 3]
 
 Both load the bundle's config.json + model.safetensors (HF names, so mlx-lm reads it

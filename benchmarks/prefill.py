@@ -1,6 +1,6 @@
 """Prefill: edgespec vs mlx-lm on the same weights and prompt lengths, side by side in one run.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+    LD_PRELOAD=$(make -s preload) \\
         .venv/bin/python benchmarks/prefill.py [--model BUNDLE] [--sizes 512,2048,8190] [--repeats 3]
 
 Each run feeds a prompt of N random token ids into fresh caches and times until the

@@ -6,7 +6,7 @@ self-speculation with the searched skip set). Methods run interleaved per prompt
 so load drift hits them alike. Greedy; every method's tokens are checked against
 plain decoding.
 
-    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+    export LD_PRELOAD=$(make -s preload)
     python benchmarks/speculative.py --per-domain 2 --max-tokens 64 --k 1,2,4
 """
 

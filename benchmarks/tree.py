@@ -1,6 +1,6 @@
 """Plain vs chain speculation vs static / dynamic / multi-source trees vs cascade, in one run.
 
-    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0  # Linux CPU
+    export LD_PRELOAD=$(make -s preload)  # Linux CPU
     python benchmarks/tree.py [--per-domain 1] [--max-tokens 32] [--drop 7] [--json out.json]
 
 The default model (dense fp32 bundle) is the verifier. Chain and tree modes use

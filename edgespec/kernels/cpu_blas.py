@@ -1,0 +1,187 @@
+"""The BLAS behind MLX's CPU matmuls on Linux: numpy's own OpenBLAS, through a preload shim.
+
+MLX's Linux CPU wheel bundles a slow reference BLAS. Preloading an OpenBLAS replaces it;
+this module builds the library to preload (`cblas_forward.c`): three CBLAS entry points
+(`cblas_sgemm`, `cblas_dgemm`, `cblas_cgemm`, all MLX calls) forwarded to the OpenBLAS
+that numpy ships (scipy-openblas, prefixed ILP64 symbols). Against Debian's OpenBLAS
+0.3.21, preloaded whole before:
+
+- its few-row products are faster (`benchmarks/cpu_kernels.py --only weights`, the
+  model's weight matrices times B rows, and `--only linear`, whole decoding passes:
+  see docs/batching.md), so a pass over 4 or 8 tokens costs less beside one token's;
+- the process holds one OpenBLAS, not two: numpy's (the long-prompt attention, the
+  rejection sampler) and MLX's no longer spin threads against each other, and
+  `threadpoolctl` limits reach both.
+
+`make setup` builds it into .cache/lib (`python -m edgespec.kernels.cpu_blas OUT`),
+checks it in a fresh process, and the Makefile preloads it; where it cannot be built
+(no C compiler, a numpy without a bundled OpenBLAS) the Makefile falls back to Debian's
+OpenBLAS. Only the CPU backend reads it: Metal never calls a CBLAS product.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("cblas_forward.c")
+LIBRARY_NAME = "libedgespec_cblas.so"
+FORWARDED = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
+# (prefix, suffix) of an OpenBLAS's exported names: scipy-openblas64, scipy-openblas32,
+# a plain OpenBLAS built with a 64_ suffix, a plain one.
+_NAMINGS = (("scipy_", "64_"), ("scipy_", ""), ("", "64_"), ("", ""))
+
+
+class BlasShimError(RuntimeError):
+    """The shim cannot be built or does not work here (the message says why)."""
+
+
+@dataclass(frozen=True)
+class OpenBLAS:
+    path: str
+    prefix: str
+    suffix: str
+    ilp64: bool
+    config: str  # openblas_get_config(): version, integer width, kernel family
+
+    @property
+    def version(self) -> str:
+        words = self.config.split()
+        return words[1] if len(words) > 1 and words[0] == "OpenBLAS" else "?"
+
+
+def numpy_openblas() -> OpenBLAS:
+    """numpy's bundled OpenBLAS: its file, symbol names and integer width."""
+    import numpy  # noqa: F401  (loads its BLAS, so threadpoolctl sees it)
+    from threadpoolctl import threadpool_info
+
+    numpy_dir = Path(numpy.__file__).resolve().parent.parent
+    found = [d for d in threadpool_info() if d.get("internal_api") == "openblas"
+             and Path(d["filepath"]).resolve().is_relative_to(numpy_dir)
+             and "numpy" in Path(d["filepath"]).parent.name]
+    if not found:
+        raise BlasShimError("this numpy does not ship its own OpenBLAS (numpy.libs); nothing to forward to")
+    path = found[0]["filepath"]
+    lib = ctypes.CDLL(path)
+    for prefix, suffix in _NAMINGS:
+        if all(hasattr(lib, f"{prefix}{name}{suffix}") for name in FORWARDED):
+            get_config = getattr(lib, f"{prefix}openblas_get_config{suffix}")
+            get_config.restype = ctypes.c_char_p
+            config = get_config().decode(errors="replace").strip()
+            return OpenBLAS(path, prefix, suffix, "USE64BITINT" in config.split(), config)
+    raise BlasShimError(f"{path} exports none of the CBLAS names expected ({', '.join(FORWARDED)})")
+
+
+def compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise BlasShimError("no C compiler (cc, gcc or clang on PATH, or $CC)")
+
+
+# Run in a fresh process with the shim preloaded: MLX's float32 products of the shapes a
+# decoder makes (1, a few, many rows; both operand orders) must equal numpy's, and
+# the process must hold the shim's `cblas_sgemm` and one OpenBLAS only.
+_CHECK = r"""
+import ctypes, sys
+import mlx.core as mx
+import numpy as np
+from threadpoolctl import threadpool_info
+shim = ctypes.CDLL(sys.argv[1])
+glob = ctypes.CDLL(None)
+assert ctypes.cast(glob.cblas_sgemm, ctypes.c_void_p).value == ctypes.cast(shim.cblas_sgemm, ctypes.c_void_p).value, \
+    "cblas_sgemm does not resolve to the shim"
+mx.set_default_device(mx.cpu)
+rng = np.random.default_rng(0)
+for rows, k, n in ((1, 96, 160), (3, 96, 160), (8, 200, 64), (130, 64, 300)):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    for got in (mx.array(x) @ mx.array(w).T, (mx.array(w) @ mx.array(x).T).T):
+        err = float(np.abs(np.array(got) - want).max() / np.abs(want).max())
+        assert err < 1e-5, f"({rows}x{k}) @ ({k}x{n}): relative error {err:.2e}"
+blas = [d["filepath"] for d in threadpool_info() if d.get("user_api") == "blas"]
+assert len(blas) == 1, f"more than one BLAS loaded: {blas}"
+print("ok", blas[0])
+"""
+
+
+def check(library: Path, python: str = sys.executable) -> str:
+    """Load the shim in a fresh process and run `_CHECK`; its one line, or BlasShimError."""
+    env = dict(os.environ, LD_PRELOAD=str(Path(library).resolve()))
+    r = subprocess.run([python, "-c", _CHECK, str(Path(library).resolve())], env=env,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 or not r.stdout.startswith("ok"):
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise BlasShimError(f"{library} failed its check: {tail}")
+    return r.stdout.strip()
+
+
+def build(out: Path) -> OpenBLAS:
+    """Compile the shim to `out` (atomically: a temp file beside it, checked, then renamed)."""
+    if sys.platform != "linux":
+        raise BlasShimError(f"only for Linux (MLX's CPU wheel); this is {sys.platform}")
+    target = numpy_openblas()
+    cc = compiler()
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    libdir, libfile = os.path.dirname(target.path), os.path.basename(target.path)
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-o", tmp, str(SOURCE),
+           f"-DFWD_PREFIX={target.prefix}", f"-DFWD_SUFFIX={target.suffix}",
+           f"-DFWD_INT={'int64_t' if target.ilp64 else 'int'}",
+           f"-L{libdir}", f"-l:{libfile}", f"-Wl,-rpath,{libdir}"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BlasShimError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)
+        check(Path(tmp))
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def describe(preload: str | None = None) -> str | None:
+    """Which BLAS answers MLX's CPU products in this process, from LD_PRELOAD; None if none."""
+    preload = os.environ.get("LD_PRELOAD", "") if preload is None else preload
+    for item in preload.replace(":", " ").split():
+        if os.path.basename(item) == LIBRARY_NAME:
+            try:
+                return f"numpy's OpenBLAS {numpy_openblas().version} (preloaded via {LIBRARY_NAME})"
+            except BlasShimError:
+                return f"{LIBRARY_NAME} (preloaded)"
+        if "openblas" in os.path.basename(item).lower():
+            return f"OpenBLAS (preloaded: {item})"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m edgespec.kernels.cpu_blas",
+        description="Build the library to preload (LD_PRELOAD) so MLX's CPU matmuls run on numpy's OpenBLAS.")
+    ap.add_argument("out", type=Path, help=f"where to write it, e.g. .cache/lib/{LIBRARY_NAME}")
+    args = ap.parse_args(argv)
+    try:
+        target = build(args.out)
+    except (BlasShimError, OSError, subprocess.SubprocessError) as e:
+        print(f"cpu_blas: not built: {e}", file=sys.stderr)
+        return 1
+    print(f"cpu_blas: {args.out} forwards {', '.join(FORWARDED)} to {target.path} ({target.config})",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
