@@ -84,3 +84,23 @@ def test_describe_names_what_is_preloaded():
     shim = cpu_blas.describe(f"/x/libjemalloc.so:/repo/.cache/lib/{cpu_blas.LIBRARY_NAME}")
     assert shim.startswith("numpy's OpenBLAS ") and shim.endswith(f"(preloaded via {cpu_blas.LIBRARY_NAME})")
     assert cpu_blas.numpy_openblas().version in shim
+
+
+@linux_with_cc
+def test_a_shim_whose_openblas_is_gone_warns_and_stays_correct(tmp_path):
+    # numpy upgraded under a built shim: its OpenBLAS file is gone. MLX's products go on to
+    # MLX's own BLAS (the next definition), with one warning, instead of crashing the process.
+    real = cpu_blas.numpy_openblas()
+    gone = cpu_blas.OpenBLAS(str(tmp_path / "libgone.so"), real.prefix, real.suffix, real.ilp64, real.config)
+    lib = tmp_path / cpu_blas.LIBRARY_NAME
+    cpu_blas.compile_shim(gone, lib)
+    code = ("import mlx.core as mx, numpy as np; mx.set_default_device(mx.cpu); "
+            "x = np.arange(12, dtype=np.float32).reshape(3, 4); w = np.ones((5, 4), np.float32); "
+            "print(float(np.abs(np.array(mx.array(x) @ mx.array(w).T) - x @ w.T).max()))")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, LD_PRELOAD=str(lib)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout) == 0.0
+    assert r.stderr.count("edgespec cblas shim: cannot use") == 1 and "make setup" in r.stderr
+    with pytest.raises(cpu_blas.BlasShimError, match="failed its check: .*forwards nowhere"):
+        cpu_blas.check(lib)  # so `make setup` would not install it

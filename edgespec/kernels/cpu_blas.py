@@ -9,9 +9,23 @@ that numpy ships (scipy-openblas, prefixed ILP64 symbols). Against Debian's Open
 - its few-row products are faster (`benchmarks/cpu_kernels.py --only weights`, the
   model's weight matrices times B rows, and `--only linear`, whole decoding passes:
   see docs/batching.md), so a pass over 4 or 8 tokens costs less beside one token's;
-- the process holds one OpenBLAS, not two: numpy's (the long-prompt attention, the
-  rejection sampler) and MLX's no longer spin threads against each other, and
-  `threadpoolctl` limits reach both.
+- the process holds one OpenBLAS, not two, and `threadpoolctl` limits reach all its
+  callers (MLX's products, numpy's long-prompt attention and activation);
+- that OpenBLAS's pool workers wait THREAD_TIMEOUT (2^4 cycles) before sleeping, not
+  OpenBLAS's default 2^28 (about 0.1 s): after every MLX product a spinning worker took
+  a core from the numpy attention blocks that run next. The shim sets
+  OPENBLAS_THREAD_TIMEOUT (unless it is already set) before it opens the library.
+  Prefill of 4,096 tokens, two runs each (a throwaway loop, 2026-12-02): Debian's
+  OpenBLAS 25.6 and 23.2 s, the shim with the default wait 27.6 and 28.1 s, with the
+  short wait 22.9 and 21.1 s.
+
+Every call goes to the same general product (`sgemm`), one row included. For one row a
+matrix-vector product (`sgemv`) streams the weights about twice as fast on this CPU
+(`benchmarks/cpu_kernels.py --only weights`: numpy's `W @ x`), and routing M = 1 to it
+would make plain decoding here faster; it is not done on purpose. This CPU stands in for
+the accelerator the product runs on, where a pass over a few tokens costs little more
+than one, and the costs the adaptive decoder and the batcher measure here should keep
+that shape, not favour single-token steps a Mac does not favour.
 
 `make setup` builds it into .cache/lib (`python -m edgespec.kernels.cpu_blas OUT`),
 checks it in a fresh process, and the Makefile preloads it; where it cannot be built
@@ -33,6 +47,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("cblas_forward.c")
 LIBRARY_NAME = "libedgespec_cblas.so"
 FORWARDED = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
+THREAD_TIMEOUT = 4  # OPENBLAS_THREAD_TIMEOUT: workers spin 2^n cycles after a call before they sleep
 # (prefix, suffix) of an OpenBLAS's exported names: scipy-openblas64, scipy-openblas32,
 # a plain OpenBLAS built with a 64_ suffix, a plain one.
 _NAMINGS = (("scipy_", "64_"), ("scipy_", ""), ("", "64_"), ("", ""))
@@ -86,10 +101,11 @@ def compiler() -> str:
 
 
 # Run in a fresh process with the shim preloaded: MLX's float32 products of the shapes a
-# decoder makes (1, a few, many rows; both operand orders) must equal numpy's, and
-# the process must hold the shim's `cblas_sgemm` and one OpenBLAS only.
+# decoder makes (1, a few, many rows; both operand orders) must equal numpy's, the
+# process must hold the shim's `cblas_sgemm` and one OpenBLAS only, the shim must forward
+# to that one, and it must have set the pool's wait (the check's environment leaves it unset).
 _CHECK = r"""
-import ctypes, sys
+import ctypes, os, sys
 import mlx.core as mx
 import numpy as np
 from threadpoolctl import threadpool_info
@@ -108,6 +124,12 @@ for rows, k, n in ((1, 96, 160), (3, 96, 160), (8, 200, 64), (130, 64, 300)):
         assert err < 1e-5, f"({rows}x{k}) @ ({k}x{n}): relative error {err:.2e}"
 blas = [d["filepath"] for d in threadpool_info() if d.get("user_api") == "blas"]
 assert len(blas) == 1, f"more than one BLAS loaded: {blas}"
+shim.edgespec_cblas_target.restype = ctypes.c_char_p
+target = shim.edgespec_cblas_target()
+assert target is not None, "the shim forwards nowhere (its OpenBLAS could not be opened)"
+assert os.path.realpath(target.decode()) == os.path.realpath(blas[0]), f"forwards to {target!r}, not {blas[0]}"
+assert os.environ.get("OPENBLAS_THREAD_TIMEOUT") == sys.argv[2], \
+    f"OPENBLAS_THREAD_TIMEOUT is {os.environ.get('OPENBLAS_THREAD_TIMEOUT')!r}, not {sys.argv[2]}"
 print("ok", blas[0])
 """
 
@@ -115,7 +137,8 @@ print("ok", blas[0])
 def check(library: Path, python: str = sys.executable) -> str:
     """Load the shim in a fresh process and run `_CHECK`; its one line, or BlasShimError."""
     env = dict(os.environ, LD_PRELOAD=str(Path(library).resolve()))
-    r = subprocess.run([python, "-c", _CHECK, str(Path(library).resolve())], env=env,
+    env.pop("OPENBLAS_THREAD_TIMEOUT", None)
+    r = subprocess.run([python, "-c", _CHECK, str(Path(library).resolve()), str(THREAD_TIMEOUT)], env=env,
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0 or not r.stdout.startswith("ok"):
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -123,25 +146,31 @@ def check(library: Path, python: str = sys.executable) -> str:
     return r.stdout.strip()
 
 
+def compile_shim(target: OpenBLAS, out: str | Path) -> None:
+    """Compile cblas_forward.c for `target` into `out` (no check)."""
+    if '"' in target.path or "\\" in target.path:
+        raise BlasShimError(f"cannot name {target.path!r} in C source")
+    cc = compiler()
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-o", str(out), str(SOURCE),
+           f'-DFWD_LIBRARY="{target.path}"', f"-DFWD_PREFIX={target.prefix}", f"-DFWD_SUFFIX={target.suffix}",
+           f"-DFWD_INT={'int64_t' if target.ilp64 else 'int'}", f'-DFWD_THREAD_TIMEOUT="{THREAD_TIMEOUT}"', "-ldl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BlasShimError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+
+
 def build(out: Path) -> OpenBLAS:
     """Compile the shim to `out` (atomically: a temp file beside it, checked, then renamed)."""
     if sys.platform != "linux":
         raise BlasShimError(f"only for Linux (MLX's CPU wheel); this is {sys.platform}")
     target = numpy_openblas()
-    cc = compiler()
+    compiler()  # before anything is written
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
-    libdir, libfile = os.path.dirname(target.path), os.path.basename(target.path)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-o", tmp, str(SOURCE),
-           f"-DFWD_PREFIX={target.prefix}", f"-DFWD_SUFFIX={target.suffix}",
-           f"-DFWD_INT={'int64_t' if target.ilp64 else 'int'}",
-           f"-L{libdir}", f"-l:{libfile}", f"-Wl,-rpath,{libdir}"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BlasShimError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+        compile_shim(target, tmp)
         os.chmod(tmp, 0o755)
         check(Path(tmp))
         os.replace(tmp, out)
