@@ -11,8 +11,9 @@ OPENBLAS  := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 CBLAS     := .cache/lib/libedgespec_cblas.so
 ifeq ($(UNAME),Linux)
   EXTRAS  := cpu,dev
-  # Expanded when a recipe runs, after setup: the shim if it was built, else Debian's.
-  PRELOAD  = $(if $(wildcard $(CBLAS)),$(abspath $(CBLAS)),$(OPENBLAS))
+  # Decided by the shell when a recipe runs (after setup built it or not; make's own
+  # file cache could miss a file a sub-make wrote): the shim if built, else Debian's.
+  PRELOAD  = $$(test -f $(abspath $(CBLAS)) && echo $(abspath $(CBLAS)) || echo $(OPENBLAS))
   RUNENV   = LD_PRELOAD=$(PRELOAD)
 else
   EXTRAS  := dev

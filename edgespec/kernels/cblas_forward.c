@@ -13,7 +13,7 @@
  * from the environment when it is loaded, and OPENBLAS_THREAD_TIMEOUT (unless already
  * set) must be in place first. A pool worker spins for 2^28 cycles after each call by
  * default, and with one pool for both libraries that spin took a core from numpy's
- * attention blocks running next (a 4,096-token prefill 21.5 -> 15.8 s; see cpu_blas.py).
+ * attention blocks running next (their time in a 4,096-token prefill: 21.5 -> 15.8 s).
  * If the target cannot be opened (numpy upgraded under a built shim), one warning, and
  * each call goes to the definition another loaded library has (MLX's bundled BLAS:
  * slow, correct), found at the first call, once MLX is loaded.
