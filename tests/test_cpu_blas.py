@@ -27,7 +27,7 @@ def test_built_shim_answers_mlx_products_with_numpys_openblas(tmp_path):
     # the only BLAS loaded is numpy's own file.
     line = cpu_blas.check(out)
     assert line == f"ok {target.path}"
-    # And a whole float32 forward pass (a Linear layer of a model) through it.
+    # And an mlx.nn.Linear layer (weight and bias) through it.
     code = ("import mlx.core as mx, mlx.nn as nn, numpy as np; mx.set_default_device(mx.cpu); "
             "mx.random.seed(3); l = nn.Linear(64, 48); x = mx.random.normal((5, 64)); "
             "want = np.array(x) @ np.array(l.weight).T + np.array(l.bias); "
