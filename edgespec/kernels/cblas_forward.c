@@ -13,7 +13,8 @@
  * from the environment when it is loaded, and OPENBLAS_THREAD_TIMEOUT (unless already
  * set) must be in place first. A pool worker spins for 2^28 cycles after each call by
  * default, and with one pool for both libraries that spin took a core from numpy's
- * attention blocks running next (their time in a 4,096-token prefill: 21.5 -> 15.8 s).
+ * attention blocks running next (an 8,190-token prefill 1.17x Debian's time with the
+ * default wait, 0.96x with this one: benchmarks/blas_preload.py, docs/prefill.md).
  * If the target cannot be opened (numpy upgraded under a built shim), one warning, and
  * each call goes to the definition another loaded library has (MLX's bundled BLAS:
  * slow, correct), found at the first call, once MLX is loaded.

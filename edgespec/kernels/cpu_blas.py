@@ -16,9 +16,8 @@ that numpy ships (scipy-openblas, prefixed ILP64 symbols). Against Debian's Open
   OpenBLAS's default 2^28 (about 0.1 s): after every MLX product a spinning worker took
   a core from the numpy attention blocks that run next. The shim sets
   OPENBLAS_THREAD_TIMEOUT (unless it is already set) before it opens the library.
-  Prefill of 4,096 tokens, two runs each (a throwaway loop, 2026-12-02): Debian's
-  OpenBLAS 25.6 and 23.2 s, the shim with the default wait 27.6 and 28.1 s, with the
-  short wait 22.9 and 21.1 s.
+  With the default wait the shim's 8,190-token prefill took 1.17-1.18x Debian's time in
+  `benchmarks/blas_preload.py`; with the short one, 0.96x (docs/prefill.md).
 
 Every call goes to the same general product (`sgemm`), one row included. For one row a
 matrix-vector product (`sgemv`) streams the weights about twice as fast on this CPU
@@ -147,11 +146,11 @@ def check(library: Path, python: str = sys.executable) -> str:
     return r.stdout.strip()
 
 
-def compile_shim(target: OpenBLAS, out: str | Path) -> None:
+def compile_shim(target: OpenBLAS, out: str | Path, cc: str | None = None) -> None:
     """Compile cblas_forward.c for `target` into `out` (no check)."""
     if '"' in target.path or "\\" in target.path:
         raise BlasShimError(f"cannot name {target.path!r} in C source")
-    cc = compiler()
+    cc = cc or compiler()
     cmd = [cc, "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-o", str(out), str(SOURCE),
            f'-DFWD_LIBRARY="{target.path}"', f"-DFWD_PREFIX={target.prefix}", f"-DFWD_SUFFIX={target.suffix}",
            f"-DFWD_INT={'int64_t' if target.ilp64 else 'int'}", f'-DFWD_THREAD_TIMEOUT="{THREAD_TIMEOUT}"', "-ldl"]
@@ -165,13 +164,13 @@ def build(out: Path) -> OpenBLAS:
     if sys.platform != "linux":
         raise BlasShimError(f"only for Linux (MLX's CPU wheel); this is {sys.platform}")
     target = numpy_openblas()
-    compiler()  # before anything is written
+    cc = compiler()  # before anything is written
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        compile_shim(target, tmp)
+        compile_shim(target, tmp, cc)
         os.chmod(tmp, 0o755)
         check(Path(tmp))
         os.replace(tmp, out)
