@@ -206,14 +206,17 @@ class Batcher:
         self._arena: KVArena | None = None  # the live sequences' KV rows (edgespec.batch.arena)
         self._last_passes: list[tuple[int, int]] = []  # (rows, T) of the last step's passes
         self._marks: list[list] = []  # per segment, arrays ending it (forward.layer_marks)
-        # Speculation in a batch, measured (edgespec.batch.guard): the regime of this step, whether
-        # an adaptive row asked for it, tokens committed so far in it, and the last step's
-        # (regime, batch size, asked, clean) to credit this step's tokens and time to.
+        # Speculation in a batch, measured (edgespec.batch.guard): this step's batch size, its
+        # regime (None until an adaptive row asks: steps nobody asks about, such as a batch of
+        # plain-mode rows, neither run the guard's schedule nor are credited), tokens committed
+        # so far in it, and the last step's (regime, batch size, asked, clean) to credit this
+        # step's tokens and time to.
         self.guard = SpecGuard()
-        self._regime = "spec"
+        self._step_n = 0
+        self._regime: str | None = None
         self._asked = False
         self._step_tokens = 0
-        self._prev: tuple[str, int, bool, bool] | None = None
+        self._prev: tuple[str | None, int, bool, bool] | None = None
         self._clean = True  # no prompt's pass in this step
         self._stopping = False
         _BATCHERS.add(self)
@@ -350,7 +353,7 @@ class Batcher:
         self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
         self.steps += 1
         t_step = time.perf_counter()
-        self._regime = self.guard.choose(n) if n > 1 else "spec"
+        self._step_n, self._regime = n, None
         self._asked, self._step_tokens = False, 0
         try:
             self._step_body()
@@ -368,6 +371,9 @@ class Batcher:
         self._prev = (self._regime, n, self._asked, clean)
 
     def speculation_allowed(self) -> bool:
+        if self._regime is None:  # the step's first ask: the guard's turn (alone: always spec)
+            n = self._step_n
+            self._regime = self.guard.choose(n) if n > 1 else "spec"
         self._asked = True
         return self._regime == "spec"
 

@@ -53,7 +53,8 @@ class _Size:
 class SpecGuard:
     """Per batch size, the measured better of speculation as chosen and plain steps.
 
-    `choose(n)` is asked once per step of n live rows; `record(n, kind, tokens, seconds)`
+    `choose(n)` is asked once per step of n live rows in which an adaptive row asks (steps
+    nobody asks about, such as a batch of plain-mode rows, do not run the schedule); `record(n, kind, tokens, seconds)`
     gives a step's result to the regime that planned it (the worker attributes the tokens
     a pass commits, and the step in which they are committed, to the regime of the step
     that built the pass)."""
