@@ -76,6 +76,56 @@ def test_a_costly_loser_waits_longer():
     assert ran_costly * 0.5 / 2000 < 0.03  # what re-measuring cost, as a share of the rate
 
 
+def _drive_timed(guard, n, rate, seconds, steps):
+    """Like _drive, with regime k's steps taking seconds[k] and committing rate[k] tokens a
+    second -> (steps each regime ran, the fraction of tokens lost against the better regime
+    alone over the same time)."""
+    ran, spent, got = {"spec": 0, "plain": 0}, 0.0, 0.0
+    for _ in range(steps):
+        k = guard.choose(n)
+        ran[k] += 1
+        spent += seconds[k]
+        got += rate[k] * seconds[k]
+        guard.record(n, k, rate[k] * seconds[k], seconds[k])
+    return ran, 1.0 - got / (max(rate.values()) * spent)
+
+
+def test_a_loser_with_long_steps_waits_in_proportion_to_their_time():
+    """Speculation in a batch of 8 at a third of plain's rate, each step three times as long
+    (as in docs/batching.md's table): counted in steps, its re-measuring took ~7% of the
+    tokens over 300 steps; counted in time, about what measuring it once costs."""
+    g = SpecGuard()
+    ran, lost = _drive_timed(g, 8, {"spec": 12.5, "plain": 37.6}, {"spec": 0.6, "plain": 0.2}, 300)
+    assert g.best(8) == "plain"
+    assert ran["spec"] == g.run_steps  # measured once, not again within 300 steps
+    assert lost < 0.05
+
+
+def test_a_lucky_win_is_checked_by_one_more_run_and_undone():
+    """One run of speculation that happens to accept much wins its probe: it runs once more
+    (at its usual rate), plain is measured again right after instead of after a wait, wins
+    back, and speculation returns to a wait longer than before its lucky run."""
+    g = SpecGuard()
+    _drive(g, 4, {"spec": 10.0, "plain": 20.0}, 200)
+    level = g._sizes[4].level["spec"]
+    lucky = g.run_steps  # the next run of speculation commits 4x its usual rate
+    after: list[str] = []  # the regimes after the lucky run
+    for _ in range(400):
+        k = g.choose(4)
+        if lucky == 0:
+            after.append(k)
+        r = 20.0 if k == "plain" else 10.0
+        if k == "spec" and lucky > 0:
+            lucky, r = lucky - 1, 40.0
+        g.record(4, k, r, 1.0)
+    assert lucky == 0 and g.best(4) == "plain"
+    assert after[: 3 * g.run_steps] == ["spec"] * g.run_steps + ["plain"] * (2 * g.run_steps)
+    assert g._sizes[4].level["spec"] > level
+    # the run in place and probes at its usual wait (100 steps here: 6 x 0.5 / 0.03), not a
+    # run of speculation for as long as plain's wait as a fresh loser (66 steps)
+    assert after.count("spec") <= 4 * g.run_steps
+
+
 @pytest.mark.parametrize("kw", [dict(run_steps=0), dict(wait=0), dict(wait=8, wait_max=4), dict(decay=0.0),
                                 dict(explore=0.0)])
 def test_guard_settings_are_checked(kw):
