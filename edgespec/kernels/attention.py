@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
+from edgespec.kernels import native
+
 # Below this many scores per call (H * T * S, summed over the batch) the fused kernel
 # wins or the difference is noise. From 2^16 (a 128-token chunk of SmolLM2, 9 heads) the
 # numpy path wins on the 2-core CPU: a 512-token prompt's prefill 2.8 -> 1.6 s, 128 tokens
@@ -90,6 +92,7 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     va[..., D] = 1.0
     out = np.empty((B, Hk, T, G, D), np.float32)
     neg = np.float32(-np.inf)
+    kernel = native.softmax_rows() if native.ENABLED else None  # None: numpy's passes
 
     def block(job: tuple[int, int, int]) -> None:
         b, h, t0 = job
@@ -102,17 +105,21 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
         if softcap is not None:
             np.tanh(scores / softcap, out=scores)
             scores *= softcap
-        by_row = scores.reshape(t, G, end)  # a view: masks broadcast over the G heads
-        if causal:
-            first = S - T + t0  # columns before it are seen by every row of the block
-            slots = np.arange(first, end)
-            by_row[:, :, first:] += np.where(slots[None] <= slots[:, None], np.float32(0), neg)[:, None]
-        else:
+        first = S - T + t0  # causal: columns before it are seen by every row of the block
+        if not causal:
+            by_row = scores.reshape(t, G, end)  # a view: the mask broadcasts over the G heads
             by_row += np.where(mn[b, 0, t0:t1, :end], np.float32(0), neg)[:, None]
-        top = scores.max(axis=-1, keepdims=True)
-        top[~np.isfinite(top)] = 0.0  # a row that sees nothing: all -inf -> zeros below, as 0/0 is avoided
-        scores -= top
-        np.exp(scores, out=scores)
+        if kernel is not None:  # causal limit, max, subtract and exp: two passes a row, in cache
+            kernel(scores.ctypes.data, t * G, end, end, first if causal else -1, G)
+        else:
+            if causal:
+                slots = np.arange(first, end)
+                by_row = scores.reshape(t, G, end)
+                by_row[:, :, first:] += np.where(slots[None] <= slots[:, None], np.float32(0), neg)[:, None]
+            top = scores.max(axis=-1, keepdims=True)
+            top[~np.isfinite(top)] = 0.0  # a row that sees nothing: all -inf -> zeros below, as 0/0 is avoided
+            scores -= top
+            np.exp(scores, out=scores)
         pv = scores @ va[b, h, :end]  # (t*G, D + 8ish): weighted values, the row's total, zeros
         total = pv[:, D : D + 1]
         total[total == 0] = 1.0

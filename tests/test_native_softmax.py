@@ -1,0 +1,111 @@
+"""The native softmax pass of CPU long-prompt attention (edgespec/kernels/softmax.c via
+edgespec.kernels.native): built on first use, checked, and equal to numpy's passes."""
+
+import os
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edgespec.kernels import attention as attn
+from edgespec.kernels import cpu_blas, native
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    try:
+        cpu_blas.compiler()
+    except cpu_blas.BlasShimError as e:
+        pytest.skip(f"no C compiler here: {e}")
+    fn = native.softmax_rows()
+    assert fn is not None, "a compiler is here, yet the kernel was not built (see the warning)"
+    return fn
+
+
+@pytest.mark.parametrize("rows,cols,first,group", [
+    (12, 8190, -1, 1),  # a long row, no limit
+    (9, 45, 30, 3),  # causal, grouped heads: rows 0-2 see 31 slots, 3-5 32, 6-8 33
+    (5, 7, 0, 1),  # shorter than one vector; the first row sees one slot
+    (6, 100, 98, 2),  # limits past the end are clipped
+])
+def test_kernel_matches_numpy(kernel, rows, cols, first, group):
+    rng = np.random.default_rng(rows * cols)
+    s = (rng.standard_normal((rows, cols)) * 25).astype(np.float32)
+    s[1, ::3] = -np.inf  # masked slots
+    want = native.reference(s, first, group)
+    kernel(s.ctypes.data, rows, cols, cols, first, group)
+    np.testing.assert_allclose(s, want, rtol=3e-7, atol=1e-7)
+    if first >= 0:  # nothing past a row's limit survives
+        assert all(not s[r, first + r // group + 1:].any() for r in range(rows))
+
+
+def test_a_row_that_sees_nothing_becomes_zeros_and_strides_are_honoured(kernel):
+    s = np.full((3, 20), -np.inf, np.float32)
+    s[1] = np.linspace(-5, 5, 20, dtype=np.float32)
+    big = np.full((3, 32), 7.0, np.float32)  # rows 20 floats long inside rows of 32
+    big[:, :20] = s
+    kernel(big.ctypes.data, 3, 20, 32, -1, 1)
+    assert not big[0, :20].any() and not big[2, :20].any()
+    np.testing.assert_allclose(big[1, :20], np.exp(s[1].astype(np.float64) - 5.0), rtol=3e-7)
+    assert (big[:, 20:] == 7.0).all()  # beyond each row's columns: untouched
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+def test_attention_with_the_kernel_equals_numpy_passes_and_the_fused_kernel(kernel, monkeypatch, mask):
+    H, Hk, T, S, D = 6, 2, attn.BLOCK_ROWS // 3 + 50, 900, 16
+    mx.random.seed(3)
+    q, k, v = (mx.random.normal((1, h, n, D)) for h, n in ((H, T), (Hk, S), (Hk, S)))
+    m = "causal"
+    if mask == "bool":
+        m = (mx.arange(S)[None] <= (S - T + mx.arange(T))[:, None]) & (mx.random.uniform(shape=(1, 1, T, S)) > 0.3)
+        m = m | mx.eye(T, S, k=S - T, dtype=mx.bool_)
+    ref = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m))
+    calls = []
+    monkeypatch.setattr(native, "softmax_rows", lambda: lambda *a: (calls.append(a), kernel(*a)))
+    with_kernel = np.array(attn.numpy_attention(q, k, v, 0.25, m))
+    assert calls  # the native pass ran
+    monkeypatch.setattr(native, "ENABLED", False)
+    without = np.array(attn.numpy_attention(q, k, v, 0.25, m))
+    np.testing.assert_allclose(with_kernel, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(with_kernel, without, rtol=1e-5, atol=1e-5)
+
+
+def test_the_library_is_built_once_atomically_per_source_and_cpu(kernel, tmp_path):
+    path = native.build(tmp_path)
+    assert path.parent == tmp_path / "kernels" and path.exists()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left beside it
+    mtime = os.stat(path).st_mtime_ns
+    assert native.build(tmp_path) == path and os.stat(path).st_mtime_ns == mtime  # not rebuilt
+    native.load(path)  # passes its own check
+
+
+def test_no_compiler_falls_back_to_numpy_with_one_warning(monkeypatch, tmp_path):
+    def none():
+        raise cpu_blas.BlasShimError("no C compiler (test)")
+
+    monkeypatch.setattr(cpu_blas, "compiler", none)
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    native.softmax_rows.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler"):
+            assert native.softmax_rows() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert native.softmax_rows() is None  # remembered: no second warning, no retry
+        mx.random.seed(4)
+        q, k, v = mx.random.normal((1, 2, 80, 8)), mx.random.normal((1, 2, 900, 8)), mx.random.normal((1, 2, 900, 8))
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
+        np.testing.assert_allclose(np.array(attn.numpy_attention(q, k, v, 0.3, "causal")), np.array(ref),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        native.softmax_rows.cache_clear()
+
+
+def test_a_wrong_library_is_refused(kernel, tmp_path, monkeypatch):
+    """A library that computes something else fails the load check instead of being used."""
+    src = tmp_path / "bad.c"
+    src.write_text(native.SOURCE.read_text().replace("p = p * z + r + splat(1.0f);", "p = p * z + r + splat(1.5f);"))
+    monkeypatch.setattr(native, "SOURCE", src)
+    with pytest.raises(native.NativeBuildError, match="wrong results"):
+        native.load(native.build(tmp_path))
