@@ -10,7 +10,10 @@ On the default model's bundle (or --model), CPU device:
   few-row product `(W @ x.T).T` (edgespec.kernels.linear) vs MLX's `x @ W.T`, and with
   every layer's product done by numpy's BLAS inside the pass, median ms;
 - attention: numpy attention (edgespec.kernels.attention) of one layer's worth of
-  SmolLM2-shaped heads over a whole 8,190-token prefill in 512-query chunks, ms;
+  SmolLM2-shaped heads over a whole 8,190-token prefill in 512-query chunks, ms, with
+  the native softmax pass (edgespec.kernels.native) and with numpy's, alternating;
+- softmax: that pass alone on one thread over a 384 x 8,190 score block, the native
+  kernel vs numpy's max, subtract and exp, ns an element;
 - batch shapes: a batched pass of B = 2, 4, 8 rows of one KV arena (contexts 100,
   137, ...) at T = 1..16 tokens each, median ms, beside what the batcher estimates for
   it from the measured (B, 1) pass scaled along the one-sequence cost curve (the
@@ -28,15 +31,17 @@ On the default model's bundle (or --model), CPU device:
   else in it, and what the MLX CPU path leaves on the table;
 - prefill bound: the 8,190 / 512-token prefill rate ratio this machine allows, predicted
   from a 512-token prefill's rate plus one layer's numpy attention over 8,190 tokens (times
-  the layers) as it runs, with numpy's `exp` skipped, and its two matrix products alone.
+  the layers) as it runs, with numpy's softmax passes instead of the native one, with
+  those passes' `exp` skipped, and its two matrix products alone.
 
-`--only NAME[,NAME]` runs some of them (activation, linear, attention, shapes, arena,
-joint, weights, bound).
+`--only NAME[,NAME]` runs some of them (activation, linear, attention, softmax, shapes,
+arena, joint, weights, bound).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -49,6 +54,7 @@ import edgespec
 import edgespec.kernels.activation as act
 import edgespec.kernels.linear as lin
 from edgespec.generate import prefill
+from edgespec.kernels import native
 from edgespec.kernels.attention import numpy_attention
 
 
@@ -129,10 +135,50 @@ def _attention_layer(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8
     return totals
 
 
+@contextlib.contextmanager
+def _native(on: bool):
+    """Attention with the native softmax pass (on, where it builds) or numpy's passes."""
+    saved, native.ENABLED = native.ENABLED, on
+    try:
+        yield
+    finally:
+        native.ENABLED = saved
+
+
 def attention(reps: int, S: int = 8190, chunk: int = 512) -> None:
-    totals = _attention_layer(reps, S=S, chunk=chunk)
-    print(f"attention, one layer over a {S}-token prefill in {chunk}-query chunks, ms: "
-          + " / ".join(f"{t * 1000:.0f}" for t in totals))
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(reps):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            with _native(on):
+                runs[on] += _attention_layer(1, S=S, chunk=chunk)
+    kernel = "native softmax" if native.softmax_rows() is not None else "native softmax (unavailable: numpy's)"
+    print(f"attention, one layer over a {S}-token prefill in {chunk}-query chunks, ms: {kernel} "
+          + " / ".join(f"{t * 1000:.0f}" for t in runs[True]) + ", numpy's passes "
+          + " / ".join(f"{t * 1000:.0f}" for t in runs[False]))
+
+
+def softmax(reps: int, rows: int = 384, cols: int = 8190) -> None:
+    fn = native.softmax_rows()
+    if fn is None:
+        print("softmax: the native kernel is unavailable here (see the warning)")
+        return
+    rng = np.random.default_rng(0)
+    src = (rng.standard_normal((rows, cols)) * 4).astype(np.float32)
+    work = np.empty_like(src)
+    times: dict[str, list[float]] = {"native": [], "numpy": []}
+    for _ in range(reps):
+        for name in times:
+            np.copyto(work, src)
+            t0 = time.perf_counter()
+            if name == "native":
+                fn(work.ctypes.data, rows, cols, cols, -1, 1)
+            else:
+                top = work.max(axis=-1, keepdims=True)
+                work -= top
+                np.exp(work, out=work)
+            times[name].append(time.perf_counter() - t0)
+    print(f"softmax pass, {rows} x {cols} block, one thread, ns an element: "
+          + ", ".join(f"{k} {statistics.median(v) / (rows * cols) * 1e9:.2f}" for k, v in times.items()))
 
 
 def _products(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, chunk: int = 512) -> list[float]:
@@ -174,7 +220,8 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
     (weights, norms, the MLP: the short prompt's rate less its own attention) plus causal
     attention over the whole prefix. Timed: the short prompt's prefill rate, one layer of
     numpy attention over the short prompt and over the S-token prefill (as `attention`),
-    the latter again with numpy's `exp` skipped, and its two matrix products alone.
+    the latter again with numpy's softmax passes instead of the native one, with those
+    passes' `exp` skipped, and its two matrix products alone.
     Printed: the S / short rate ratio those predict with attention as it runs, without
     its exponentials, and with its products alone (nothing else of the softmax: the best
     numpy's BLAS allows here)."""
@@ -203,13 +250,16 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
 
     full = statistics.median(_attention_layer(reps, **shape))
     own = statistics.median(_attention_layer(reps, **{**shape, "S": short}))  # what the short prompt's rate holds
+    with _native(False):
+        passes = statistics.median(_attention_layer(reps, **shape))
     attn_mod.np = _NoExp()
+    native.ENABLED, saved = False, native.ENABLED  # exp skipped: numpy's passes
     try:
         with warnings.catch_warnings():  # unexponentiated scores: the division meets inf and nan
             warnings.simplefilter("ignore", RuntimeWarning)
             no_exp = statistics.median(_attention_layer(reps, **shape))
     finally:
-        attn_mod.np = np
+        attn_mod.np, native.ENABLED = np, saved
     products = statistics.median(_products(reps, **shape))
     layers = len(model.layers)
     # seconds of everything but attention: the short prompt's time per token, less its attention
@@ -219,10 +269,11 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
         return (S / (base + layers * per_layer)) / r_short
 
     print(f"prefill bound, {short}-token prefill {r_short:.0f} tok/s; one layer's attention over {S} tokens "
-          f"{full * 1000:.0f} ms (without exp {no_exp * 1000:.0f}, products alone {products * 1000:.0f}; "
-          f"over the {short}-token prompt {own * 1000:.0f}); "
-          f"{S} / {short} rate ratio predicted, {layers} layers: as it runs {ratio(full):.2f}, "
-          f"exp free {ratio(no_exp):.2f}, products alone {ratio(products):.2f}")
+          f"{full * 1000:.0f} ms (numpy's softmax passes {passes * 1000:.0f}, those without exp "
+          f"{no_exp * 1000:.0f}, products alone {products * 1000:.0f}; over the {short}-token prompt "
+          f"{own * 1000:.0f}); {S} / {short} rate ratio predicted, {layers} layers: as it runs "
+          f"{ratio(full):.2f}, with numpy's passes {ratio(passes):.2f}, their exp free {ratio(no_exp):.2f}, "
+          f"products alone {ratio(products):.2f}")
 
 
 def batch_shapes(engine, reps: int) -> None:
@@ -352,7 +403,8 @@ def weights(model, reps: int) -> None:
 
 
 SECTIONS = {"activation": lambda e, r: activation(e.model, r), "linear": lambda e, r: linear(e.model, r),
-            "attention": lambda e, r: attention(r), "shapes": batch_shapes, "arena": arena_rows,
+            "attention": lambda e, r: attention(r), "softmax": lambda e, r: softmax(r), "shapes": batch_shapes,
+            "arena": arena_rows,
             "joint": lambda e, r: joint_choice(r), "weights": lambda e, r: weights(e.model, r),
             "bound": lambda e, r: prefill_bound(e.model, r)}
 
