@@ -20,13 +20,14 @@ re-measuring costs at most `explore` of the rate. A run of a loser whose rate is
 fraction x below the winner's and whose steps take s times as long costs
 run_steps * s * x winner-steps' worth of tokens, so the wait is run_steps * s * x /
 explore. Counting steps alone under-counts a loser whose steps are long (speculation in
-a batch of 8: docs/batching.md). The base of that wait doubles (to
-`wait_max`) each time the loser loses again.
+a batch of 8: docs/batching.md). The base of that wait doubles (to `wait_max`) each time
+the loser loses again.
 
 A win on one short run can be luck (a run of steps whose rows happened to accept much),
 so it is checked: the winner runs once more (its rate now from more than one run), the
-regime it displaced is measured again right after, and if that one wins back, the lucky regime returns to its doubled wait instead of starting over.
-Only a win that holds resets the waits.
+regime it displaced is measured again right after, and if that one wins back, the lucky
+regime returns to its doubled wait instead of starting over. Only a win that holds
+resets the waits.
 
 A batch size seen for the first time starts from the rates of the nearest one measured
 (tokens scaled by the row counts) and re-measures the other regime after `wait` steps, so
@@ -66,8 +67,8 @@ class SpecGuard:
     """Per batch size, the measured better of speculation as chosen and plain steps.
 
     `choose(n)` is asked once per step of n live rows in which an adaptive row asks (steps
-    nobody asks about, such as a batch of plain-mode rows, do not run the schedule); `record(n, kind, tokens, seconds)`
-    gives a step's result to the regime that planned it (the worker attributes the tokens
+    nobody asks about, such as a batch of plain-mode rows, do not run the schedule);
+    `record(n, kind, tokens, seconds)` gives a step's result to the regime that planned it (the worker attributes the tokens
     a pass commits, and the step in which they are committed, to the regime of the step
     that built the pass)."""
 
@@ -83,7 +84,8 @@ class SpecGuard:
     def _size(self, n: int) -> _Size:
         s = self._sizes.get(n)
         if s is None:
-            s = self._sizes[n] = _Size(wait=dict.fromkeys(KINDS, self.wait0), level=dict.fromkeys(KINDS, self.wait0))
+            s = self._sizes[n] = _Size(wait=dict.fromkeys(KINDS, self.wait0),
+                                       level=dict.fromkeys(KINDS, self.wait0))
             known = [m for m, t in self._sizes.items() if m != n and t.settled]
             if known:  # the nearest measured size's rates (ties: the larger), tokens scaled to n rows
                 m = min(known, key=lambda m: (abs(m - n), -m))
