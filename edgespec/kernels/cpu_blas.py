@@ -165,19 +165,31 @@ def build(out: Path) -> OpenBLAS:
         raise BlasShimError(f"only for Linux (MLX's CPU wheel); this is {sys.platform}")
     target = numpy_openblas()
     cc = compiler()  # before anything is written
-    out = Path(out).resolve()
+
+    def make(tmp: str) -> bool:
+        compile_shim(target, tmp, cc)
+        check(Path(tmp))  # raises if it does not work
+        return True
+
+    write_library(Path(out).resolve(), make)
+    return target
+
+
+def write_library(out: Path, make) -> bool:
+    """Atomically: `make(tmp)` writes a temp file beside `out` and says whether to keep it;
+    kept, it becomes `out` (executable). The temp file never outlives the call."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        compile_shim(target, tmp, cc)
+        if not make(tmp):
+            return False
         os.chmod(tmp, 0o755)
-        check(Path(tmp))
         os.replace(tmp, out)
+        return True
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
 
 
 def describe(preload: str | None = None) -> str | None:

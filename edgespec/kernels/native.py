@@ -25,7 +25,6 @@ import hashlib
 import os
 import platform
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -63,32 +62,27 @@ def library_path(flags: tuple[str, ...], home: Path | None = None) -> Path:
 
 def build(home: Path | None = None) -> Path:
     """The compiled library's path, building it first if it is not there."""
-    from edgespec.kernels.cpu_blas import BlasShimError, compiler
+    from edgespec.kernels.cpu_blas import BlasShimError, compiler, write_library
 
-    for flags in FLAG_SETS:
-        if library_path(flags, home).exists():
-            return library_path(flags, home)
+    paths = {flags: library_path(flags, home) for flags in FLAG_SETS}
+    built = next((p for p in paths.values() if p.exists()), None)
+    if built is not None:
+        return built
     try:
         cc = compiler()
     except BlasShimError as e:
         raise NativeBuildError(str(e)) from None
     errors = []
-    for flags in FLAG_SETS:
-        out = library_path(flags, home)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-        try:
+    for flags, out in paths.items():
+        def compile_to(tmp: str, flags=flags) -> bool:
             r = subprocess.run([cc, *flags, "-shared", "-fPIC", "-fvisibility=hidden", "-o", tmp, str(SOURCE)],
                                capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                os.chmod(tmp, 0o755)
-                os.replace(tmp, out)
-                return out
-            errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-300:]}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            if r.returncode != 0:
+                errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-300:]}")
+            return r.returncode == 0
+
+        if write_library(out, compile_to):
+            return out
     raise NativeBuildError("; ".join(errors))
 
 
