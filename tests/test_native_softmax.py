@@ -34,8 +34,13 @@ def test_kernel_matches_numpy(kernel, rows, cols, first, group):
     s = (rng.standard_normal((rows, cols)) * 25).astype(np.float32)
     s[1, ::3] = -np.inf  # masked slots
     want = native.reference(s, first, group)
-    kernel(s.ctypes.data, rows, cols, cols, first, group)
+    sums = np.full(rows, np.nan, np.float32)
+    kernel(s.ctypes.data, rows, cols, cols, first, group, sums.ctypes.data)
     np.testing.assert_allclose(s, want, rtol=3e-7, atol=1e-7)
+    np.testing.assert_allclose(sums, want.sum(axis=1), rtol=2e-6)  # the row totals, from the same pass
+    again = s.copy()
+    kernel(again.ctypes.data, rows, cols, cols, first, group, None)  # no totals asked: NULL is fine
+    np.testing.assert_allclose(again, native.reference(s, first, group), rtol=3e-7, atol=1e-7)
     if first >= 0:  # nothing past a row's limit survives
         assert all(not s[r, first + r // group + 1:].any() for r in range(rows))
 
@@ -45,8 +50,10 @@ def test_a_row_that_sees_nothing_becomes_zeros_and_strides_are_honoured(kernel):
     s[1] = np.linspace(-5, 5, 20, dtype=np.float32)
     big = np.full((3, 32), 7.0, np.float32)  # rows 20 floats long inside rows of 32
     big[:, :20] = s
-    kernel(big.ctypes.data, 3, 20, 32, -1, 1)
+    sums = np.full(3, np.nan, np.float32)
+    kernel(big.ctypes.data, 3, 20, 32, -1, 1, sums.ctypes.data)
     assert not big[0, :20].any() and not big[2, :20].any()
+    assert sums[0] == 0 and sums[2] == 0  # totals of rows that see nothing: 0, not NaN
     np.testing.assert_allclose(big[1, :20], np.exp(s[1].astype(np.float64) - 5.0), rtol=3e-7)
     assert (big[:, 20:] == 7.0).all()  # beyond each row's columns: untouched
 

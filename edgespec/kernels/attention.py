@@ -83,13 +83,6 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     # scale goes on the queries (T x D numbers) rather than on the scores (T x S).
     qg = np.empty((B, Hk, T, G, D), np.float32)
     np.multiply(qn.reshape(B, Hk, G, T, D).transpose(0, 1, 3, 2, 4), np.float32(scale), out=qg)
-    # Values carry a column of ones: P @ [V, 1] gives each row's softmax denominator in the
-    # same matmul, one pass fewer over the score block; the division goes on the D outputs.
-    # Zero columns pad it to a multiple of 8 (BLAS took 2.4 ns a score with 65 columns, 2.1
-    # with 64 or 72).
-    va = np.zeros((B, Hk, S, -(-(D + 1) // 8) * 8), np.float32)
-    va[..., :D] = vn
-    va[..., D] = 1.0
     out = np.empty((B, Hk, T, G, D), np.float32)
     neg = np.float32(-np.inf)
     kernel = native.softmax_rows() if native.ENABLED else None  # None: numpy's passes
@@ -109,8 +102,9 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
         if not causal:
             by_row = scores.reshape(t, G, end)  # a view: the mask broadcasts over the G heads
             by_row += np.where(mn[b, 0, t0:t1, :end], np.float32(0), neg)[:, None]
-        if kernel is not None:  # causal limit, max, subtract and exp: two passes a row, in cache
-            kernel(scores.ctypes.data, t * G, end, end, first if causal else -1, G)
+        total = np.empty(t * G, np.float32)
+        if kernel is not None:  # causal limit, max, subtract, exp and sum: two passes a row, in cache
+            kernel(scores.ctypes.data, t * G, end, end, first if causal else -1, G, total.ctypes.data)
         else:
             if causal:
                 slots = np.arange(first, end)
@@ -120,10 +114,11 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
             top[~np.isfinite(top)] = 0.0  # a row that sees nothing: all -inf -> zeros below, as 0/0 is avoided
             scores -= top
             np.exp(scores, out=scores)
-        pv = scores @ va[b, h, :end]  # (t*G, D + 8ish): weighted values, the row's total, zeros
-        total = pv[:, D : D + 1]
-        total[total == 0] = 1.0
-        np.divide(pv[:, :D], total, out=out[b, h, t0:t1].reshape(t * G, D))
+            scores.sum(axis=-1, out=total)
+        rows = out[b, h, t0:t1].reshape(t * G, D)  # a view: out's blocks are contiguous
+        np.matmul(scores, vn[b, h, :end], out=rows)  # weighted values; the totals divide them after
+        total[total == 0] = 1.0  # a row that sees nothing: zeros, not 0/0
+        rows /= total[:, None]
 
     workers = _workers()
     # Query rows per block: BLOCK_ROWS score rows (queries x grouped heads), fewer where that

@@ -91,14 +91,15 @@ def load(path: Path):
     lib = ctypes.CDLL(str(path))
     fn = lib.edgespec_softmax_rows
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
     rng = np.random.default_rng(0)
     for rows, cols, first, group in ((7, 45, 30, 3), (4, 64, -1, 1), (3, 5, 1, 1)):
         s = (rng.standard_normal((rows, cols)) * 30).astype(np.float32)
         s[0, 3] = -np.inf
         want = reference(s, first, group)
-        fn(s.ctypes.data, rows, cols, cols, first, group)
-        err = float(np.abs(s - want).max())
+        sums = np.full(rows, np.nan, np.float32)
+        fn(s.ctypes.data, rows, cols, cols, first, group, sums.ctypes.data)
+        err = max(float(np.abs(s - want).max()), float(np.abs(sums / want.sum(axis=1) - 1).max()))
         if not err < 1e-6:
             raise NativeBuildError(f"{path}: wrong results (max error {err:.2e} against numpy)")
     return fn
@@ -118,7 +119,7 @@ def reference(s: np.ndarray, first: int, group: int) -> np.ndarray:
 
 @functools.cache
 def softmax_rows():
-    """`f(ptr, rows, cols, ld, first, group)` (see softmax.c) or None where unavailable."""
+    """`f(ptr, rows, cols, ld, first, group, sums_ptr)` (see softmax.c) or None where unavailable."""
     try:
         return load(build())
     except (NativeBuildError, OSError, subprocess.SubprocessError) as e:

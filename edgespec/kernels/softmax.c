@@ -6,8 +6,11 @@
  *            query sees slots up to first + r / group; rows are queries x grouped heads)
  *     m    = max(row[0:n])
  *     row[j] = exp(row[j] - m) for j < n, 0 for n <= j < cols
- * A row whose visible scores are all -inf (it may see nothing) becomes zeros. The row's
- * sum is not taken here: the caller's P.V product carries a column of ones for it.
+ *     sums[r] = sum(row[0:cols]), when sums is not NULL (0 for a row that sees nothing)
+ * A row whose visible scores are all -inf (it may see nothing) becomes zeros. The sum is
+ * taken in the exp pass, in registers (W partial sums a row): the caller's P.V product
+ * then needs only the D value columns (a column of ones for the totals cost 8 more, as
+ * BLAS wants multiples of 8: 12% of the product at D = 64).
  *
  * numpy does this in three passes over the whole block (max, subtract, exp; the block is
  * megabytes, so each pass streams memory) with a scalar float32 exp on CPUs without
@@ -66,7 +69,8 @@ static inline vf load(const float *p) {
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 __attribute__((visibility("default")))
-void edgespec_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t ld, int64_t first, int64_t group) {
+void edgespec_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t ld, int64_t first, int64_t group,
+                           float *sums) {
     const float ninf = -__builtin_inff();
     for (int64_t r = 0; r < rows; r++) {
         float *row = s + r * ld;
@@ -87,16 +91,28 @@ void edgespec_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t ld, int
         for (int64_t j = full; j < n; j++) m = row[j] > m ? row[j] : m;
         if (m == ninf) { /* sees nothing (or nothing finite): zeros */
             memset(row, 0, (size_t)cols * sizeof(float));
+            if (sums) sums[r] = 0.0f;
             continue;
         }
         const vf sm = splat(m);
-        for (int64_t j = 0; j < full; j += W) store(row + j, vexp_neg(load(row + j) - sm));
+        vf acc = splat(0.0f);
+        for (int64_t j = 0; j < full; j += W) {
+            vf e = vexp_neg(load(row + j) - sm);
+            acc += e;
+            store(row + j, e);
+        }
         if (full < n) { /* the last partial vector, padded with -inf (-> 0) */
             vf v = splat(ninf);
             memcpy(&v, row + full, (size_t)(n - full) * sizeof(float));
             v = vexp_neg(v - sm);
+            acc += v;
             memcpy(row + full, &v, (size_t)(n - full) * sizeof(float));
         }
         if (n < cols) memset(row + n, 0, (size_t)(cols - n) * sizeof(float));
+        if (sums) {
+            float total = 0.0f;
+            for (int i = 0; i < W; i++) total += acc[i];
+            sums[r] = total;
+        }
     }
 }
