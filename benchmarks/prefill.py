@@ -10,6 +10,13 @@ every mode takes; mlx-lm: `generate_step` up to its first token, i.e. its prefil
 so machine noise hits both alike; the report gives median tokens/s per size, the
 ratio edgespec / mlx-lm, and each side's rate at the largest size over its rate at
 the smallest.
+
+The machine's speed drifts over minutes (a shared host: the same BLAS product has run
+at 48 and at 80 GFLOPS a core an hour apart), and the sizes run minutes apart, so the
+medians' ratio across sizes moves with it. Each edgespec run at a larger size is
+therefore bracketed by runs at the smallest size just before and after it, and the
+report also gives, per size, the median over repeats of rate(size) / mean(the two
+bracketing rates): the scaling measured back to back.
 """
 
 from __future__ import annotations
@@ -72,12 +79,23 @@ def main(argv=None) -> int:
     edgespec_prefill(engine.model, [rng.randrange(V) for _ in range(64)])  # warm-up both
     mlxlm_prefill(ref_model, [rng.randrange(V) for _ in range(64)])
     runs: dict[int, dict[str, list[float]]] = {n: {"edgespec": [], "mlx_lm": []} for n in sizes}
-    with tqdm(total=len(sizes) * args.repeats * 2, desc="prefill runs", file=sys.stderr) as bar:
-        for n in sizes:
-            ids = [rng.randrange(V) for _ in range(n)]
+    prompts = {n: [rng.randrange(V) for _ in range(n)] for n in sizes}
+    lo, hi = min(sizes), max(sizes)
+    paired: dict[int, list[float]] = {n: [] for n in sizes if n != lo}  # rate(n) / bracketing rate(lo)
+    brackets = 2 * len(paired) * args.repeats
+    with tqdm(total=len(sizes) * args.repeats * 2 + brackets, desc="prefill runs", file=sys.stderr) as bar:
+        for n, ids in prompts.items():
             for _ in range(args.repeats):
-                runs[n]["edgespec"].append(edgespec_prefill(engine.model, ids))
+                if n != lo:
+                    before = edgespec_prefill(engine.model, prompts[lo])
+                    bar.update()
+                rate = edgespec_prefill(engine.model, ids)
+                runs[n]["edgespec"].append(rate)
                 bar.update()
+                if n != lo:
+                    after = edgespec_prefill(engine.model, prompts[lo])
+                    paired[n].append(rate / ((before + after) / 2))
+                    bar.update()
                 runs[n]["mlx_lm"].append(mlxlm_prefill(ref_model, ids))
                 bar.update()
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in runs.items()}
@@ -85,13 +103,17 @@ def main(argv=None) -> int:
     for n in sizes:
         e, m = med[n]["edgespec"], med[n]["mlx_lm"]
         print(f"{n:>7} {e:>15.1f} {m:>13.1f} {e / m:>6.2f}")
-    lo, hi = min(sizes), max(sizes)
     scale = {k: med[hi][k] / med[lo][k] for k in ("edgespec", "mlx_lm")}
-    print(f"rate at {hi} / rate at {lo}: edgespec {scale['edgespec']:.2f}, mlx-lm {scale['mlx_lm']:.2f}")
+    print(f"rate at {hi} / rate at {lo}, medians: edgespec {scale['edgespec']:.2f}, mlx-lm {scale['mlx_lm']:.2f}")
+    back_to_back = {n: statistics.median(r) for n, r in paired.items()}
+    for n, r in paired.items():
+        print(f"edgespec rate at {n} / rate at {lo} just before and after it: {back_to_back[n]:.2f} "
+              f"(runs: {', '.join(f'{x:.2f}' for x in r)})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": bundle, "repeats": args.repeats, "median_tok_s": med, "runs": runs,
-                       "large_over_small": scale}, f, indent=2)
+                       "large_over_small": scale, "back_to_back": back_to_back, "back_to_back_runs": paired},
+                      f, indent=2)
     return 0
 
 
