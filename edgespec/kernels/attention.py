@@ -86,6 +86,14 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     out = np.empty((B, Hk, T, G, D), np.float32)
     neg = np.float32(-np.inf)
     kernel = native.softmax_rows() if native.ENABLED else None  # None: numpy's passes
+    # The fused kernel (scores, softmax and P.V tile by tile in cache) where it applies: a
+    # causal or no mask, no soft-cap, D a multiple of 16 (its products go 16 lanes at a time).
+    fused = (native.attention_rows() if native.ENABLED and mn is None and softcap is None and D % 16 == 0
+             else None)
+    if fused is not None:
+        packed = [[native.pack_keys(kn[b, h]) for h in range(Hk)] for b in range(B)]
+        if vn.strides[-1] != vn.itemsize:
+            vn = np.ascontiguousarray(vn)
 
     def block(job: tuple[int, int, int]) -> None:
         b, h, t0 = job
@@ -94,6 +102,13 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
         # Causal: row t sits at slot S - T + t and sees slots <= it, so the block needs
         # keys up to S - T + t1 only, and only its last t1 - t0 columns need a mask.
         end = S - T + t1 if causal else S
+        if fused is not None:
+            vh = vn[b, h]
+            if fused(qg[b, h, t0].ctypes.data, t * G, D, packed[b][h].ctypes.data, vh.ctypes.data,
+                     vh.strides[0] // vh.itemsize, end, D, S - T + t0 if causal else -1, G,
+                     out[b, h, t0].ctypes.data, D) != 0:
+                raise MemoryError("attention: no memory for the native kernel's scratch")
+            return
         scores = qg[b, h, t0:t1].reshape(t * G, D) @ kn[b, h, :end].T  # (t*G, end)
         if softcap is not None:
             np.tanh(scores / softcap, out=scores)

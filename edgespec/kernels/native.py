@@ -1,18 +1,24 @@
-"""Native CPU kernels, compiled on first use: the softmax pass of long-prompt attention.
+"""Native CPU kernels, compiled on first use: long-prompt attention on the CPU device.
 
-On the CPU device a long prompt's attention runs in numpy (`edgespec.kernels.attention`):
-two BLAS products and, between them, the softmax numerators of a score block that is
-megabytes large. numpy takes three passes over it (max, subtract, `exp`), with a scalar
-float32 `exp` on CPUs without AVX-512 (about 2.3 ns an element here). `softmax.c` does the
-same row by row in two passes while the row is in cache, with a vectorised `exp`.
+On the CPU device a long prompt's attention runs outside MLX (`edgespec.kernels.attention`).
+`cpu_attention.c` holds two kernels for it:
+- `attention_rows`: fused attention of a block of query rows (scores, online softmax and
+  P.V, tile by tile in cache, with register-blocked products), for head sizes that are
+  multiples of 16 and causal or no masks;
+- `softmax_rows`: the pass between two BLAS products for everything else (a boolean
+  mask, Gemma 2's soft-cap, other head sizes): the softmax numerators and row totals of a
+  score block, row by row in two passes while the row is in cache, with a vectorised
+  `exp` (numpy takes three passes over the block, with a scalar float32 `exp` on CPUs
+  without AVX-512, about 2.3 ns an element here).
 
 The library is built with the system's C compiler the first time it is needed, into
 `$EDGESPEC_HOME/kernels/` (named by a hash of the source, the flags and the CPU, written
-atomically), checked against numpy on a small block, and loaded with ctypes (which drops
-the GIL during the call, so the attention threads run it in parallel). Where it cannot
-be built or fails its check (no compiler, a read-only home) `softmax_rows()` returns
-None, with one warning, and attention keeps numpy's passes: the two give the same
-numbers within float32 rounding (tests/test_native_softmax.py).
+atomically), both kernels checked against numpy on small blocks, and loaded with ctypes
+(which drops the GIL during the call, so the attention threads run them in parallel).
+Where it cannot be built or fails its check (no compiler, a read-only home)
+`attention_rows()` and `softmax_rows()` return None, with one warning, and attention runs
+BLAS products with numpy's passes: all give the same numbers within float32 rounding
+(tests/test_native_softmax.py).
 
 Metal never uses it: the fused attention kernel runs there.
 """
@@ -26,11 +32,13 @@ import os
 import platform
 import subprocess
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-SOURCE = Path(__file__).with_name("softmax.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))  # the first the compiler accepts
 # EDGESPEC_NATIVE=0 keeps numpy's passes (for comparisons: benchmarks/cpu_kernels.py)
 ENABLED = os.environ.get("EDGESPEC_NATIVE", "1") != "0"
@@ -57,7 +65,7 @@ def library_path(flags: tuple[str, ...], home: Path | None = None) -> Path:
 
         home = default_home()
     h = hashlib.sha256(SOURCE.read_bytes() + repr((flags, _cpu_key())).encode()).hexdigest()[:16]
-    return Path(home) / "kernels" / f"libedgespec_softmax-{h}.so"
+    return Path(home) / "kernels" / f"libedgespec_attention-{h}.so"
 
 
 def build(home: Path | None = None) -> Path:
@@ -86,27 +94,47 @@ def build(home: Path | None = None) -> Path:
     raise NativeBuildError("; ".join(errors))
 
 
-def load(path: Path):
-    """The library's `edgespec_softmax_rows`, checked against numpy on random rows."""
+class Kernels(NamedTuple):
+    softmax_rows: Callable  # f(scores_ptr, rows, cols, ld, first, group, sums_ptr)
+    attention_rows: Callable  # f(q, rows, ldq, packed_keys, v, ldv, n, D, first, group, out, ldo) -> 0 | -1
+
+
+def load(path: Path) -> Kernels:
+    """The library's two kernels, each checked against numpy on random blocks."""
     lib = ctypes.CDLL(str(path))
-    fn = lib.edgespec_softmax_rows
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
+    sm = lib.edgespec_softmax_rows
+    sm.restype = None
+    sm.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
+    at = lib.edgespec_attention_rows
+    at.restype = ctypes.c_int
+    at.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                   + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64])
     rng = np.random.default_rng(0)
     for rows, cols, first, group in ((7, 45, 30, 3), (4, 64, -1, 1), (3, 5, 1, 1)):
         s = (rng.standard_normal((rows, cols)) * 30).astype(np.float32)
         s[0, 3] = -np.inf
         want = reference(s, first, group)
         sums = np.full(rows, np.nan, np.float32)
-        fn(s.ctypes.data, rows, cols, cols, first, group, sums.ctypes.data)
+        sm(s.ctypes.data, rows, cols, cols, first, group, sums.ctypes.data)
         err = max(float(np.abs(s - want).max()), float(np.abs(sums / want.sum(axis=1) - 1).max()))
         if not err < 1e-6:
             raise NativeBuildError(f"{path}: wrong results (max error {err:.2e} against numpy)")
-    return fn
+    for rows, n, D, first, group in ((13, 300, 32, 290, 3), (5, 40, 16, -1, 1), (4, 20, 16, -2, 1)):
+        q = (rng.standard_normal((rows, D)) * 0.5).astype(np.float32)
+        k, v = (rng.standard_normal((n, D)).astype(np.float32) for _ in range(2))
+        out = np.full((rows, D), np.nan, np.float32)
+        packed = pack_keys(k)
+        if at(q.ctypes.data, rows, D, packed.ctypes.data, v.ctypes.data, D, n, D, first, group,
+              out.ctypes.data, D) != 0:
+            raise NativeBuildError(f"{path}: the attention kernel found no memory for its scratch")
+        err = float(np.abs(out - reference_attention(q, k, v, first, group)).max())
+        if not err < 1e-5:
+            raise NativeBuildError(f"{path}: wrong results (max error {err:.2e} against numpy)")
+    return Kernels(sm, at)
 
 
 def reference(s: np.ndarray, first: int, group: int) -> np.ndarray:
-    """numpy's version of the kernel (float64 inside), for checks and tests."""
+    """numpy's version of the softmax kernel (float64 inside), for checks and tests."""
     rows, cols = s.shape
     out = np.zeros_like(s)
     for r in range(rows):
@@ -117,12 +145,49 @@ def reference(s: np.ndarray, first: int, group: int) -> np.ndarray:
     return out
 
 
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, first: int, group: int) -> np.ndarray:
+    """numpy's version of the attention kernel (float64 inside): softmax(q k^T) v, row r seeing
+    keys up to first + r // group when first >= 0; zeros for a row that sees nothing."""
+    p = reference(q.astype(np.float64) @ k.T.astype(np.float64), first, group)
+    total = p.sum(axis=1, keepdims=True)
+    total[total == 0] = 1.0
+    return ((p / total) @ v.astype(np.float64)).astype(np.float32)
+
+
+def pack_keys(k: np.ndarray) -> np.ndarray:
+    """Keys (n, D) in the attention kernel's layout: panels of 16 keys, dims major inside
+    a panel (packed[p, d, c] = k[16 p + c, d]), zeros past n. Contiguous float32."""
+    n, D = k.shape
+    panels = -(-n // 16)
+    packed = np.empty((panels, D, 16), np.float32)
+    full = n // 16
+    packed[:full] = k[: full * 16].reshape(full, 16, D).transpose(0, 2, 1)
+    if full < panels:
+        tail = np.zeros((16, D), np.float32)
+        tail[: n - full * 16] = k[full * 16 :]
+        packed[full] = tail.T
+    return packed
+
+
 @functools.cache
-def softmax_rows():
-    """`f(ptr, rows, cols, ld, first, group, sums_ptr)` (see softmax.c) or None where unavailable."""
+def kernels() -> Kernels | None:
+    """Both kernels, or None where the library cannot be built or fails its checks (one warning)."""
     try:
         return load(build())
     except (NativeBuildError, OSError, subprocess.SubprocessError) as e:
-        warnings.warn(f"edgespec: native softmax kernel unavailable, using numpy's ({e})", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(f"edgespec: native attention kernels unavailable, using numpy's passes ({e})",
+                      RuntimeWarning, stacklevel=2)
         return None
+
+
+def softmax_rows() -> Callable | None:
+    """`f(ptr, rows, cols, ld, first, group, sums_ptr)` (see cpu_attention.c) or None where unavailable."""
+    k = kernels()
+    return None if k is None else k.softmax_rows
+
+
+def attention_rows() -> Callable | None:
+    """`f(q, rows, ldq, packed_keys, v, ldv, n, D, first, group, out, ldo)` (see cpu_attention.c)
+    or None where unavailable."""
+    k = kernels()
+    return None if k is None else k.attention_rows

@@ -1,5 +1,7 @@
-"""The native softmax pass of CPU long-prompt attention (edgespec/kernels/softmax.c via
-edgespec.kernels.native): built on first use, checked, and equal to numpy's passes."""
+"""The native kernels of CPU long-prompt attention (edgespec/kernels/cpu_attention.c via
+edgespec.kernels.native): the fused attention of a block of rows and the softmax pass
+between BLAS products; built on first use, checked, and equal to numpy and to MLX's
+fused kernel."""
 
 import os
 import warnings
@@ -21,6 +23,43 @@ def kernel():
     fn = native.softmax_rows()
     assert fn is not None, "a compiler is here, yet the kernel was not built (see the warning)"
     return fn
+
+
+@pytest.fixture(scope="module")
+def fused(kernel):
+    return native.attention_rows()
+
+
+@pytest.mark.parametrize("rows,n,D,first,group,ldv", [
+    (13, 700, 64, 600, 3, 64),  # causal, grouped heads, several key tiles, a partial row group
+    (6, 16, 16, 3, 2, 16),  # one panel
+    (7, 300, 32, -1, 1, 48),  # no limit; values with a row stride wider than D
+    (5, 40, 16, 0, 1, 16),  # the first row sees one key
+    (12, 1000, 128, 990, 1, 128),  # the limit past a tile boundary, D = 128
+    (25, 517, 16, 500, 5, 16),  # n not a multiple of 16, the last tile partial
+])
+def test_fused_kernel_matches_numpy(fused, rows, n, D, first, group, ldv):
+    rng = np.random.default_rng(rows * n)
+    q = (rng.standard_normal((rows, D)) * 0.4).astype(np.float32)
+    k = rng.standard_normal((n, D)).astype(np.float32)
+    vfull = rng.standard_normal((n, ldv)).astype(np.float32)
+    v = vfull[:, :D]
+    q[0] *= 8  # a row whose scores are far apart (rescaling by the running max matters)
+    packed = native.pack_keys(k)
+    out = np.full((rows + 1, D), 7.0, np.float32)
+    assert fused(q.ctypes.data, rows, D, packed.ctypes.data, vfull.ctypes.data, ldv, n, D, first, group,
+                 out.ctypes.data, D) == 0
+    # float32 scores against float64 ones: row 0's large scores carry ~1e-5 relative error
+    np.testing.assert_allclose(out[:rows], native.reference_attention(q, k, v, first, group), rtol=1e-4, atol=3e-5)
+    assert (out[rows] == 7.0).all()  # nothing written past the block
+
+
+def test_packed_keys_layout():
+    k = np.arange(35 * 4, dtype=np.float32).reshape(35, 4)
+    p = native.pack_keys(k)
+    assert p.shape == (3, 4, 16) and p.flags.c_contiguous
+    assert p[1, 2, 5] == k[21, 2] and p[2, 3, 2] == k[34, 3]
+    assert not p[2, :, 3:].any()  # past the last key: zeros
 
 
 @pytest.mark.parametrize("rows,cols,first,group", [
@@ -68,14 +107,28 @@ def test_attention_with_the_kernel_equals_numpy_passes_and_the_fused_kernel(kern
         m = (mx.arange(S)[None] <= (S - T + mx.arange(T))[:, None]) & (mx.random.uniform(shape=(1, 1, T, S)) > 0.3)
         m = m | mx.eye(T, S, k=S - T, dtype=mx.bool_)
     ref = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m))
-    calls = []
-    monkeypatch.setattr(native, "softmax_rows", lambda: lambda *a: (calls.append(a), kernel(*a)))
+    calls = {"softmax": [], "fused": []}
+    fused = native.attention_rows()
+    monkeypatch.setattr(native, "softmax_rows", lambda: lambda *a: (calls["softmax"].append(a), kernel(*a)))
+    monkeypatch.setattr(native, "attention_rows", lambda: lambda *a: (calls["fused"].append(a), fused(*a))[1])
     with_kernel = np.array(attn.numpy_attention(q, k, v, 0.25, m))
-    assert calls  # the native pass ran
+    # causal: the fused kernel does it all; a boolean mask: BLAS products around the softmax pass
+    assert (bool(calls["fused"]), bool(calls["softmax"])) == ((True, False) if mask == "causal" else (False, True))
     monkeypatch.setattr(native, "ENABLED", False)
     without = np.array(attn.numpy_attention(q, k, v, 0.25, m))
     np.testing.assert_allclose(with_kernel, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(with_kernel, without, rtol=1e-5, atol=1e-5)
+
+
+def test_head_sizes_the_fused_kernel_cannot_take_use_the_softmax_pass(kernel, monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "softmax_rows", lambda: lambda *a: (calls.append(a), kernel(*a)))
+    mx.random.seed(5)
+    q, k, v = mx.random.normal((1, 4, 100, 24)), mx.random.normal((1, 2, 700, 24)), mx.random.normal((1, 2, 700, 24))
+    got = np.array(attn.numpy_attention(q, k, v, 0.2, "causal"))
+    assert calls  # D = 24 is not a multiple of 16
+    ref = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal"))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_the_library_is_built_once_atomically_per_source_and_cpu(kernel, tmp_path):
@@ -93,7 +146,7 @@ def test_no_compiler_falls_back_to_numpy_with_one_warning(monkeypatch, tmp_path)
 
     monkeypatch.setattr(cpu_blas, "compiler", none)
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
-    native.softmax_rows.cache_clear()
+    native.kernels.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="no C compiler"):
             assert native.softmax_rows() is None
@@ -106,7 +159,7 @@ def test_no_compiler_falls_back_to_numpy_with_one_warning(monkeypatch, tmp_path)
         np.testing.assert_allclose(np.array(attn.numpy_attention(q, k, v, 0.3, "causal")), np.array(ref),
                                    rtol=1e-5, atol=1e-5)
     finally:
-        native.softmax_rows.cache_clear()
+        native.kernels.cache_clear()
 
 
 def test_a_wrong_library_is_refused(kernel, tmp_path, monkeypatch):
