@@ -91,7 +91,8 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     fused = (native.attention_rows() if native.ENABLED and mn is None and softcap is None and D % 16 == 0
              else None)
     if fused is not None:
-        packed = [[native.pack_keys(kn[b, h]) for h in range(Hk)] for b in range(B)]
+        heads = [(b, h) for b in range(B) for h in range(Hk)]  # keys packed once a call, heads in parallel
+        packed = dict(zip(heads, _pool().map(lambda bh: native.pack_keys(kn[bh]), heads), strict=True))
         if vn.strides[-1] != vn.itemsize:
             vn = np.ascontiguousarray(vn)
 
@@ -104,7 +105,7 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
         end = S - T + t1 if causal else S
         if fused is not None:
             vh = vn[b, h]
-            if fused(qg[b, h, t0].ctypes.data, t * G, D, packed[b][h].ctypes.data, vh.ctypes.data,
+            if fused(qg[b, h, t0].ctypes.data, t * G, D, packed[b, h].ctypes.data, vh.ctypes.data,
                      vh.strides[0] // vh.itemsize, end, D, S - T + t0 if causal else -1, G,
                      out[b, h, t0].ctypes.data, D) != 0:
                 raise MemoryError("attention: no memory for the native kernel's scratch")
@@ -143,6 +144,11 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
         pieces = -(-workers // (B * Hk))
         qb = max(1, -(-T // pieces))
     jobs = [(b, h, t0) for b in range(B) for h in range(Hk) for t0 in range(0, T, qb)]
+    if causal:
+        # Longest first (a block's work is its rows times the keys it sees, which grow with
+        # t0): the pool hands jobs out in order as threads free up, so short blocks fill in
+        # at the end rather than one thread finishing a long block alone.
+        jobs.sort(key=lambda j: -(min(T, j[2] + qb) - j[2]) * (S - T + min(T, j[2] + qb)))
     if workers == 1 or len(jobs) == 1:
         for job in jobs:
             block(job)
