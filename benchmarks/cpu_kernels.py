@@ -9,11 +9,12 @@ On the default model's bundle (or --model), CPU device:
 - linear: one decoding pass of B = 1, 4, 8 rows (caches at 150 positions) with the
   few-row product `(W @ x.T).T` (edgespec.kernels.linear) vs MLX's `x @ W.T`, and with
   every layer's product done by numpy's BLAS inside the pass, median ms;
-- attention: numpy attention (edgespec.kernels.attention) of one layer's worth of
-  SmolLM2-shaped heads over a whole 8,190-token prefill in 512-query chunks, ms, with
-  the native softmax pass (edgespec.kernels.native) and with numpy's, alternating;
-- softmax: that pass alone on one thread over a 384 x 8,190 score block, the native
-  kernel vs numpy's max, subtract and exp, ns an element;
+- attention: the CPU long-prompt attention (edgespec.kernels.attention) of one layer's
+  worth of SmolLM2-shaped heads over a whole 8,190-token prefill in 512-query chunks, ms:
+  the fused native kernel (edgespec.kernels.native), BLAS products around the native
+  softmax pass, and BLAS products around numpy's passes, in rotation;
+- softmax: the softmax pass alone on one thread over a 384 x 8,190 score block, the
+  native kernel vs numpy's max, subtract and exp, ns an element;
 - batch shapes: a batched pass of B = 2, 4, 8 rows of one KV arena (contexts 100,
   137, ...) at T = 1..16 tokens each, median ms, beside what the batcher estimates for
   it from the measured (B, 1) pass scaled along the one-sequence cost curve (the
@@ -30,9 +31,9 @@ On the default model's bundle (or --model), CPU device:
   row), median ms a sweep: what a decoding pass's weights cost apart from everything
   else in it, and what the MLX CPU path leaves on the table;
 - prefill bound: the 8,190 / 512-token prefill rate ratio this machine allows, predicted
-  from a 512-token prefill's rate plus one layer's numpy attention over 8,190 tokens (times
-  the layers) as it runs, with numpy's softmax passes instead of the native one, with
-  those passes' `exp` skipped, and its two matrix products alone.
+  from a 512-token prefill's rate plus one layer's attention over 8,190 tokens (times the
+  layers) as it runs (the fused kernel), with BLAS products around numpy's softmax
+  passes, with those passes' `exp` skipped, and with the two BLAS products alone.
 
 `--only NAME[,NAME]` runs some of them (activation, linear, attention, softmax, shapes,
 arena, joint, weights, bound).
@@ -136,25 +137,32 @@ def _attention_layer(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8
 
 
 @contextlib.contextmanager
-def _native(on: bool):
-    """Attention with the native softmax pass (on, where it builds) or numpy's passes."""
-    saved, native.ENABLED = native.ENABLED, on
+def _native(on: bool, fused: bool = True):
+    """Attention with the native kernels (on, where they build; the fused one where it
+    applies and `fused`) or BLAS products around numpy's passes."""
+    import edgespec.kernels.attention as attn_mod
+
+    saved = native.ENABLED, attn_mod.FUSED
+    native.ENABLED, attn_mod.FUSED = on, fused
     try:
         yield
     finally:
-        native.ENABLED = saved
+        native.ENABLED, attn_mod.FUSED = saved
 
 
 def attention(reps: int, S: int = 8190, chunk: int = 512) -> None:
-    runs: dict[bool, list[float]] = {True: [], False: []}
+    variants = {"fused kernel": (True, True), "BLAS + native softmax pass": (True, False),
+                "BLAS + numpy's passes": (False, False)}
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     for r in range(reps):
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            with _native(on):
-                runs[on] += _attention_layer(1, S=S, chunk=chunk)
-    kernel = "native softmax" if native.softmax_rows() is not None else "native softmax (unavailable: numpy's)"
-    print(f"attention, one layer over a {S}-token prefill in {chunk}-query chunks, ms: {kernel} "
-          + " / ".join(f"{t * 1000:.0f}" for t in runs[True]) + ", numpy's passes "
-          + " / ".join(f"{t * 1000:.0f}" for t in runs[False]))
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
+            with _native(*variants[name]):
+                runs[name] += _attention_layer(1, S=S, chunk=chunk)
+    if native.kernels() is None:
+        print("attention: the native kernels are unavailable here (see the warning): every row ran numpy's passes")
+    print(f"attention, one layer over a {S}-token prefill in {chunk}-query chunks, ms: "
+          + "; ".join(f"{name} " + " / ".join(f"{t * 1000:.0f}" for t in ts) for name, ts in runs.items()))
 
 
 def softmax(reps: int, rows: int = 384, cols: int = 8190) -> None:
@@ -171,7 +179,7 @@ def softmax(reps: int, rows: int = 384, cols: int = 8190) -> None:
             np.copyto(work, src)
             t0 = time.perf_counter()
             if name == "native":
-                fn(work.ctypes.data, rows, cols, cols, -1, 1)
+                fn(work.ctypes.data, rows, cols, cols, -1, 1, None)
             else:
                 top = work.max(axis=-1, keepdims=True)
                 work -= top
@@ -192,11 +200,11 @@ def _products(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, ch
     rng = np.random.default_rng(0)
     qg = rng.standard_normal((Hk, S * G, D)).astype(np.float32)
     kn = rng.standard_normal((Hk, S, D)).astype(np.float32)
-    va = rng.standard_normal((Hk, S, -(-(D + 1) // 8) * 8)).astype(np.float32)
+    vn = rng.standard_normal((Hk, S, D)).astype(np.float32)
 
     def block(job):
         h, t0, t1 = job
-        (qg[h, t0 * G : t1 * G] @ kn[h, :t1].T) @ va[h, :t1]
+        (qg[h, t0 * G : t1 * G] @ kn[h, :t1].T) @ vn[h, :t1]
 
     jobs = [(h, t0, min(e, t0 + qb)) for s in range(0, S, chunk) for e in [min(S, s + chunk)]
             for h in range(Hk) for t0 in range(s, e, qb)]
@@ -219,12 +227,12 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
     A long prompt's chunks cost what a short prompt's tokens cost apart from attention
     (weights, norms, the MLP: the short prompt's rate less its own attention) plus causal
     attention over the whole prefix. Timed: the short prompt's prefill rate, one layer of
-    numpy attention over the short prompt and over the S-token prefill (as `attention`),
-    the latter again with numpy's softmax passes instead of the native one, with those
-    passes' `exp` skipped, and its two matrix products alone.
-    Printed: the S / short rate ratio those predict with attention as it runs, without
-    its exponentials, and with its products alone (nothing else of the softmax: the best
-    numpy's BLAS allows here)."""
+    attention over the short prompt and over the S-token prefill (as `attention`: the
+    fused kernel), the latter again with BLAS products around numpy's softmax passes,
+    with those passes' `exp` skipped, and with the two BLAS products alone.
+    Printed: the S / short rate ratio those predict with attention as it runs, with the
+    BLAS path, without its exponentials, and with its products alone (nothing else of the
+    softmax: the best the BLAS path allows here)."""
     import edgespec.kernels.attention as attn_mod
 
     a = model.args
@@ -269,10 +277,10 @@ def prefill_bound(model, reps: int, S: int = 8190, short: int = 512) -> None:
         return (S / (base + layers * per_layer)) / r_short
 
     print(f"prefill bound, {short}-token prefill {r_short:.0f} tok/s; one layer's attention over {S} tokens "
-          f"{full * 1000:.0f} ms (numpy's softmax passes {passes * 1000:.0f}, those without exp "
+          f"{full * 1000:.0f} ms (BLAS with numpy's softmax passes {passes * 1000:.0f}, those without exp "
           f"{no_exp * 1000:.0f}, products alone {products * 1000:.0f}; over the {short}-token prompt "
           f"{own * 1000:.0f}); {S} / {short} rate ratio predicted, {layers} layers: as it runs "
-          f"{ratio(full):.2f}, with numpy's passes {ratio(passes):.2f}, their exp free {ratio(no_exp):.2f}, "
+          f"{ratio(full):.2f}, BLAS with numpy's passes {ratio(passes):.2f}, their exp free {ratio(no_exp):.2f}, "
           f"products alone {ratio(products):.2f}")
 
 

@@ -111,6 +111,6 @@ os._exit(0)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"mods": [], "format": "gguf", "drafter": "DistilledDrafter", "n": 3}
     # nothing converted or written, except where the prompt's chunk took the CPU attention
-    # path: the compiled softmax kernel (edgespec.kernels.native), a build cache, no model data
+    # path: the compiled attention kernels (edgespec.kernels.native), a build cache, no model data
     assert sorted(p.name for p in home.iterdir() if p.name != "kernels") == ["downloads"]
     assert all(p.suffix == ".so" for p in (home / "kernels").glob("*"))

@@ -37,6 +37,7 @@ CPU_NUMPY_MIN_SCORES = 1 << 16
 # keep the fused kernel, the one plain decoding uses for its single-token steps.
 CPU_NUMPY_MIN_QUERIES = 65
 BLOCK_ROWS = 384  # score rows per block (queries x the heads sharing a kv head)
+FUSED = True  # False: BLAS products around the native softmax pass even where the fused kernel applies (benchmarks)
 
 
 @functools.cache
@@ -88,7 +89,7 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     kernel = native.softmax_rows() if native.ENABLED else None  # None: numpy's passes
     # The fused kernel (scores, softmax and P.V tile by tile in cache) where it applies: a
     # causal or no mask, no soft-cap, D a multiple of 16 (its products go 16 lanes at a time).
-    fused = (native.attention_rows() if native.ENABLED and mn is None and softcap is None and D % 16 == 0
+    fused = (native.attention_rows() if FUSED and native.ENABLED and mn is None and softcap is None and D % 16 == 0
              else None)
     if fused is not None:
         heads = [(b, h) for b in range(B) for h in range(Hk)]  # keys packed once a call, heads in parallel
