@@ -87,8 +87,8 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     out = np.empty((B, Hk, T, G, D), np.float32)
     neg = np.float32(-np.inf)
     kernel = native.softmax_rows() if native.ENABLED else None  # None: numpy's passes
-    # The fused kernel (scores, softmax and P.V tile by tile in cache) where it applies: a
-    # causal or no mask, no soft-cap, D a multiple of 16 (its products go 16 lanes at a time).
+    # The fused kernel (scores, softmax and P.V tile by tile in cache) where it applies: the
+    # causal mask, no soft-cap, D a multiple of 16 (its products go 16 lanes at a time).
     fused = (native.attention_rows() if FUSED and native.ENABLED and mn is None and softcap is None and D % 16 == 0
              else None)
     if fused is not None:
