@@ -54,6 +54,14 @@ def test_fused_kernel_matches_numpy(fused, rows, n, D, first, group, ldv):
     assert (out[rows] == 7.0).all()  # nothing written past the block
 
 
+def test_fused_kernel_with_no_rows_writes_nothing(fused):
+    k = np.ones((20, 16), np.float32)
+    out = np.full((1, 16), 7.0, np.float32)
+    # success, not "no memory", and no pointer touched (the keys' is NULL)
+    assert fused(k.ctypes.data, 0, 16, None, k.ctypes.data, 16, 20, 16, 0, 1, out.ctypes.data, 16) == 0
+    assert (out == 7.0).all()
+
+
 def test_packed_keys_layout():
     k = np.arange(35 * 4, dtype=np.float32).reshape(35, 4)
     p = native.pack_keys(k)

@@ -146,6 +146,7 @@ __attribute__((visibility("default")))
 int edgespec_attention_rows(const float *q, int64_t rows, int64_t ldq, const float *kp, const float *v,
                             int64_t ldv, int64_t n, int64_t D, int64_t first, int64_t group,
                             float *out, int64_t ldo) {
+    if (rows <= 0) return 0;
     const int64_t groups = (rows + MR - 1) / MR;
     const int64_t padded = groups * MR;
     float *acc = calloc((size_t)(padded * D), sizeof(float));
