@@ -70,6 +70,20 @@ static inline vf load(const float *p) {
 
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* max(row[0:n]), -inf for n = 0 */
+static inline float row_max(const float *row, int64_t n) {
+    const int64_t full = n - n % W;
+    vf vm = splat(-__builtin_inff());
+    for (int64_t j = 0; j < full; j += W) {
+        vf v = load(row + j);
+        vm = (vf)(((vi)vm & (vi)(vm >= v)) | ((vi)v & (vi)(vm < v)));
+    }
+    float m = -__builtin_inff();
+    for (int i = 0; i < W; i++) m = vm[i] > m ? vm[i] : m;
+    for (int64_t j = full; j < n; j++) m = row[j] > m ? row[j] : m;
+    return m;
+}
+
 __attribute__((visibility("default")))
 void edgespec_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t ld, int64_t first, int64_t group,
                            float *sums) {
@@ -82,15 +96,8 @@ void edgespec_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t ld, int
             if (n > cols) n = cols;
             if (n < 0) n = 0;
         }
-        int64_t full = n - n % W;
-        vf vm = splat(ninf);
-        for (int64_t j = 0; j < full; j += W) {
-            vf v = load(row + j);
-            vm = (vf)(((vi)vm & (vi)(vm >= v)) | ((vi)v & (vi)(vm < v)));
-        }
-        float m = ninf;
-        for (int i = 0; i < W; i++) m = vm[i] > m ? vm[i] : m;
-        for (int64_t j = full; j < n; j++) m = row[j] > m ? row[j] : m;
+        const int64_t full = n - n % W;
+        const float m = row_max(row, n);
         if (m == ninf) { /* sees nothing (or nothing finite): zeros */
             memset(row, 0, (size_t)cols * sizeof(float));
             if (sums) sums[r] = 0.0f;
@@ -213,15 +220,7 @@ int edgespec_attention_rows(const float *q, int64_t rows, int64_t ldq, const flo
                 if (c < 0) c = 0;
                 if (c > see) c = see;
                 for (int64_t j = c; j < width; j++) row[j] = ninf;
-                const int64_t full = c - c % W;
-                vf vm = splat(ninf);
-                for (int64_t j = 0; j < full; j += W) {
-                    vf x = load(row + j);
-                    vm = (vf)(((vi)vm & (vi)(vm >= x)) | ((vi)x & (vi)(vm < x)));
-                }
-                float m = ninf;
-                for (int k = 0; k < W; k++) m = vm[k] > m ? vm[k] : m;
-                for (int64_t j = full; j < c; j++) m = row[j] > m ? row[j] : m;
+                float m = row_max(row, c);
                 float *o = acc + (r0 + i) * D;
                 const float old = mx[r0 + i];
                 if (m == ninf || old >= m) m = old;
