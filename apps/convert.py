@@ -85,7 +85,14 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--drafter-chunk", type=int, default=64, help="Core ML drafter prefill chunk in tokens"
     )
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing OUT, but only an edgespec bundle (or a drafter folder or Core ML package "
+        "edgespec wrote) holding nothing else, or an empty folder; any other folder or file, the home "
+        "folder, / and folders holding the working folder are refused, nothing deleted. "
+        "With --add-drafter: replace the bundle's drafter",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

@@ -67,7 +67,9 @@ def add_arguments(p) -> None:
     p.add_argument("--work", default=None, help="work folder for data and checkpoints (default: OUT.work)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its work folder")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance and cost measurement")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT, but only a drafter folder "
+                   "edgespec wrote (or a bundle) holding nothing else, or an empty folder; anything else is "
+                   "refused, nothing deleted")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 

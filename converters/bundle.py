@@ -1,103 +1,52 @@
-"""Write an edgespec bundle atomically: build in a temp folder, then rename into place."""
+"""Write an edgespec bundle atomically: build in a temp folder, then rename into place.
+
+What an existing OUT may be replaced by (and the temp-folder handling) is edgespec.safe_write's
+one rule, shared with distill, the Core ML export and the history store.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from edgespec.bundle import FORMAT_VERSION, MANIFEST, file_entry
+from edgespec.safe_write import (  # noqa: F401  (atomic_folder, clean_stale_temps: this module's API too)
+    PID_MARKER,
+    atomic_folder,
+    check_protected,
+    check_replaceable,
+    check_writable,
+    clean_stale_temps,
+)
 
-PID_MARKER = ".edgespec-writer-pid"
 
-
-def check_destination(src: str | Path, out: str | Path, force: bool) -> None:
-    """Refuse, before any work, an OUT that exists (without force) or overlaps SRC.
-
-    Replacing OUT deletes it, so OUT equal to SRC, containing it or inside it would
-    destroy the checkpoint being converted.
-    """
+def check_overlap(src: str | Path, out: str | Path, label: str = "OUT") -> None:
+    """Refuse an OUT equal to SRC, containing it or inside it: replacing OUT would destroy the source."""
     src, out = Path(src).expanduser().resolve(), Path(out).expanduser().resolve()
     if out == src or out in src.parents or src in out.parents:
         raise ValueError(
-            f"OUT {out} overlaps SRC {src} (equal, containing it or inside it); writing there would "
-            "destroy the source: choose an OUT outside SRC"
+            f"{label} {out} overlaps SRC {src} (equal, containing it or inside it); writing there would "
+            f"destroy the source: choose an {label} outside SRC"
         )
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists (pass --force to replace it)")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
+def check_destination(src: str | Path, out: str | Path, force: bool, label: str = "OUT") -> None:
+    """Refuse, before any work, an OUT that is never replaced (the root, home or working folder),
+    overlaps SRC, exists and may not be replaced, or could not be written.
 
-
-def clean_stale_temps(out: Path) -> list[Path]:
-    """Remove temp folders of earlier writes of `out` whose writer is gone (killed, crashed).
-
-    A temp folder carries its writer's pid; one whose writer still runs is left alone,
-    and so is one without a marker that is younger than an hour (a writer from before
-    markers, or one just starting).
+    What may be replaced is edgespec.safe_write's rule: without force nothing; with force only an
+    edgespec bundle, a drafter folder or Core ML package edgespec wrote, or an empty folder.
     """
-    import time
-
-    removed = []
-    if not out.parent.is_dir():
-        return removed
-    for d in out.parent.glob(f".{out.name}.tmp-*"):
-        if not d.is_dir():
-            continue
-        marker = d / PID_MARKER
-        try:
-            pid = int(marker.read_text().strip())
-            stale = not _alive(pid)
-        except (OSError, ValueError):
-            stale = time.time() - d.stat().st_mtime > 3600
-        if stale:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
-
-
-@contextmanager
-def atomic_folder(out: str | Path, force: bool = False):
-    """Yield a temp folder beside `out`; on success it becomes `out`, on any error it is removed.
-
-    Interrupting (Ctrl-C) leaves `out` as it was: either absent or the old bundle. A run
-    killed outright (SIGKILL) leaves its temp folder; the next write of `out` removes it.
-    """
-    out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    (tmp / PID_MARKER).write_text(str(os.getpid()))
-    try:
-        yield tmp
-        (tmp / PID_MARKER).unlink(missing_ok=True)
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    check_protected(out, label)
+    check_overlap(src, out, label)
+    check_replaceable(out, force, label)
+    check_writable(out, label)
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

@@ -11,6 +11,9 @@ import mlx.nn as nn
 from edgespec.converters.bundle import (
     atomic_folder,
     check_destination,
+    check_overlap,
+    check_replaceable,
+    check_writable,
     finish_manifest,
     link_or_copy,
     write_model_files,
@@ -107,9 +110,10 @@ def convert(
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if not src.exists():
         raise ModelLoadError(f"{src}: no such file or folder")
-    check_destination(src, out, force)  # before the work, and never over the source
+    # Before the work: never over the source, and with force only over what edgespec wrote.
+    check_destination(src, out, force)
     if drafter is not None:
-        check_destination(drafter, out, force=True)  # nor over the drafter's checkpoint
+        check_overlap(drafter, out)  # nor over the drafter's checkpoint
     quantize = quantize or default_quantize(is_gguf(src))
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
@@ -170,13 +174,17 @@ def add_drafter(
     (the verifier's files hard-linked, not copied; their recorded checksums kept),
     the drafter written into it (vocabulary checked first: a drafter for another
     tokenizer is refused), the manifest rewritten, and only then swapped into
-    place. An error or interrupt leaves the old bundle as it was.
+    place. An error or interrupt leaves the old bundle as it was. A bundle holding
+    files edgespec did not write (a notes.txt dropped into it) is refused, before any work
+    and again at the swap: replacing it would delete them.
     """
     from edgespec.converters.drafter_export import write_drafter
 
     from edgespec.bundle import read_manifest
     bundle = Path(bundle).expanduser()
     manifest = read_manifest(bundle, verify_hashes=False)  # sizes checked: no truncated file carried over
+    check_replaceable(bundle, force=True, label="BUNDLE")
+    check_writable(bundle, label="BUNDLE")
     if manifest.get("drafter") and not force:
         raise FileExistsError(
             f"{bundle} already has a drafter ({manifest['drafter'].get('source', {}).get('name', 'drafter/')}); "
@@ -187,7 +195,7 @@ def add_drafter(
     vocab_size = int(config.get("vocab_size", -1))
     dtype = DTYPES.get(verifier.get("dtype") or default_dtype(), mx.float32)
     carried = {n: e for n, e in manifest["files"].items() if not _is_drafter_file(n)}
-    with atomic_folder(bundle, force=True) as tmp:
+    with atomic_folder(bundle, force=True, label="BUNDLE") as tmp:
         for name in carried:
             link_or_copy(bundle / name, tmp / name)
         entry = write_drafter(tmp, drafter, vocab_size, manifest["vocab_hash"], dtype,

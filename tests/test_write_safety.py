@@ -183,8 +183,9 @@ def test_force_onto_an_empty_folder_works(src, tmp_path):
     assert (out / "manifest.json").is_file() and _temps(tmp_path) == []
 
 
-def test_force_onto_a_bundle_with_a_foreign_file_is_refused(src, tmp_path, no_work):
+def test_force_onto_a_bundle_with_a_foreign_file_is_refused(src, tmp_path, monkeypatch):
     out = write_tiny_bundle(tmp_path / "b")
+    monkeypatch.setattr(conv, "_read_source", lambda *a, **k: pytest.fail("the conversion work started"))
     (out / "notes.txt").write_text("mine")
     (out / "extra").mkdir()
     before = _snapshot(out)
