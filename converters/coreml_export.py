@@ -27,6 +27,15 @@ from edgespec.converters.coreml_program import DrafterShape, build_function, rop
 
 from edgespec.drafters.coreml import METADATA_KEY
 from edgespec.errors import ModelLoadError
+from edgespec.safe_write import (
+    PID_MARKER,
+    check_replaceable,
+    check_writable,
+    clean_stale_temps,
+    describe_failure,
+    install,
+    temp_prefix,
+)
 
 COMPRESS_CHOICES = ("none", "int8", "int4", "palette4")
 MAX_CONTEXT = 32767  # coremltools may cast gather indices to int16: positions must fit
@@ -161,8 +170,13 @@ def export_drafter(
     calibration: list[list[int]] | None = None,
     calibrate_steps: int = 0,
     calibrate_progress=None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Write `out` (.mlpackage) atomically; returns the manifest's `coreml` entry.
+
+    An existing `out` is refused before any work; with force it is replaced only when it is
+    a package edgespec exported (or an empty folder: edgespec.safe_write's rule), judged again
+    at the swap. The package gets the user's normal permissions (0777/0666 less the umask).
 
     model: edgespec Llama `Model` (MLX). context_length C: the fixed KV buffer;
     a sequence longer than C cannot be drafted for (the runtime stops drafting).
@@ -179,7 +193,9 @@ def export_drafter(
     and a compression, "agreement" records how often the compressed package's
     greedy token equals the uncompressed drafter's on the held-back sequences.
     """
-    out = Path(out)
+    out = Path(out).expanduser()
+    check_replaceable(out, force, label="package")
+    check_writable(out, label="package")
     compress = compress or "none"
     if compress not in COMPRESS_CHOICES:
         raise ValueError(
@@ -226,9 +242,11 @@ def export_drafter(
     from coremltools.converters.mil.mil import types
 
     specs = function_specs(prefill_chunk, decode_tokens)
-    work = Path(
-        tempfile.mkdtemp(prefix=".coreml-export-", dir=out.parent if out.parent.exists() else None)
-    )
+    existed = os.path.lexists(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out)  # of exports of `out` killed outright
+    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))  # beside `out`: the rename stays atomic
+    (work / PID_MARKER).write_text(str(os.getpid()))
     try:
         desc = ct.utils.MultiFunctionDescriptor()
         for name, (T, last_only) in specs.items():
@@ -280,10 +298,12 @@ def export_drafter(
         package.user_defined_metadata[METADATA_KEY] = json.dumps(meta, sort_keys=True)
         staged = work / "out.mlpackage"
         package.save(str(staged))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            raise FileExistsError(f"{out} already exists")
-        os.replace(staged, out)  # atomic: `out` appears complete or not at all
+        install(staged, out, force, label="package")  # atomic: `out` appears complete or not at all
+    except BaseException as e:
+        nicer = describe_failure(e, out, existed, work, label="package")  # a full disk, no permission
+        if nicer is not None:
+            raise nicer from e
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return info

@@ -68,7 +68,7 @@ def distill(
     progress: Progress | None = None,
 ) -> dict:
     """Train a drafter for the verifier at `verifier_path` into folder `out`. Returns the card facts."""
-    from edgespec.converters.bundle import atomic_folder
+    from edgespec.converters.bundle import atomic_folder, check_destination
 
     from edgespec.loader import load
 
@@ -76,9 +76,9 @@ def distill(
         raise ValueError(f"drafter kind must be 'student' or 'feature', got {cfg.kind!r}")
     if cfg.unroll < 1 or not cfg.reg_weight >= 0:
         raise ValueError(f"--unroll must be >= 1 and --reg-weight >= 0, got {cfg.unroll} and {cfg.reg_weight}")
-    out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists (pass --force to replace it)")
+    out = Path(out).expanduser()
+    # Before the work (minutes of it): never over the verifier, with force only over what edgespec wrote.
+    check_destination(verifier_path, out, force, label="OUT")
     work = Path(work) if work else out.with_name(out.name + ".work")
     if work.exists() and not resume and any(work.iterdir()):
         raise FileExistsError(f"work folder {work} exists: pass --resume to continue it, or remove it")
