@@ -95,6 +95,13 @@ def _homes() -> list[Path]:
     return homes
 
 
+def _shown(path: str | Path) -> str:
+    """`path` as the user typed it, with the folder it names when that is not obvious ('.', '..', links)."""
+    p = Path(path).expanduser()
+    real = p.resolve()
+    return str(p) if str(p) == str(real) else f"{p} ({real})"
+
+
 def protected_reason(path: str | Path) -> str | None:
     """Why `path` is never replaced (root, home folder, holding it or the working folder), else None."""
     p = Path(path).expanduser().resolve()
@@ -199,7 +206,7 @@ def replace_refusal(path: str | Path, label: str = "OUT") -> str | None:
     path = Path(path).expanduser()
     why = protected_reason(path)
     if why:
-        return f"{label} {path} {why}; edgespec never replaces it: choose another {label}"
+        return f"{label} {_shown(path)} {why}; edgespec never replaces it: choose another {label}"
     if path.is_symlink():
         return (f"{label} {path} is a symbolic link (to {os.readlink(path)}); refusing to replace it: "
                 f"choose another {label} or remove the link yourself")  # fmt: skip
@@ -231,7 +238,7 @@ def check_protected(path: str | Path, label: str = "OUT") -> None:
     working folder."""
     why = protected_reason(path)
     if why:
-        raise UnsafeDestinationError(f"{label} {Path(path).expanduser()} {why}; edgespec never replaces it: "
+        raise UnsafeDestinationError(f"{label} {_shown(path)} {why}; edgespec never replaces it: "
                                      f"choose another {label}")  # fmt: skip
 
 

@@ -160,7 +160,7 @@ def test_kill_9_during_a_history_save_keeps_a_whole_file(tmp_path):
     _kill_when(proc, lambda: Path(str(path) + ".KILL-ME-NOW").exists())
     assert _temps(path.parent)  # the killed writer's temp file
     store = HistoryStore(path=path)  # the last complete state: the first document only
-    assert store.documents == 1 and store.lookup([0, 2, 3], limit=1) == [(2, [4, 5])]
+    assert store.documents == 1 and store.lookup([0, 2, 3], limit=1) == [(2, [4, 5, 6])]
     assert not list(path.parent.glob("*.corrupt*"))
     store.add([20, 21, 22, 23])  # the next save works and removes the dead writer's temp
     assert _temps(path.parent) == []
@@ -339,7 +339,7 @@ def read_only_folder(where: Path):
 
 def test_a_read_only_output_folder_is_reported_before_the_work(tmp_path, monkeypatch):
     import edgespec.converters.convert as conv
-    from edgespec.cli import main
+
 
     src = write_tiny_hf_folder(tmp_path / "hf")
     with read_only_folder(tmp_path / "ro") as ro:
@@ -374,6 +374,7 @@ def test_permission_denied_at_the_swap_leaves_the_old_bundle_and_no_temp(tmp_pat
 
 def test_a_full_disk_is_reported_and_the_old_bundle_survives(tmp_path):
     from edgespec.converters.convert import convert
+
     from edgespec.safe_write import WriteError
 
     if not _can_mount():
@@ -394,6 +395,7 @@ def test_a_full_disk_is_reported_and_the_old_bundle_survives(tmp_path):
 
 def test_a_simulated_full_disk_is_reported(tmp_path, monkeypatch, capsys):
     import edgespec.converters.convert as conv
+
     from edgespec.cli import main
 
     src = write_tiny_hf_folder(tmp_path / "hf", seed=5)

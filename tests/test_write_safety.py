@@ -18,12 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import edgespec.converters.convert as conv
 import pytest
 from conftest import make_tiny_model, write_tiny_bundle, write_tiny_hf_folder
-
-import edgespec.converters.convert as conv
-from edgespec.cli import main
 from edgespec.converters.convert import add_drafter, convert
+
+from edgespec.cli import main
 
 CONVERT_OPTS = dict(quantize="none", dtype="float32", progress=False)
 

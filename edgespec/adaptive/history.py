@@ -17,17 +17,37 @@ Bounds and privacy:
   `mode="disk"` the documents also go to `<EDGESPEC_HOME>/history/<key>.bin`
   (key = the tokenizer's identity), rewritten atomically after each document,
   capped at `max_bytes`, and loaded on start. `mode="off"` keeps nothing.
+
+The file on disk (replace only what edgespec wrote, edgespec.safe_write):
+- format: MAGIC2, document count, each document's length and ids, then a CRC-32
+  of all that (the older MAGIC files, without the CRC, are still read);
+- written to a temp file beside it (`.<name>.tmp-<pid>-...`, mode 0600: it is a
+  chat log) and renamed over it, so a reader or a process killed mid-save sees
+  the old file or the new one, whole. Two processes saving the same file leave
+  the one that renamed last, complete (no lock: the rename is atomic); a killed
+  writer's temp is removed by the next save;
+- a file at the path that does not read as edgespec history (truncated, bit
+  flipped, another format) is never overwritten or deleted: at load it is renamed
+  to `<name>.corrupt` (`.corrupt-1`, ... if taken) with a warning and history
+  starts empty; one that appears there later is left alone and this store stops
+  saving (warning); `clear()` removes only an edgespec history file;
+- a save that fails (full disk, no permission) logs a warning and leaves the old
+  file: history is only a hint, and the reply that triggered it is unaffected.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import tempfile
 import threading
+import zlib
 from array import array
 from collections import Counter
 from pathlib import Path
+
+log = logging.getLogger("edgespec.history")
 
 NGRAMS = (2, 3, 4, 6, 8, 12)  # suffix lengths indexed (longest match wins)
 PER_KEY = 4  # most recent occurrences kept per n-gram
@@ -36,7 +56,8 @@ SEP = -1  # between documents: no continuation crosses it
 # list value, and 4 bytes per stored token (array('i')).
 ENTRY_BYTES = 160
 POS_BYTES = 36
-MAGIC = b"ESHIST1\n"
+MAGIC = b"ESHIST1\n"  # read only: no checksum
+MAGIC2 = b"ESHIST2\n"  # written: ... + CRC-32 of everything before it
 MODES = ("memory", "disk", "off")
 
 
@@ -54,7 +75,9 @@ class HistoryStore:
         self._positions = 0
         self.lookups = 0
         self.hits = 0
-        if self.path is not None and self.path.is_file():
+        self._saving = self.path is not None  # False once the path holds a file edgespec did not write
+        self._warned: set[str] = set()
+        if self.path is not None and os.path.lexists(self.path):
             self._load()
 
     # ------------------------------------------------------------------ size
@@ -129,8 +152,11 @@ class HistoryStore:
     def clear(self) -> None:
         with self._lock:
             self._tokens, self._docs, self._index, self._positions = array("i"), [], {}, 0
-            if self.path is not None and self.path.exists():
-                self.path.unlink()
+            if self.path is not None and os.path.lexists(self.path):
+                if is_history_file(self.path):
+                    self.path.unlink()
+                else:
+                    self._warn_foreign()
 
     # ------------------------------------------------------------------ reading
     def lookup(self, context: list[int], limit: int = 2, span: int = 16) -> list[tuple[int, list[int]]]:
@@ -180,50 +206,139 @@ class HistoryStore:
         return []
 
     # ------------------------------------------------------------------ disk
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:  # once per kind of trouble per store, not after every reply
+            self._warned.add(key)
+            log.warning("%s", message)
+
+    def _warn_foreign(self) -> None:
+        self._warn("foreign", f"history file {self.path} is not an edgespec history file (another program "
+                   "wrote it); leaving it as it is, and keeping this history in memory only")
+
     def _save(self) -> None:
-        """Atomically rewrite the file: MAGIC, document count, then each document's length and ids."""
+        """Atomically rewrite the file: MAGIC2, document count, each document's length and ids, CRC-32.
+
+        Never over a file edgespec did not write; a failure (full disk, no permission) is a
+        warning: the file stays as it was and the history in memory."""
         assert self.path is not None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._saving:
+            return
+        if os.path.lexists(self.path) and not is_history_file(self.path):
+            self._saving = False
+            self._warn_foreign()
+            return
+        from edgespec.safe_write import clean_stale_temps, temp_prefix
+
         bounds = list(zip(self._docs, self._docs[1:] + [len(self._tokens)], strict=True))
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".history-")
+        parts = [MAGIC2, struct.pack("<I", len(bounds))]
+        for s, e in bounds:
+            doc = self._tokens[s : e - 1]
+            parts += [struct.pack("<I", len(doc)), doc.tobytes()]
+        body = b"".join(parts)
+        body += struct.pack("<I", zlib.crc32(body))
+        tmp = None
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            clean_stale_temps(self.path)  # of writers killed mid-save
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f"{temp_prefix(self.path)}{os.getpid()}-")
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<I", len(bounds)))
-                for s, e in bounds:
-                    doc = self._tokens[s : e - 1]
-                    f.write(struct.pack("<I", len(doc)))
-                    f.write(doc.tobytes())
+                f.write(body)
             os.replace(tmp, self.path)
+        except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            self._warn(f"save-{e.errno}", f"could not save history to {self.path} ({e}); the file is as it was, "
+                       "and this history is kept in memory")  # fmt: skip
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             raise
 
     def _load(self) -> None:
-        """Read the file written by `_save`; a damaged file is ignored (history is only a hint)."""
+        """Read the file written by `_save`. A file that does not read as edgespec history is renamed
+        to <name>.corrupt (never lost, never overwritten) and history starts empty: it is only a hint."""
         try:
-            data = self.path.read_bytes()
-            if not data.startswith(MAGIC):
-                raise ValueError("not an edgespec history file")
-            pos = len(MAGIC)
-            (count,) = struct.unpack_from("<I", data, pos)
-            pos += 4
-            docs = []
-            for _ in range(count):
-                (n,) = struct.unpack_from("<I", data, pos)
-                pos += 4
-                a = array("i")
-                a.frombytes(data[pos : pos + 4 * n])
-                if len(a) != n:
-                    raise ValueError("truncated")
-                pos += 4 * n
-                docs.append(list(a))
-        except (OSError, ValueError, struct.error):
+            docs = read_history_file(self.path)
+        except OSError as e:  # unreadable (permissions, a folder): leave it, do not save over it
+            self._saving = False
+            self._warn("load", f"could not read history file {self.path} ({e}); leaving it as it is, and keeping "
+                       "this history in memory only")  # fmt: skip
+            return
+        except ValueError as e:
+            aside = _aside_name(self.path)
+            try:
+                os.replace(self.path, aside)
+            except OSError as err:
+                self._saving = False
+                self._warn("load", f"history file {self.path} is damaged ({e}) and could not be moved aside "
+                           f"({err}); leaving it as it is, and keeping this history in memory only")  # fmt: skip
+                return
+            self._warn("load", f"history file {self.path} is damaged ({e}); kept it as {aside.name} and "
+                       "started an empty history")  # fmt: skip
             return
         for d in docs:
             if len(d) >= 2 and min(d) >= 0:
                 self._append(d)
         if self.nbytes > self.max_bytes:
             self._evict()
+
+
+def is_history_file(path: Path) -> bool:
+    """Whether `path` is a regular file that starts like an edgespec history file."""
+    try:
+        if not Path(path).is_file() or Path(path).is_symlink():
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC2)) in (MAGIC, MAGIC2)
+    except OSError:
+        return False
+
+
+def read_history_file(path: Path) -> list[list[int]]:
+    """The documents of a history file; ValueError naming what is wrong when it is not one, whole."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        raise OSError(f"{path} is not a regular file")
+    data = path.read_bytes()
+    if data.startswith(MAGIC2):
+        if len(data) < len(MAGIC2) + 8:
+            raise ValueError("truncated")
+        body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
+        if zlib.crc32(body) != crc:
+            raise ValueError("checksum mismatch: truncated or modified")
+    elif data.startswith(MAGIC):
+        body = data
+    else:
+        raise ValueError("not an edgespec history file")
+    try:
+        pos = len(MAGIC)
+        (count,) = struct.unpack_from("<I", body, pos)
+        pos += 4
+        docs = []
+        for _ in range(count):
+            (n,) = struct.unpack_from("<I", body, pos)
+            pos += 4
+            a = array("i")
+            a.frombytes(body[pos : pos + 4 * n])
+            if len(a) != n:
+                raise ValueError("truncated")
+            pos += 4 * n
+            docs.append(list(a))
+    except struct.error:
+        raise ValueError("truncated") from None
+    if pos != len(body):
+        raise ValueError(f"{len(body) - pos} unexpected bytes after the last document")
+    return docs
+
+
+def _aside_name(path: Path) -> Path:
+    """<name>.corrupt, or .corrupt-1, -2, ... : an earlier one is never overwritten."""
+    aside = path.with_name(path.name + ".corrupt")
+    i = 0
+    while os.path.lexists(aside):
+        i += 1
+        aside = path.with_name(f"{path.name}.corrupt-{i}")
+    return aside
 
 
 def history_mode(value: str | None = None) -> str:
