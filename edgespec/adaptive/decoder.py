@@ -77,9 +77,12 @@ class AdaptiveDecoder:
     def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None,
                  guesses: int = 3, span: int = 16, max_tree: int = 32, probe_start: int = 8, probe_max: int = 128,
                  margin: float = 1.02, jacobi: JacobiSource | None = None, memory: dict | None = None,
-                 batch_aware: bool = True):
-        """memory: a dict kept by the engine across requests (what acceptance and costs were
-        measured); each request starts from it and writes back what it learned."""
+                 batch_aware: bool = True, after_request=None):
+        """costs: the verify-cost curve, learnt from this decoder's passes run alone (the engine
+        shares one between its decoders and persists it, edgespec.calibration).
+        memory: a dict kept by the engine across requests (acceptance, the plain step's time,
+        probe waits); each request starts from it and writes back what it learned.
+        after_request: called once a request's rounds end (the engine publishes and saves costs)."""
         self.model = model
         self.sources = list(sources) + ([jacobi] if jacobi is not None else [])
         self.jacobi = jacobi
@@ -91,6 +94,7 @@ class AdaptiveDecoder:
         self.probe_start, self.probe_max = probe_start, probe_max
         self.margin = margin
         self.batch_aware = batch_aware  # price trees against the running batch (edgespec.batch.cost)
+        self.after_request = after_request
         self._batch_ctx = None
         priors = dict(PRIORS)
         if drafter is not None:
@@ -154,7 +158,7 @@ class AdaptiveDecoder:
         gain = others + e_tree + (1.0 - p1) * pd
         t_tree = 1 + len(kept)
         # Drafting runs inside this sequence's turn: in a batch every row waits for it.
-        cost = ks * d.caps.cost_per_token + np.array([costs.verify(int(t)) for t in t_tree + ks])
+        cost = ks * d.cost_per_token(plain_s) + np.array([costs.verify(int(t)) for t in t_tree + ks])
         rates = gain / cost
         k = int(np.argmax(rates))
         probe = False
@@ -171,9 +175,11 @@ class AdaptiveDecoder:
         model = self.model
         greedy = sampler.params.greedy
         mem = self.memory
-        self.costs = mem.get("costs", self.costs)  # what earlier requests measured, else the calibration
         self.acc = mem["acc"].carried() if "acc" in mem else AcceptanceStats(self.priors)
-        self.plain_s = mem.get("plain_s", self.costs.verify(1))  # EMA: seconds of a plain step
+        # EMA: seconds of a plain step. Until one is measured (here or by an earlier request or
+        # process), the cost curve's T = 1, which the first measured step replaces.
+        self.plain_s = mem.get("plain_s") or self.costs.verify(1)
+        self._plain_measured = "plain_s" in mem or self.costs.measured(1)
         self.since_draft = 0
         self.probe_wait = mem.get("probe_wait", self.probe_start)
         # Inside a batch (edgespec.batch.SeqModel): who else is in the step, to price against.
@@ -204,8 +210,11 @@ class AdaptiveDecoder:
         try:
             yield from self._rounds(cache, seq, sampler, stats, greedy)
         finally:
-            mem.update(acc=self.acc, costs=self.costs, plain_s=self.plain_s, probe_wait=self.probe_wait,
-                       host=self._host)
+            mem.update(acc=self.acc, probe_wait=self.probe_wait, host=self._host)
+            if self._plain_measured:
+                mem["plain_s"] = self.plain_s
+            if self.after_request is not None:
+                self.after_request()
 
     def _rounds(self, cache, seq, sampler, stats, greedy):
         while True:
@@ -281,6 +290,8 @@ class AdaptiveDecoder:
             # Drafted greedily: its tokens are point-mass candidates like every other source's.
             dc = self.drafter.draft(seq, plan.draft_k, self._greedy)
             self._draft_time = time.perf_counter() - td
+            if not self._in_batch():
+                self.drafter.observe(plan.draft_k)  # seconds per drafted token, learnt
             stats.draft_s += self._draft_time
             self._drafted(plan)
             if dc.tokens:
@@ -345,7 +356,10 @@ class AdaptiveDecoder:
             stats.verify_s += dt
             stats.verifier_passes += 1
             if batch_ctx is None or batch_ctx() is None:  # in a batch dt is the whole step's
-                self.plain_s = 0.9 * self.plain_s + 0.1 * max(dt, 1e-6)
+                dt = max(dt, 1e-6)
+                self.plain_s = 0.9 * self.plain_s + 0.1 * dt if self._plain_measured else dt
+                self._plain_measured = True
+                self.costs.observe(1, dt)  # the curve's T = 1 (its other sizes scale with it until measured)
             if self.wctl is not None:
                 self.wctl.record("lean", 1, dt)
             seq.append(t)

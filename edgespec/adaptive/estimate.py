@@ -96,32 +96,74 @@ class AcceptanceStats:
 
 @dataclass
 class Costs:
-    """Seconds of one verifier pass over T tokens, and per drafted token.
+    """Seconds of one verifier pass over T tokens, learnt from the passes actually run.
 
-    Starts from a calibration (`sizes`, `verify_s`, interpolated) and learns from the
-    rounds actually run (`observe`): a size seen in use takes its measured time, the
-    others the calibration scaled by how far measurements have run from it (longer
-    contexts, a busy machine).
+    Starts from a base curve (`sizes`, `verify_s`, interpolated): a persisted measurement
+    of this model on this machine, or a prior shape (edgespec.calibration), or, in tests,
+    any curve. Every pass run alone teaches it (`observe`): a size seen in use takes its
+    measured time (a moving average, the first measurement replacing the base), and a size
+    not seen yet takes the base scaled by how far the measured sizes around it ran from
+    the base (interpolated between the nearest measured sizes below and above it, the
+    nearest one's ratio beyond them). So one measured plain step puts the whole curve in
+    this machine's seconds, and every size used fills in its own point.
     """
 
     sizes: list[int]
     verify_s: list[float]
     draft_s: float = 0.0
     seen: dict[int, float] = field(default_factory=dict)
-    factor: float = 1.0
+    counts: dict[int, int] = field(default_factory=dict)  # measurements per size (this process)
+    # Sizes whose base value is itself a measurement (persisted by an earlier process): the first
+    # measurement here is averaged into it instead of replacing it.
+    anchored: set[int] = field(default_factory=set)
+
+    def __post_init__(self):
+        self._table: list[float] | None = None  # verify(T) for T = 0..max_tokens, rebuilt after observe
 
     def calibrated(self, T: int) -> float:
+        """The base curve at T (before anything was measured)."""
         return float(np.interp(T, self.sizes, self.verify_s))
 
+    def _build(self) -> list[float]:
+        n = np.arange(self.max_tokens + 1, dtype=np.float64)
+        base = np.interp(n, self.sizes, self.verify_s)
+        if self.seen:
+            ks = sorted(self.seen)
+            ratio = [self.seen[k] / max(self.calibrated(k), 1e-12) for k in ks]
+            base = base * np.interp(n, ks, ratio)  # clamps: the nearest measured ratio outside
+            for k in ks:
+                if k <= self.max_tokens:
+                    base[k] = self.seen[k]
+        return base.tolist()
+
     def verify(self, T: int) -> float:
+        T = int(T)
         s = self.seen.get(T)
-        return s if s is not None else self.calibrated(T) * self.factor
+        if s is not None:
+            return s
+        if self._table is None:
+            self._table = self._build()
+        if 0 <= T < len(self._table):
+            return self._table[T]
+        ks = sorted(self.seen)
+        r = self.seen[ks[-1]] / max(self.calibrated(ks[-1]), 1e-12) if ks else 1.0
+        return self.calibrated(T) * r
 
     def observe(self, T: int, seconds: float) -> None:
-        if seconds <= 0:
+        """A pass over T tokens, run alone, took `seconds` (all the round's work but drafting)."""
+        if not seconds > 0 or not np.isfinite(seconds):
             return
-        self.seen[T] = 0.7 * self.verify(T) + 0.3 * seconds
-        self.factor = 0.9 * self.factor + 0.1 * seconds / max(self.calibrated(T), 1e-9)
+        T = int(T)
+        old = self.seen.get(T)
+        if old is None and T in self.anchored:
+            old = self.verify(T)
+        self.seen[T] = float(seconds) if old is None else 0.7 * old + 0.3 * float(seconds)
+        self.counts[T] = self.counts.get(T, 0) + 1
+        self._table = None
+
+    def measured(self, T: int | None = None) -> bool:
+        """Whether size T (None: any size) has been measured here."""
+        return bool(self.seen) if T is None else T in self.seen
 
     @property
     def max_tokens(self) -> int:

@@ -20,6 +20,7 @@ attached drafter's chain).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,19 +104,37 @@ class HistorySource:
 
 
 class DrafterSource:
-    """A drafter's chain of k tokens (with its q), asked only when the planner expects it to pay."""
+    """A drafter's chain of k tokens (with its q), asked only when the planner expects it to pay.
+
+    Its cost per drafted token is learnt from the drafting calls it makes (`observe`, into a
+    `calibration.DraftCost` the engine keeps and persists); until one is measured the planner
+    prices it from a prior (a fraction of a plain step, `calibration.DRAFT_PRIOR`)."""
 
     name = "drafter"
 
-    def __init__(self, drafter, draft_s: float):
+    def __init__(self, drafter, draft_s=None):
+        """draft_s: seconds per drafted token (a number: fixed), a calibration.DraftCost (learnt),
+        or None (learnt from nothing)."""
+        from edgespec.calibration import DraftCost
+
         if getattr(drafter, "needs_features", False):
             raise ValueError(f"drafter {drafter.name!r} reads verifier features; it drafts in mode 'speculative' only")
         if not hasattr(drafter, "sync"):
             raise ValueError(f"drafter {drafter.name!r} cannot follow another source's tokens (no sync)")
         self.drafter = drafter
-        self.caps = Capabilities(point_mass=False, has_q=True, cost_per_token=float(draft_s))
+        self.cost = draft_s if isinstance(draft_s, DraftCost) else DraftCost(
+            None if draft_s is None else float(draft_s))
         self.expected_acceptance = float(getattr(drafter, "expected_acceptance", 0.5))
         self._prompt: list[int] | None = None
+        self.last_s = 0.0  # seconds of the last draft call, the drafter's prefill of the prompt excluded
+
+    @property
+    def caps(self) -> Capabilities:
+        return Capabilities(point_mass=False, has_q=True, cost_per_token=self.cost.per_token or 0.0)
+
+    def cost_per_token(self, plain_s: float) -> float:
+        """Seconds per drafted token: measured, else the prior relative to a plain step."""
+        return self.cost.value(plain_s)
 
     def begin(self, prompt: list[int]) -> None:
         # Deferred to the first draft: a request the drafter never drafts for costs it nothing.
@@ -125,9 +144,15 @@ class DrafterSource:
         if self._prompt is not None:
             self.drafter.begin(self._prompt)
             self._prompt = None
+        t0 = time.perf_counter()
         self.drafter.sync(list(seq))
         d = self.drafter.draft(k, sampler)
+        self.last_s = time.perf_counter() - t0
         return Candidate(list(d.tokens), self.name, 0, d.logprobs)
+
+    def observe(self, tokens: int) -> None:
+        """Learn the cost per token from the last draft call (`tokens` asked for)."""
+        self.cost.observe(tokens, self.last_s)
 
     def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
         return []  # costly: drafted on the planner's request only (see draft)

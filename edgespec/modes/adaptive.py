@@ -1,16 +1,20 @@
 """Mode "adaptive" (what "auto" resolves to): the best source each round, never slower than plain.
 
 See edgespec.adaptive.decoder for the round and edgespec.adaptive.sources for
-the sources. Costs come from the engine's one-time measurements: the verify
-cost of tree passes of 1..64 tokens (`calibrate_tree`) and, with a drafter,
-its seconds per drafted token (`controller.calibrate`).
+the sources. Costs are learnt, never measured up front: the engine's cost store
+(edgespec.calibration) starts the verify-cost curve over 1..64 tokens and the
+drafter's seconds per token from what an earlier process persisted for this
+model on this machine, or from a conservative prior, and every pass and draft
+run alone teaches it (plain steps T = 1, tree rounds their size). So the first
+request decodes at once; what was learnt is written to
+$EDGESPEC_HOME/calibration/ for the next process.
 """
 
 from __future__ import annotations
 
 from edgespec.adaptive.decoder import AdaptiveDecoder
-from edgespec.adaptive.estimate import Costs
 from edgespec.adaptive.sources import ContextSource, DrafterSource, HistorySource, JacobiSource
+from edgespec.calibration import SIZES, cost_store
 from edgespec.errors import DrafterRequiredError
 from edgespec.modes import register_mode
 from edgespec.modes.schema import Option
@@ -53,22 +57,22 @@ def drafter_usable(drafter) -> bool:
 
 
 # Every size up to 16 (a CPU BLAS can run 16 rows faster than 12, and the planner should
-# know), then a coarser grid; measured once per engine (a few seconds for SmolLM2-135M on 2 cores).
-COST_SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
+# know), then a coarser grid (edgespec.calibration.SIZES).
+COST_SIZES = SIZES
 
 
-def adaptive_costs(engine):
-    from edgespec.tree.controller import calibrate_tree
+def adaptive_costs(engine, measure: bool = False):
+    """The engine's current verify-cost curve (a TreeCosts: sizes, verify_s), as the batcher
+    prices steps with it: learnt and persisted (edgespec.calibration); nothing is measured
+    unless `measure` (benchmarks: time every size now, `calibration.measure`)."""
+    from edgespec.calibration import measure as measure_now
 
-    if "_adaptive_tree_costs" not in engine.__dict__:
-        engine.__dict__["_adaptive_tree_costs"] = calibrate_tree(
-            engine.model, 64, context=128, reps=1, sizes=COST_SIZES, monotone=False
-        )
+    store = measure_now(engine) if measure else cost_store(engine)
+    store.publish(engine)
     return engine.__dict__["_adaptive_tree_costs"]
 
 
 def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDecoder:
-    from edgespec.modes.speculative import engine_costs
     from edgespec.modes.tree import MAX_TREE
 
     o = options.mode_options
@@ -84,11 +88,9 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         drafter = None
     if wanted != "auto" and "drafter" in names and engine.drafter is None:
         raise DrafterRequiredError("adaptive source 'drafter' needs a drafter: load one (--drafter), or drop the source")
-    tree = adaptive_costs(engine)
-    dsrc = None
-    if drafter is not None:
-        dsrc = DrafterSource(drafter, engine_costs(engine, drafter).draft_s)
-    costs = Costs(list(tree.sizes), list(tree.verify_s), dsrc.caps.cost_per_token if dsrc else 0.0)
+    store = cost_store(engine)  # read once per engine; measures nothing
+    store.publish(engine)
+    dsrc = DrafterSource(drafter, store.draft(drafter)) if drafter is not None else None
     span = o.get("span", 16)
     sources = []
     if "context" in names:
@@ -105,7 +107,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
     return AdaptiveDecoder(
         engine.model,
         sources,
-        costs,
+        store.costs,
         drafter=dsrc,
         jacobi=jacobi,
         # What earlier requests measured (acceptance per source, costs, probe waits), per source set.
@@ -116,7 +118,13 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         span=span,
         max_tree=min(o.get("max_tree", 32), MAX_TREE),
         batch_aware=o.get("batch_aware", True),
+        after_request=lambda: _after_request(engine, store),
     )
+
+
+def _after_request(engine, store) -> None:
+    store.publish(engine)  # the batcher prices steps with the curve as learnt so far
+    store.maybe_save()
 
 
 @register_mode(

@@ -1,0 +1,411 @@
+"""Pass costs learnt from real rounds, kept per (model, device, machine) so the next process starts warm.
+
+The decoders that choose what to verify (`auto`, speculative, tree) price a verifier pass
+over T tokens and a drafted token in seconds. Nothing is measured before the first token:
+each engine holds one `CostStore` whose curve (`estimate.Costs`) starts from
+
+- the curve persisted by an earlier process for the same model on this machine
+  (`$EDGESPEC_HOME/calibration/<model>-<key hash>.json`), else
+- a prior: a plain step of PRIOR_STEP_S seconds and a cost that grows by PRIOR_SLOPE of a
+  step per extra token (steeper on a CPU than on an accelerator: conservative, so only
+  likely candidates are verified until passes have been measured), and a drafted token
+  costing DRAFT_PRIOR of a plain step (so a drafter is only probed until it is measured),
+
+and learns from every pass run alone: plain steps give T = 1, tree and speculative rounds
+their own T, drafting its seconds per token. Unmeasured sizes follow the measured ones
+(`Costs.verify`). What was learnt is written back (atomically: a temp file, then
+`os.replace`) after a request once enough is new, at most every SAVE_EVERY_S seconds, and
+at exit. A file that cannot be read, is not this format, or was written for another key
+is ignored with a logged warning.
+
+The key holds what changes costs: the model (its weight files' hashes from the bundle
+manifest, else the file's name, size and modification time), its shape and dtypes, the MLX
+device, the machine (architecture, CPU model, CPUs usable, BLAS preload and thread
+settings) and the edgespec and MLX versions. Engines built in memory (no model path, as
+in the tests) learn in memory only. `EDGESPEC_CALIBRATION=off` turns reading and writing off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from edgespec.adaptive.estimate import Costs
+
+log = logging.getLogger("edgespec.calibration")
+
+FORMAT = 1
+# The curve's grid: every size up to 16 (a CPU BLAS can run 16 rows faster than 12), then coarser.
+SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
+PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (only ratios matter until then)
+PRIOR_SLOPE = {"cpu": 0.08, "gpu": 0.02}  # extra cost per extra token, in plain steps
+DRAFT_PRIOR = 0.5  # seconds per drafted token before one is measured, in plain steps
+SAVE_EVERY_S = 30.0  # a long-running server writes at most this often (and at exit)
+SAVE_AFTER = 8  # new measurements before a write after a request
+PUBLISH_CHANGE = 0.1  # relative change of the curve at some size that republishes it (batcher)
+ENV = "EDGESPEC_CALIBRATION"
+
+
+def enabled() -> bool:
+    """Whether learnt costs are read from and written to $EDGESPEC_HOME ($EDGESPEC_CALIBRATION)."""
+    return os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "no", "false")
+
+
+def device_kind() -> str:
+    return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+
+
+def prior_curve(sizes=SIZES, kind: str | None = None, step_s: float = PRIOR_STEP_S) -> list[float]:
+    slope = PRIOR_SLOPE[kind or device_kind()]
+    return [step_s * (1.0 + slope * (T - 1)) for T in sizes]
+
+
+@dataclass
+class DraftCost:
+    """Seconds per drafted token of one drafter: a moving average of measured drafting calls."""
+
+    per_token: float | None = None  # None: not measured (the prior applies)
+    count: int = 0  # measurements in this process
+    fresh: bool = False  # measured in this process (persist it)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        s = seconds / tokens
+        self.per_token = s if self.per_token is None else 0.7 * self.per_token + 0.3 * s
+        self.count += 1
+        self.fresh = True
+
+    def value(self, plain_s: float) -> float:
+        return self.per_token if self.per_token is not None else DRAFT_PRIOR * plain_s
+
+
+def drafter_key(drafter) -> str:
+    """What tells drafters apart in the persisted file: its name and its weights' size."""
+    name = str(getattr(drafter, "name", type(drafter).__name__))
+    model = getattr(drafter, "model", None)
+    size = 0
+    if model is not None and hasattr(model, "parameters"):
+        try:
+            from mlx.utils import tree_flatten
+
+            size = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+        except Exception:  # noqa: BLE001  (a drafter without MLX parameters: its name alone)
+            size = 0
+    return f"{name}:{size}"
+
+
+# ---------------------------------------------------------------------------- the key
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
+
+
+def machine_identity() -> dict:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 0
+    device = mx.default_device()
+    out = {
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "cpu": _cpu_model(),
+        "cpus": cpus,
+        "device": str(device),
+        "preload": sorted(Path(p).name for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p),
+        "threads": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+                    if k in os.environ},
+        "mlx": getattr(mx, "__version__", ""),
+    }
+    if device.type == mx.DeviceType.gpu:
+        try:
+            out["gpu"] = str(mx.metal.device_info().get("device_name", ""))
+        except Exception:  # noqa: BLE001  (no Metal details: the device string stands)
+            pass
+    return out
+
+
+def model_identity(loaded) -> dict | None:
+    """The model's identity, or None when it has none worth a file (built in memory)."""
+    m = loaded.manifest or {}
+    files = m.get("files") if isinstance(m.get("files"), dict) else {}
+    weights = {n: e.get("sha256") for n, e in sorted(files.items())
+               if isinstance(e, dict) and n.endswith((".safetensors", ".gguf", ".npz", ".bin"))}
+    src = m.get("source") if isinstance(m.get("source"), dict) else {}
+    if weights:
+        ident: dict = {"weights": weights}
+    elif loaded.path is not None:
+        p = Path(loaded.path)
+        try:
+            targets = [p] if p.is_file() else sorted(p.glob("*.safetensors")) + sorted(p.glob("*.gguf"))
+            ident = {"files": {t.name: [t.stat().st_size, t.stat().st_mtime_ns] for t in targets}}
+        except OSError:
+            return None
+        if not ident["files"]:
+            return None
+    else:
+        return None
+    args = getattr(loaded.model, "args", None)
+    shape = {k: getattr(args, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                 "intermediate_size", "num_attention_heads",
+                                                 "num_key_value_heads", "vocab_size")}
+    try:
+        from mlx.utils import tree_flatten
+
+        dtypes = sorted({str(v.dtype) for _, v in tree_flatten(loaded.model.parameters())})
+    except Exception:  # noqa: BLE001
+        dtypes = []
+    name = str(src.get("name") or (Path(loaded.path).name if loaded.path is not None else "model"))
+    return {"name": name, "model": ident, "shape": shape, "dtypes": dtypes, "quantization":
+            getattr(args, "quantization", None)}
+
+
+def cost_key(loaded) -> dict | None:
+    ident = model_identity(loaded)
+    if ident is None:
+        return None
+    from edgespec import __version__
+
+    return {"format": FORMAT, "edgespec": __version__, "model": ident, "machine": machine_identity()}
+
+
+def key_path(key: dict, home: Path | None = None) -> Path:
+    if home is None:
+        from edgespec.default_model import home as edgespec_home
+
+        home = edgespec_home()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key["model"]["name"]))[:60] or "model"
+    return Path(home) / "calibration" / f"{slug}-{digest}.json"
+
+
+# ---------------------------------------------------------------------------- the store
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+class CostStore:
+    """One engine's learnt costs: the verify curve (`costs`, shared by every decoder on the
+    engine), seconds per drafted token per drafter, and the file they persist in."""
+
+    def __init__(self, key: dict | None = None, path: Path | None = None, kind: str | None = None):
+        self.key, self.path = key, path
+        self.kind = kind or device_kind()
+        self.loaded_verify: dict[int, float] = {}
+        self.loaded_counts: dict[int, int] = {}
+        self.loaded_drafts: dict[str, float] = {}
+        if path is not None:
+            self._load()
+        prior = Costs(list(SIZES), prior_curve(SIZES, self.kind))
+        for T, v in self.loaded_verify.items():
+            prior.observe(T, v)
+        sizes = sorted(set(SIZES) | {T for T in self.loaded_verify if T <= SIZES[-1]})
+        self.costs = Costs(sizes, [prior.verify(T) for T in sizes], anchored=set(self.loaded_verify))
+        self.drafts: dict[str, DraftCost] = {k: DraftCost(v) for k, v in self.loaded_drafts.items()}
+        self._saved_at = 0.0
+        self._saved_counts = 0
+        self._lock = threading.Lock()
+        self._published = None
+
+    @property
+    def warm(self) -> bool:
+        """Whether the curve started from an earlier process's measurements."""
+        return bool(self.loaded_verify)
+
+    def _load(self) -> None:
+        p = self.path
+        if not p.is_file():
+            return
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"not a format-{FORMAT} calibration file")
+            if data.get("key") != json.loads(json.dumps(self.key, default=str)):
+                raise ValueError("written for another model, device or machine")
+            verify, counts, drafts = data.get("verify"), data.get("counts", {}), data.get("draft", {})
+            if not isinstance(verify, dict) or not isinstance(counts, dict) or not isinstance(drafts, dict):
+                raise ValueError("'verify', 'counts' and 'draft' must be objects")
+            out = {}
+            for k, v in verify.items():
+                T = int(k)
+                if not 1 <= T <= 4096 or not _positive(v):
+                    raise ValueError(f"bad verify entry {k!r}: {v!r}")
+                out[T] = float(v)
+            for k, v in drafts.items():
+                if not _positive(v):
+                    raise ValueError(f"bad draft entry {k!r}: {v!r}")
+        except (OSError, ValueError, TypeError, UnicodeDecodeError) as e:
+            log.warning("edgespec: ignoring the calibration file %s (%s); costs are learnt afresh", p, e)
+            return
+        self.loaded_verify = out
+        self.loaded_counts = {int(k): int(v) for k, v in counts.items()
+                              if isinstance(v, int) and str(k).isdigit()}
+        self.loaded_drafts = {str(k): float(v) for k, v in drafts.items()}
+
+    def draft(self, drafter) -> DraftCost:
+        """The learnt cost of this drafter (its entry created on first use)."""
+        key = drafter_key(drafter)
+        d = self.drafts.get(key)
+        if d is None:
+            d = self.drafts[key] = DraftCost()
+        return d
+
+    # ------------------------------------------------------------------ persisting
+    def _new(self) -> int:
+        return sum(self.costs.counts.values()) + sum(d.count for d in self.drafts.values())
+
+    def maybe_save(self) -> None:
+        """After a request: write when enough is new, at most every SAVE_EVERY_S seconds
+        (the first time as soon as anything was measured)."""
+        if self.path is None:
+            return
+        new = self._new() - self._saved_counts
+        if new <= 0:
+            return
+        if self._saved_at and (new < SAVE_AFTER or time.monotonic() - self._saved_at < SAVE_EVERY_S):
+            return
+        self.save()
+
+    def save(self) -> bool:
+        """Write what was learnt (merged over the file's entries for sizes not measured here)."""
+        if self.path is None:
+            return False
+        with self._lock:
+            seen, counts = dict(self.costs.seen), dict(self.costs.counts)
+            if not seen and not any(d.fresh for d in list(self.drafts.values())):
+                return False
+            total = self._new()
+            verify = dict(self.loaded_verify)
+            all_counts = dict(self.loaded_counts)
+            drafts = dict(self.loaded_drafts)
+            current = self._read_entries()
+            if current is not None:  # another process may have written since we loaded
+                verify.update(current[0])
+                all_counts.update(current[1])
+                drafts.update(current[2])
+            for T, v in seen.items():
+                if not counts.get(T):
+                    continue  # set here without a measurement (never happens today): keep the file's
+                verify[T] = v
+                all_counts[T] = all_counts.get(T, 0) + counts.get(T, 0)
+            for k, d in list(self.drafts.items()):
+                if d.fresh and d.per_token is not None:
+                    drafts[k] = d.per_token
+            data = {"format": FORMAT, "key": self.key, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "verify": {str(T): verify[T] for T in sorted(verify)},
+                    "counts": {str(T): all_counts[T] for T in sorted(all_counts)},
+                    "draft": drafts}
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=self.path.parent)
+                try:
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        json.dump(data, f, indent=1, default=str)
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                    raise
+            except OSError as e:
+                log.warning("edgespec: could not write the calibration file %s (%s)", self.path, e)
+                return False
+            self._saved_at = time.monotonic()
+            self._saved_counts = total
+            return True
+
+    def _read_entries(self):
+        """The file's current entries when it is ours (same key), else None."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if data.get("format") != FORMAT or data.get("key") != json.loads(json.dumps(self.key, default=str)):
+                return None
+            verify = {int(k): float(v) for k, v in data["verify"].items() if _positive(v)}
+            counts = {int(k): int(v) for k, v in data.get("counts", {}).items() if isinstance(v, int)}
+            drafts = {str(k): float(v) for k, v in data.get("draft", {}).items() if _positive(v)}
+            return verify, counts, drafts
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+    # ------------------------------------------------------------------ for the batcher
+    def publish(self, engine) -> None:
+        """Put the current curve where the batcher prices steps (engine.__dict__
+        "_adaptive_tree_costs"), when it is new or has moved by PUBLISH_CHANGE somewhere
+        (each new object makes the batcher rebuild its step costs)."""
+        from edgespec.tree.controller import TreeCosts
+
+        sizes = list(self.costs.sizes)
+        now = [self.costs.verify(T) for T in sizes]
+        old = self._published
+        if old is not None and engine.__dict__.get("_adaptive_tree_costs") is old and all(
+                abs(a - b) <= PUBLISH_CHANGE * b for a, b in zip(now, old.verify_s, strict=True)):
+            return
+        self._published = engine.__dict__["_adaptive_tree_costs"] = TreeCosts(sizes, now)
+
+
+_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _save_all() -> None:
+    for store in list(_STORES):
+        try:
+            store.save()
+        except Exception:  # noqa: BLE001  (never fail an exit over a cache)
+            log.exception("edgespec: saving the calibration failed")
+
+
+atexit.register(_save_all)
+
+
+def cost_store(engine) -> CostStore:
+    """The engine's CostStore (created on first use: reads the persisted file, measures nothing)."""
+    store = engine.__dict__.get("_cost_store")
+    if store is None:
+        key = path = None
+        if enabled():
+            try:
+                key = cost_key(engine.loaded)
+            except Exception as e:  # noqa: BLE001  (no key: learn in memory only)
+                log.warning("edgespec: no calibration key for this model (%s); costs are learnt in memory only", e)
+                key = None
+            path = key_path(key) if key is not None else None
+        store = engine.__dict__["_cost_store"] = CostStore(key, path)
+        if path is not None:
+            _STORES.add(store)
+    return store
+
+
+def measure(engine, reps: int = 1) -> CostStore:
+    """The explicit measurement (benchmarks, or to fill the curve at once): times tree passes
+    over every size of the grid (`calibrate_tree`) and records them as measurements."""
+    from edgespec.tree.controller import calibrate_tree
+
+    store = cost_store(engine)
+    tree = calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
+    for T, v in zip(tree.sizes, tree.verify_s, strict=True):
+        store.costs.seen.pop(T, None)
+        store.costs.observe(T, v)
+    store.publish(engine)
+    return store
