@@ -28,7 +28,9 @@ Written folders and files get the user's normal permissions: 0777 / 0666 less th
 
 A writer killed outright (SIGKILL) leaves its temp beside the destination
 (`.<name>.tmp-...`, holding its pid); the next write of that destination removes the temps
-whose writer is gone, never another's, never a live one's.
+whose writer is gone, never another's, never a live one's. (Killed in the instant between
+renaming the old destination aside and the new one into place, it leaves the old one in
+`.<name>.old-...`: kept, never removed automatically.)
 
 Runtime module (the history store uses it): it must not import edgespec.converters.
 """
@@ -38,7 +40,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pwd
 import shutil
 import stat
 import tempfile
@@ -83,12 +84,18 @@ def write_error(err: int | None, message: str) -> WriteError:
 # ---------------------------------------------------------------- what may be replaced
 
 
+def _account_home() -> str:
+    import pwd  # POSIX only
+
+    return pwd.getpwuid(os.getuid()).pw_dir
+
+
 def _homes() -> list[Path]:
     homes = []
-    for get in (Path.home, lambda: os.environ["HOME"], lambda: pwd.getpwuid(os.getuid()).pw_dir):
+    for get in (Path.home, lambda: os.environ["HOME"], _account_home):
         try:
             h = Path(get()).expanduser()
-        except (KeyError, RuntimeError, OSError):
+        except (KeyError, RuntimeError, OSError, ImportError, AttributeError):
             continue
         if str(h):
             homes.append(h.resolve())

@@ -213,6 +213,29 @@ def test_a_foreign_file_added_while_converting_is_noticed_at_the_swap(src, tmp_p
     assert _temps(tmp_path) == []
 
 
+@pytest.mark.parametrize("when", ["writing", "swapping"])
+def test_ctrl_c_keeps_the_old_bundle_and_leaves_no_temp(src, tmp_path, monkeypatch, when):
+    import edgespec.safe_write as sw
+
+    out = write_tiny_bundle(tmp_path / "b", seed=9)
+    before = _snapshot(out)
+    if when == "writing":
+        monkeypatch.setattr(conv, "finish_manifest", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    else:  # after the old bundle was renamed aside, before the new one is renamed into place
+        real = os.replace
+
+        def interrupted(a, b, *args, **kw):
+            if Path(b) == out and ".tmp-" in str(a):
+                raise KeyboardInterrupt
+            return real(a, b, *args, **kw)
+
+        monkeypatch.setattr(sw.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out, force=True, **CONVERT_OPTS)
+    monkeypatch.undo()
+    assert _snapshot(out) == before and _temps(tmp_path) == []
+
+
 def test_force_help_says_what_it_replaces(capsys):
     with pytest.raises(SystemExit):
         main(["convert", "--help"])
