@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from edgespec.errors import ModelLoadError
+from edgespec.errors import ContextLengthError, ModelLoadError
 
-# Texts longer than this are encoded without holding the GIL (see Tokenizer.encode).
+# Texts longer than this are encoded without holding the GIL (see Tokenizer._encode_text).
 LONG_TEXT_CHARS = 16_384
+
+# How much a normalizer can shrink text: at most this many input bytes per byte it
+# outputs. Largest ratios over every code point (unicodedata, Unicode 14), plus a margin
+# for later Unicode versions: NFD 3.0 (U+1FEF GREEK VARIA -> "`"), NFC 3.5 (U+1FBE U+0308
+# U+0301 -> "\u0390", 7 bytes -> 2), NFKC/NFKD 4.0 (U+1D400 MATHEMATICAL BOLD A -> "A"),
+# Lowercase 3.0 (U+212A KELVIN SIGN -> "k"). Prepend only adds text.
+_SHRINK = {"NFD": 4.0, "NFC": 4.5, "NFKD": 5.0, "NFKC": 5.0, "Lowercase": 4.0, "Prepend": 1.0, "ByteLevel": 1.0}
+# Pre-tokenizers that split text without dropping any of it (Split and Punctuation unless
+# their behaviour is "Removed"); Whitespace, WhitespaceSplit, BertPreTokenizer and
+# CharDelimiterSplit drop what they split on.
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation", "FixedLength"}
+_BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]  # SentencePiece's byte-fallback pieces
 
 
 def _token_str(tok: Any) -> str | None:
@@ -43,6 +56,117 @@ def valid_text(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
+def _utf8_len(s: str) -> int:
+    # Lone surrogates count 3 bytes, as the U+FFFD that valid_text puts in their place.
+    return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
+
+
+def _normalizer_shrink(spec: dict | None) -> float | None:
+    """Input bytes per output byte of a normalizer, at most; None when it can drop text."""
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for step in spec.get("normalizers") or []:
+            f = _normalizer_shrink(step)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":  # a plain string replaced everywhere by a non-empty one
+        pattern, content = (spec.get("pattern") or {}).get("String"), spec.get("content") or ""
+        if pattern is None or not content:
+            return None  # a regex (may match runs of any length) or a deletion
+        return max(1.0, _utf8_len(pattern) / _utf8_len(content))
+    return _SHRINK.get(kind)  # Strip, StripAccents, BertNormalizer, NMT, Precompiled: None
+
+
+def _pre_tokenizer_keeps_text(spec: dict | None) -> tuple[bool, bool]:
+    """(drops no text, maps text to bytes (ByteLevel))."""
+    if spec is None:
+        return True, False
+    kind = spec.get("type")
+    if kind == "Sequence":
+        parts = [_pre_tokenizer_keeps_text(p) for p in spec.get("pretokenizers") or []]
+        return all(k for k, _ in parts), any(b for _, b in parts)
+    if kind not in _KEEPS_TEXT or str(spec.get("behavior", "")).lower() == "removed":
+        return False, False
+    return True, kind == "ByteLevel"
+
+
+def max_token_bytes(backend) -> int | None:
+    """The most bytes of UTF-8 input text that one token of `backend` (a `tokenizers`
+    Tokenizer) can stand for, or None when no such bound holds.
+
+    A text of B bytes then encodes to at least ceil(B / L) tokens, so a prompt past
+    (context - 1) * L bytes cannot fit the context and is refused without tokenizing it.
+    Byte-level BPE: a token's characters are bytes (GPT-2's byte alphabet, "Ġ" = one
+    space byte). SentencePiece-style BPE or Unigram: a piece's UTF-8 length ("<0xNN>"
+    byte-fallback pieces: one byte). Added tokens count their content. A normalizer
+    that composes or folds characters multiplies the bound by how much it can shrink
+    text (_SHRINK). No bound where one token can cover input of any length: word-level
+    or WordPiece models (a whole unknown word is one token), an unknown-token fallback
+    that fuses runs of unknown characters, pre-tokenizers or normalizers that drop
+    text (whitespace splitting, stripping, regex replacements), added tokens that
+    swallow neighbouring whitespace (lstrip/rstrip), truncation.
+    """
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # an object that cannot describe itself: no bound
+        return None
+    if spec.get("truncation"):
+        return None
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    keeps, byte_pre = _pre_tokenizer_keeps_text(spec.get("pre_tokenizer"))
+    if shrink is None or not keeps:
+        return None
+    model = spec.get("model") or {}
+    kind = model.get("type")
+    if kind == "BPE":
+        pieces = list(model.get("vocab") or {})
+    elif kind == "Unigram":
+        pieces = [p[0] for p in model.get("vocab") or []]
+    else:  # WordLevel, WordPiece
+        return None
+    vocab = set(pieces)
+    longest = 0
+    byte_level = byte_pre or (spec.get("normalizer") or {}).get("type") == "ByteLevel"
+    if byte_level:
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        alphabet = set(ByteLevel.alphabet())
+        if not alphabet <= vocab and not (kind == "BPE" and model.get("unk_token") and not model.get("fuse_unk")):
+            return None  # a byte with no token of its own is dropped (or fused into one unknown)
+        for p in pieces:
+            longest = max(longest, sum(1 if ch in alphabet else _utf8_len(ch) for ch in p))
+    else:
+        if model.get("byte_fallback") and vocab.issuperset(_BYTE_TOKENS):
+            pass  # an unknown character becomes one token per byte
+        elif kind == "BPE" and model.get("unk_token") and not model.get("fuse_unk"):
+            longest = 4  # one unknown token per character, 4 bytes at most
+        else:
+            return None  # unknown characters dropped, or a run of them fused into one token
+        for p in pieces:
+            longest = max(longest, 1 if p in _BYTE_TOKENS else _utf8_len(p))
+    bound = longest * shrink
+    for t in spec.get("added_tokens") or []:
+        if t.get("lstrip") or t.get("rstrip"):
+            return None
+        bound = max(bound, _utf8_len(t.get("content") or "") * (shrink if t.get("normalized") else 1.0))
+    return max(1, math.ceil(bound))
+
+
+def context_length_error(tokens: int, context_length: int, at_least: bool = False) -> ContextLengthError:
+    return ContextLengthError(
+        f"the prompt has {'at least ' if at_least else ''}{tokens} tokens; the context window is "
+        f"{context_length} (prompt plus reply must fit): shorten the prompt or the conversation"
+    )
+
+
+_UNSET = object()
+
+
 class Tokenizer:
     def __init__(self, backend, config: dict[str, Any]):
         self._tok = backend
@@ -61,6 +185,7 @@ class Tokenizer:
             eos_ids.add(int(extra))
         self.eos_token_ids = eos_ids
         self._template = None
+        self._max_token_bytes: Any = _UNSET
 
     # --- loading -----------------------------------------------------------------
     @classmethod
@@ -99,20 +224,54 @@ class Tokenizer:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     # --- encode / decode ----------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        text = valid_text(text)
+    @property
+    def max_token_bytes(self) -> int | None:
+        """Most input bytes one token stands for (None: no bound); see max_token_bytes()."""
+        if self._max_token_bytes is _UNSET:
+            self._max_token_bytes = max_token_bytes(self._tok)
+        return self._max_token_bytes
+
+    def check_length(self, text: str, context_length: int) -> None:
+        """Raise ContextLengthError when `text` cannot encode to fewer than `context_length`
+        tokens, judged by its length alone: B bytes are at least ceil(B / max_token_bytes)
+        tokens. Costs nothing for texts far from the bound either way (no tokenizing, and
+        the bytes are counted only for texts within 4x of it), so it may run on an event loop.
+        """
+        most = self.max_token_bytes
+        if most is None or not isinstance(text, str):
+            return
+        fits = (context_length - 1) * most  # the most bytes context_length - 1 tokens can hold
+        n = len(text)
+        if 4 * n <= fits:  # 4 bytes a character at most
+            return
+        size = n if n > fits else _utf8_len(text)  # a character is 1 byte at least
+        if size > fits:
+            raise context_length_error(math.ceil(size / most), context_length, at_least=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True, context_length: int | None = None) -> list[int]:
+        """Token ids of `text`. With `context_length`, a text that cannot fit it (fewer
+        tokens than context_length) raises ContextLengthError, before it is tokenized
+        when its length alone says so (check_length), else before its ids are listed."""
+        if context_length is not None:
+            self.check_length(text, context_length)
+        ids = self._encode_text(valid_text(text), context_length)
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id] + ids
+        return ids
+
+    def _encode_text(self, text: str, context_length: int | None) -> list[int]:
         if len(text) > LONG_TEXT_CHARS:
             # `tokenizers` holds the GIL for the whole of `encode` (and for freeing its
             # offsets) but releases it in `encode_batch_fast`, which skips the offsets:
             # a 4 MB prompt encoded the first way froze every other thread (the
             # server's event loop answered /health after 2.2 s).
-            ids = self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
+            enc = self._tok.encode_batch_fast([text], add_special_tokens=False)[0]
         else:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id] + ids
-        return ids
+            enc = self._tok.encode(text, add_special_tokens=False)
+        if context_length is not None and len(enc) >= context_length:
+            raise context_length_error(len(enc), context_length)  # without listing the ids
+        return enc.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -143,12 +302,16 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], context_length: int | None = None) -> list[int]:
+        """Token ids of the conversation rendered by the chat template; `context_length` as
+        for encode (the length bound applies to the rendered text)."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
         text = self.apply_chat_template(messages)
-        ids = self._tok.encode(valid_text(text), add_special_tokens=False).ids
+        if context_length is not None:
+            self.check_length(text, context_length)
+        ids = self._encode_text(valid_text(text), context_length)
         if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             if not (self.bos_token and text.startswith(self.bos_token)):
                 ids = [self.bos_token_id] + ids

@@ -113,6 +113,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
     app = FastAPI(title="edgespec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # chunked bodies too
     app.state.engine, app.state.scheduler, app.state.settings = engine, scheduler, settings
+    engine.tokenizer.max_token_bytes  # noqa: B018 -- computed once now, not by the first request
     install_error_handlers(app)
     created = int(time.time())
     model_ids = (settings.model_id, "default")
@@ -156,9 +157,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        job = await _submit(body, messages=messages)
+        job = await _submit(body, messages=body.messages)
         return await _respond(request, body, job, chat=True)
 
     @app.post("/v1/completions")
@@ -169,14 +168,19 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
     async def _submit(body, prompt=None, messages=None) -> Job:
         _check_model(body.model, model_ids)
         options = _options(body, settings.defaults, settings.max_tokens_limit)
+        param = "messages" if messages is not None else "prompt"
         try:
-            # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
-            ids = await run_in_threadpool(engine.encode_prompt, prompt, messages)
+            if isinstance(prompt, str):
+                # A text too long for the context by its size alone is refused at once,
+                # without tokenizing it (O(1) far from the bound: fine on the event loop).
+                engine.tokenizer.check_length(prompt, engine.context_length)
+            # Everything proportional to the input runs off the event loop: the messages'
+            # text, the chat template, tokenizing (which releases the GIL on long texts).
+            ids = await run_in_threadpool(_encode_prompt, engine, prompt, messages)
         except ContextLengthError as e:
-            raise APIError(400, str(e), "messages" if messages is not None else "prompt",
-                           "context_length_exceeded") from None
+            raise APIError(400, str(e), param, "context_length_exceeded") from None
         except ValueError as e:
-            raise APIError(400, str(e), "messages" if messages is not None else "prompt", "invalid_prompt") from None
+            raise APIError(400, str(e), param, "invalid_prompt") from None
         job = Job(ids, options, asyncio.get_running_loop())
         try:
             scheduler.submit(job)
@@ -212,6 +216,13 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
 
 # ---------------------------------------------------------------------- helpers
+def _encode_prompt(engine, prompt, messages) -> list[int]:
+    """The prompt's token ids (runs in a worker thread)."""
+    if messages is not None:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return engine.encode_prompt(prompt, messages)
+
+
 def _check_model(model: str, model_ids) -> None:
     if model not in model_ids:
         raise APIError(404, f"model {model!r} is not served here; use one of: {', '.join(model_ids)}",

@@ -8,12 +8,39 @@ edgespec extensions; with the openai client pass them in `extra_body`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4  # as OpenAI
 MAX_STOP_CHARS = 256
+# Seeds the engine takes: edgespec.sampling.SamplingParams checks 0 <= seed < 2**63.
+SEED_LIMIT = 2**63
+# As OpenAI's limit on `messages`; content parts are counted over all messages. Both are
+# checked before the items are (validating a 4 MiB body of tiny messages item by item
+# took 0.7 s on the event loop).
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 2048
+TEXT_PART = '{"type": "text", "text": "..."}'
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return f"a number ({v!r})"
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, list):
+        return "an array"
+    return "a string" if isinstance(v, str) else type(v).__name__
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message)
 
 
 class _Strict(BaseModel):
@@ -29,6 +56,27 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, v):
+        # One clear message instead of the union's "Input should be a valid string" for
+        # null, numbers, objects and parts that are not text.
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise _invalid(f"must be a string or a list of text parts ({TEXT_PART}), got {_json_type(v)}")
+        if not v:
+            raise _invalid(f"is an empty list: give a string or at least one text part ({TEXT_PART})")
+        for i, part in enumerate(v):
+            if not isinstance(part, dict):
+                raise _invalid(f"part {i} must be an object {TEXT_PART}, got {_json_type(part)}")
+            kind = part.get("type")
+            if kind != "text":
+                raise _invalid(f"part {i} has type {kind!r}: only text parts ({TEXT_PART}) are supported")
+            if not isinstance(part.get("text"), str):
+                raise _invalid(f"part {i} needs a string 'text', got {_json_type(part.get('text'))}")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -49,7 +97,7 @@ class _Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # what the sampler's RNG takes
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT, description="0 <= seed < 2**63, as the engine takes")] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -73,6 +121,13 @@ class _Sampling(_Strict):
             raise ValueError(f"mode_options may not set request fields: {', '.join(clash)}")
         return v
 
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _check_seed(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v < SEED_LIMIT:
+            raise _invalid(f"must be an integer in [0, 2**63), got {v}")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v):
@@ -91,8 +146,19 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _count_messages(cls, v):
+        if isinstance(v, list):
+            if len(v) > MAX_MESSAGES:
+                raise _invalid(f"at most {MAX_MESSAGES} messages are allowed, got {len(v)}")
+            parts = sum(len(m["content"]) for m in v if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if parts > MAX_CONTENT_PARTS:
+                raise _invalid(f"at most {MAX_CONTENT_PARTS} content parts are allowed over all messages, got {parts}")
+        return v
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
