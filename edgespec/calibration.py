@@ -15,8 +15,12 @@ and learns from every pass run alone: plain steps give T = 1, tree and speculati
 their own T, drafting its seconds per token. Unmeasured sizes follow the measured ones
 (`Costs.verify`). What was learnt is written back (atomically: a temp file, then
 `os.replace`) after a request once enough is new, at most every SAVE_EVERY_S seconds, and
-at exit. A file that cannot be read, is not this format, or was written for another key
-is ignored with a logged warning.
+at exit. Files are treated as the history store treats its own (edgespec.safe_write's rule:
+replace only what edgespec wrote): a damaged file (not JSON, not this format, bad values) is
+ignored with a logged warning and moved aside to `<name>.corrupt` (`-1`, `-2`... never
+overwritten); one written for another key, a link or anything unreadable is ignored with a
+warning and left as it is, and this process learns in memory only; a failed write (full disk,
+no permission) is a warning; temps of killed writers are removed at the next write.
 
 The key holds what changes costs: the model (its weight files' hashes from the bundle
 manifest, else the file's name, size and modification time), its shape and dtypes, the MLX
@@ -201,6 +205,21 @@ def key_path(key: dict, home: Path | None = None) -> Path:
 
 
 # ---------------------------------------------------------------------------- the store
+def _plain(key):
+    """The key as it reads back from JSON (tuples as lists, anything else as its str)."""
+    return json.loads(json.dumps(key, default=str))
+
+
+def _aside_name(path: Path) -> Path:
+    """<name>.corrupt, or .corrupt-1, -2, ... : an earlier one is never overwritten."""
+    aside = path.with_name(path.name + ".corrupt")
+    i = 0
+    while os.path.lexists(aside):
+        i += 1
+        aside = path.with_name(f"{path.name}.corrupt-{i}")
+    return aside
+
+
 def _positive(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
@@ -225,6 +244,8 @@ class CostStore:
         self.drafts: dict[str, DraftCost] = {k: DraftCost(v) for k, v in self.loaded_drafts.items()}
         self._saved_at = 0.0
         self._saved_counts = 0
+        self._counted: dict[int, int] = {}  # this process's measurements per size already in the file
+        self._warned: set = set()  # errnos of failed writes already reported
         self._lock = threading.Lock()
         self._published = None
 
@@ -235,14 +256,19 @@ class CostStore:
 
     def _load(self) -> None:
         p = self.path
-        if not p.is_file():
+        if not os.path.lexists(p):
             return
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("format") != FORMAT:
-                raise ValueError(f"not a format-{FORMAT} calibration file")
-            if data.get("key") != json.loads(json.dumps(self.key, default=str)):
-                raise ValueError("written for another model, device or machine")
+            if p.is_symlink() or not p.is_file():
+                raise OSError("not a regular file")
+            raw = p.read_bytes()
+        except OSError as e:
+            self._refuse(f"could not read it ({e})")
+            return
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if not isinstance(data, dict) or data.get("format") != FORMAT or "key" not in data:
+                raise ValueError(f"not a format-{FORMAT} edgespec calibration file")
             verify, counts, drafts = data.get("verify"), data.get("counts", {}), data.get("draft", {})
             if not isinstance(verify, dict) or not isinstance(counts, dict) or not isinstance(drafts, dict):
                 raise ValueError("'verify', 'counts' and 'draft' must be objects")
@@ -255,13 +281,28 @@ class CostStore:
             for k, v in drafts.items():
                 if not _positive(v):
                     raise ValueError(f"bad draft entry {k!r}: {v!r}")
-        except (OSError, ValueError, TypeError, UnicodeDecodeError) as e:
-            log.warning("edgespec: ignoring the calibration file %s (%s); costs are learnt afresh", p, e)
+            loaded_counts = {int(k): int(v) for k, v in counts.items() if isinstance(v, int)}
+        except (ValueError, TypeError) as e:
+            aside = _aside_name(p)
+            try:
+                os.replace(p, aside)
+            except OSError as err:
+                self._refuse(f"it is damaged ({e}) and could not be moved aside ({err})")
+                return
+            log.warning("edgespec: ignoring the calibration file %s (damaged: %s); kept it as %s, costs are "
+                        "learnt afresh", p, e, aside.name)
+            return
+        if data.get("key") != _plain(self.key):
+            self._refuse("it was written for another model, device or machine")
             return
         self.loaded_verify = out
-        self.loaded_counts = {int(k): int(v) for k, v in counts.items()
-                              if isinstance(v, int) and str(k).isdigit()}
+        self.loaded_counts = loaded_counts
         self.loaded_drafts = {str(k): float(v) for k, v in drafts.items()}
+
+    def _refuse(self, why: str) -> None:
+        log.warning("edgespec: ignoring the calibration file %s (%s); leaving it as it is, costs are learnt "
+                    "in memory only", self.path, why)
+        self.path = None
 
     def draft(self, drafter) -> DraftCost:
         """The learnt cost of this drafter (its entry created on first use)."""
@@ -308,7 +349,7 @@ class CostStore:
                 if not counts.get(T):
                     continue  # set here without a measurement (never happens today): keep the file's
                 verify[T] = v
-                all_counts[T] = all_counts.get(T, 0) + counts.get(T, 0)
+                all_counts[T] = all_counts.get(T, 0) + counts[T] - self._counted.get(T, 0)
             for k, d in list(self.drafts.items()):
                 if d.fresh and d.per_token is not None:
                     drafts[k] = d.per_token
@@ -316,31 +357,41 @@ class CostStore:
                     "verify": {str(T): verify[T] for T in sorted(verify)},
                     "counts": {str(T): all_counts[T] for T in sorted(all_counts)},
                     "draft": drafts}
+            from edgespec.safe_write import clean_stale_temps, temp_prefix
+
+            tmp = None
             try:
+                if os.path.lexists(self.path) and current is None:
+                    # Something else took the name since we read it: never written over.
+                    self._refuse("it is no longer an edgespec calibration file for this key")
+                    return False
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=self.path.parent)
-                try:
-                    with os.fdopen(fd, "w", encoding="utf-8") as f:
-                        json.dump(data, f, indent=1, default=str)
-                    os.replace(tmp, self.path)
-                except BaseException:
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
-                    raise
+                clean_stale_temps(self.path)  # of writers killed mid-save
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f"{temp_prefix(self.path)}{os.getpid()}-")
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(data, f, indent=1, default=str)
+                os.replace(tmp, self.path)
             except OSError as e:
-                log.warning("edgespec: could not write the calibration file %s (%s)", self.path, e)
+                if tmp is not None:
+                    Path(tmp).unlink(missing_ok=True)
+                if e.errno not in self._warned:
+                    self._warned.add(e.errno)
+                    log.warning("edgespec: could not write the calibration file %s (%s); it is as it was",
+                                self.path, e)
+                self._saved_at = time.monotonic()  # not again at once
                 return False
             self._saved_at = time.monotonic()
             self._saved_counts = total
+            self._counted = counts
             return True
 
     def _read_entries(self):
         """The file's current entries when it is ours (same key), else None."""
         try:
+            if self.path.is_symlink():
+                return None
             data = json.loads(self.path.read_text(encoding="utf-8"))
-            if data.get("format") != FORMAT or data.get("key") != json.loads(json.dumps(self.key, default=str)):
+            if data.get("format") != FORMAT or data.get("key") != _plain(self.key):
                 return None
             verify = {int(k): float(v) for k, v in data["verify"].items() if _positive(v)}
             counts = {int(k): int(v) for k, v in data.get("counts", {}).items() if isinstance(v, int)}

@@ -9,12 +9,19 @@ seconds, `hidden` being the fraction of drafting overlapped with verification.
 The controller picks K maximising E / cost, and decodes plainly when even the
 best K is not faster than 1 / t_verify(1), probing a speculative round now and
 then (with growing intervals) in case acceptance has improved.
+
+The costs come from the engine's learnt curve (edgespec.calibration, via
+`modes.speculative.engine_costs`), not from a measurement before the first token;
+`calibrate` remains for benchmarks. Costs that are still a prior (`measured`
+False: nothing timed on this machine yet) are put in this machine's seconds by the
+first step timed: its ratio to the prior becomes the round-time factor.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -25,6 +32,9 @@ from edgespec.sampling import Sampler, SamplingParams
 class CostModel:
     verify_s: list[float]  # verify_s[T-1]: seconds of one verifier pass over T new tokens
     draft_s: float  # seconds per drafted token
+    measured: bool = True  # False: a prior, in no machine's seconds yet
+    curve: Any = None  # the engine's learnt curve (estimate.Costs) that passes run alone teach
+    drafting: Any = None  # the drafter's learnt cost (calibration.DraftCost) that drafting calls teach
 
     @property
     def kmax(self) -> int:
@@ -116,6 +126,7 @@ class KController:
         self.hidden = 0.0  # EMA of the hidden drafting fraction (pipelining)
         self.spec_factor = 1.0  # EMA of measured / predicted round time
         self.plain_s = costs.verify_s[0] if costs else 0.0  # EMA of measured plain step time
+        self.scaled = costs is None or costs.measured  # False until a prior is put in seconds
         self.probe_interval = probe_start
         self.probe_max = probe_max
         self.plain_run = 0  # plain steps since the last speculative round
@@ -150,6 +161,15 @@ class KController:
             return k  # probe
         return 0
 
+    def set_costs(self, costs: CostModel) -> None:
+        """Newer costs for the next request: taken when the current ones are still a prior."""
+        if self.costs is not None and not self.costs.measured and costs.measured:
+            self.costs = costs
+            self.spec_factor = 1.0
+            if not self.scaled:
+                self.plain_s = costs.verify_s[0]
+            self.scaled = True
+
     def record_round(self, k: int, n: int, seconds: float, hidden_frac: float | None = None) -> None:
         d = self.decay
         self.succ = d * self.succ + n
@@ -159,9 +179,19 @@ class KController:
             self.hidden = 0.7 * self.hidden + 0.3 * hidden_frac
         if self.costs is not None and seconds > 0:
             predicted = self.round_cost(k) / self.spec_factor
-            self.spec_factor = 0.8 * self.spec_factor + 0.2 * (seconds / predicted)
+            if not self.scaled:  # a prior: the first round timed sets the scale
+                self.spec_factor = seconds / predicted
+                self.plain_s *= self.spec_factor
+                self.scaled = True
+            else:
+                self.spec_factor = 0.8 * self.spec_factor + 0.2 * (seconds / predicted)
 
     def record_plain(self, seconds: float) -> None:
         self.plain_run += 1
         if seconds > 0:
-            self.plain_s = 0.8 * self.plain_s + 0.2 * seconds
+            if not self.scaled and self.costs is not None:  # a prior: the first step timed sets the scale
+                self.spec_factor = seconds / self.costs.verify_s[0]
+                self.plain_s = seconds
+                self.scaled = True
+            else:
+                self.plain_s = 0.8 * self.plain_s + 0.2 * seconds

@@ -125,6 +125,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("EDGESPEC_HOME", str(REPO / ".cache" / "edgespec"))
+# Learnt pass costs are not read from or written to the cache folder (edgespec.calibration): every
+# test process starts from the same prior; tests/test_first_use.py turns it on in a temp home.
+os.environ.setdefault("EDGESPEC_CALIBRATION", "off")
 
 
 def write_tiny_hf_folder(folder: Path, seed: int = 0, **overrides) -> Path:

@@ -161,6 +161,11 @@ class Costs:
         self.counts[T] = self.counts.get(T, 0) + 1
         self._table = None
 
+    def in_seconds(self) -> bool:
+        """Whether the curve is this machine's seconds (a size measured here or persisted),
+        not only a prior."""
+        return bool(self.seen) or bool(self.anchored)
+
     def measured(self, T: int | None = None) -> bool:
         """Whether size T (None: any size) has been measured here."""
         return bool(self.seen) if T is None else T in self.seen

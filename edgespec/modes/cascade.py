@@ -99,9 +99,16 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_cascade(engine, options):
-    from edgespec.modes.speculative import SpeculativeMode, engine_costs, engine_memory
+    from edgespec.modes.speculative import (
+        SpeculativeMode,
+        after_request,
+        engine_costs,
+        engine_memory,
+    )
 
     drafter = cascade_drafter(engine, options.mode_options)
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    return SpeculativeMode(engine.model, drafter, options, stats_name="cascade", costs=costs,
+    mode = SpeculativeMode(engine.model, drafter, options, stats_name="cascade", costs=costs,
                            memory=engine_memory(engine, drafter, "cascade"))
+    mode.after_request = after_request(engine)
+    return mode

@@ -20,15 +20,22 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_prompt_lookup(engine, options):
-    from edgespec.modes.speculative import SpeculativeMode, engine_costs, engine_memory
+    from edgespec.modes.speculative import (
+        SpeculativeMode,
+        after_request,
+        engine_costs,
+        engine_memory,
+    )
 
     opts = options.mode_options
     nmax = opts.get("ngram_max", 3)
     nmin = opts.get("ngram_min", 1)
-    # One drafter per engine and settings, so the controller's cost calibration
-    # (keyed by drafter) is measured once, not per request.
+    # One drafter per engine and settings, so the controller (kept per drafter) carries
+    # what it learnt from request to request.
     cache = engine.__dict__.setdefault(_ATTR, {})
     drafter = cache.setdefault((nmax, nmin), PromptLookupDrafter(nmax, nmin))
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    return SpeculativeMode(engine.model, drafter, options, stats_name="prompt_lookup", costs=costs,
+    mode = SpeculativeMode(engine.model, drafter, options, stats_name="prompt_lookup", costs=costs,
                            memory=engine_memory(engine, drafter, "prompt_lookup"))
+    mode.after_request = after_request(engine)
+    return mode

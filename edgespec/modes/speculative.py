@@ -26,10 +26,10 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from edgespec.controller import CostModel, KController, calibrate
+from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft
 from edgespec.errors import DrafterRequiredError
-from edgespec.generate import Token, prefill
+from edgespec.generate import Token, prefill, runs_alone
 from edgespec.modes import register_mode
 from edgespec.modes.schema import PIPELINE
 from edgespec.rejection import rejection_sample
@@ -109,7 +109,8 @@ class SpeculativeMode:
                  memory: dict | None = None):
         """options: GenerateOptions (draft_tokens 'auto'|K, mode_options['pipeline']).
 
-        costs: a CostModel for the controller (measured on first need when None).
+        costs: a CostModel for the controller (None: a prior, learnt as it runs; `engine_costs`
+        gives the engine's learnt curve, which the passes and drafts run alone then teach).
         memory: kept by the engine across requests: holds the K controller, so acceptance
         and the plain fallback learnt on earlier replies carry over to the next one.
         """
@@ -136,9 +137,21 @@ class SpeculativeMode:
         self._fpend: list[mx.array] = []  # verifier features not yet handed to a feature drafter
         self.pipeline = bool(pipeline)
         self.costs = costs
+        self.after_request = None  # called when a request's rounds end (the engine saves learnt costs)
         self.prior_alpha = prior_alpha if prior_alpha is not None else getattr(drafter, "expected_acceptance", 0.5)
 
     # ------------------------------------------------------------------ helpers
+    def _learn_verify(self, T: int, seconds: float) -> None:
+        """A verifier pass over T tokens, run alone, teaches the engine's learnt curve."""
+        curve = getattr(self.costs, "curve", None)
+        if curve is not None and runs_alone(self.model):
+            curve.observe(T, seconds)
+
+    def _learn_draft(self, tokens: int, seconds: float) -> None:
+        drafting = getattr(self.costs, "drafting", None)
+        if drafting is not None and runs_alone(self.model):
+            drafting.observe(tokens, seconds)
+
     def _samplers(self, sampler: Sampler, base: int, r: int) -> tuple[Sampler, Sampler]:
         """(drafter, verifier) samplers of round r; greedy needs no randomness."""
         if sampler.params.greedy:
@@ -193,9 +206,10 @@ class SpeculativeMode:
             stats.notes.append(self._note)
         stats.notes.extend(getattr(self, "extra_notes", []))
         if self.fixed_k is None and self.costs is None:
-            self.costs = calibrate(self.model, self.drafter, KMAX)
+            self.costs = prior_costs()
         if self.fixed_k is None:
             ctl = self.memory.setdefault("ctl", KController(self.costs, None, prior_alpha=self.prior_alpha))
+            ctl.set_costs(self.costs)
         else:
             ctl = KController(self.costs, self.fixed_k, prior_alpha=self.prior_alpha)
         base = 0 if sampler.params.greedy else int.from_bytes(bytes(memoryview(sampler.next_key())), "little")
@@ -204,6 +218,8 @@ class SpeculativeMode:
             yield from self._loop(prompt, sampler, stats, ctl, base, worker)
         finally:
             worker.close()
+            if self.after_request is not None:
+                self.after_request()
 
     def _plain_steps(self, cache, last: int, sampler, base: int, r: int, ctl, stats, next_k: list):
         """Plain decoding while the controller says K=0; yields (token, logprob).
@@ -236,6 +252,7 @@ class SpeculativeMode:
             stats.verify_s += dt
             stats.verifier_passes += 1
             ctl.record_plain(dt)
+            self._learn_verify(1, dt)
             r += 1
             k = ctl.choose()
             more = k == 0
@@ -295,6 +312,7 @@ class SpeculativeMode:
                 told = len(seq)
                 (draft, guess), dt = worker.call(self._draft, k_req, ds, pipelined)
                 stats.draft_s += dt
+                self._learn_draft(k_req + (1 if pipelined else 0), dt)
             if draft is None or not draft.tokens:
                 # Plain verifier steps: speculation does not pay now (or nothing was drafted).
                 if ctl.in_fallback and not any(n.startswith("controller:") for n in stats.notes):
@@ -328,6 +346,7 @@ class SpeculativeMode:
             else:
                 lps = p[mx.arange(n + 1), mx.array(out)].tolist()
             stats.verify_s += time.perf_counter() - tv
+            self._learn_verify(k + 1, time.perf_counter() - tv)
             stats.verifier_passes += 1
             stats.record_draft(k, n)
             stats.draft_tokens = k
@@ -352,21 +371,46 @@ def default_pipeline(drafter) -> bool:
     return getattr(drafter, "device", "cpu") not in ("cpu", "none", mx.default_device().type.name)
 
 
-_COSTS_ATTR = "_speculative_costs"
-
-
 def engine_memory(engine, drafter, name: str) -> dict:
     """The per-engine dict a speculative mode keeps its controller in, per drafter and mode."""
     return engine.__dict__.setdefault("_speculative_memory", {}).setdefault((id(drafter), name), {})
 
 
+def prior_costs(curve=None, drafting=None) -> CostModel:
+    """Costs from a learnt curve (estimate.Costs) and drafting cost (calibration.DraftCost),
+    fresh priors when not given: nothing is measured here."""
+    from edgespec.adaptive.estimate import Costs
+    from edgespec.calibration import SIZES, DraftCost, prior_curve
+
+    curve = curve if curve is not None else Costs(list(SIZES), prior_curve(SIZES))
+    drafting = drafting if drafting is not None else DraftCost()
+    verify = [curve.verify(T) for T in range(1, KMAX + 2)]
+    return CostModel(verify, drafting.value(verify[0]), measured=curve.in_seconds(),
+                     curve=curve, drafting=drafting)
+
+
+def after_request(engine):
+    """What a mode calls when a request's rounds end: the engine's learnt costs are
+    published for the batcher and written when enough is new (edgespec.calibration)."""
+    from edgespec.calibration import cost_store
+
+    def done():
+        store = cost_store(engine)
+        store.publish(engine)
+        store.maybe_save()
+
+    return done
+
+
 def engine_costs(engine, drafter) -> CostModel:
-    """Calibrated costs for this engine/drafter pair, measured once and kept on the engine."""
-    cache = engine.__dict__.setdefault(_COSTS_ATTR, {})
-    key = (id(drafter), getattr(drafter, "name", ""))
-    if key not in cache:
-        cache[key] = calibrate(engine.model, drafter, KMAX)
-    return cache[key]
+    """Costs for this engine/drafter pair from what the engine has learnt so far (its cost
+    store, edgespec.calibration: persisted by an earlier process, else a prior that the
+    first steps put in seconds); nothing is measured before the first token. Each
+    request takes the latest, and its passes and drafts run alone teach the store."""
+    from edgespec.calibration import cost_store
+
+    store = cost_store(engine)
+    return prior_costs(store.costs, store.draft(drafter))
 
 
 @register_mode(
@@ -382,6 +426,7 @@ def make_speculative(engine, options):
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
     mode = SpeculativeMode(engine.model, drafter, options, costs=costs,
                            memory=engine_memory(engine, drafter, "speculative"))
+    mode.after_request = after_request(engine)
     # Notes from attaching the drafter (e.g. Core ML unavailable -> MLX copy); apps show each once.
     mode.extra_notes = list(getattr(engine, "drafter_notes", []))
     return mode

@@ -15,7 +15,9 @@ why this scheme: docs/tree.md). The accepted path's KV entries are packed into
 place (`commit_kv` kernel) in the verifier's cache and the drafter's, the
 rest dropped. A StepController runs the fastest of: full trees, trees from the
 weight-free sources only, plain steps; a TreeBudget sizes dynamic trees from
-the measured verify cost.
+the verify-cost curve the engine learns from real passes (edgespec.calibration:
+persisted by an earlier process or a prior; each pass run alone teaches it; nothing
+is measured before the first token).
 """
 
 from __future__ import annotations
@@ -27,17 +29,17 @@ import mlx.core as mx
 
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import DrafterRequiredError
-from edgespec.generate import GenerationStats, Token, prefill
+from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
 from edgespec.modes import register_mode
 from edgespec.modes.schema import PIPELINE, Option
 from edgespec.sampling import Sampler
 from edgespec.tree.candidates import SourceTree
-from edgespec.tree.controller import TreeBudget, calibrate_tree
+from edgespec.tree.controller import TreeBudget
 from edgespec.tree.drafting import TreeDrafter, TreePlan
 
 SOURCES = ("drafter", "prompt_lookup", "pool")
-MAX_TREE = 64  # tree tokens per pass at most (verify cost is calibrated up to this)
+MAX_TREE = 64  # tree tokens per pass at most (the verify-cost curve reaches this far)
 
 # Option name -> (help, default, validator). The CLI's --mode-option help lists these.
 OPTION_HELP = {
@@ -182,7 +184,12 @@ class TreeMode:
         self.name = name
         fixed = budget if self.plan.shape == "dynamic" else None
         if self.plan.shape == "dynamic" and fixed is None and costs is None:
-            costs = calibrate_tree(model, MAX_TREE)
+            from edgespec.adaptive.estimate import Costs
+            from edgespec.calibration import SIZES, prior_curve
+
+            costs = Costs(list(SIZES), prior_curve(SIZES))  # a prior, learnt from this mode's passes
+        self.costs = costs
+        self.after_request = None  # called when a request's rounds end (the engine saves learnt costs)
         self.budget = TreeBudget(
             costs, fixed=fixed or (None if costs else MAX_TREE), max_tokens=MAX_TREE
         )
@@ -193,6 +200,13 @@ class TreeMode:
         return tuple(kinds)
 
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
+        try:
+            yield from self._steps(prompt, sampler, stats)
+        finally:
+            if self.after_request is not None:
+                self.after_request()
+
+    def _steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
         model, plan = self.model, self.plan
         cache = model.make_cache()
         t0 = time.perf_counter()
@@ -241,6 +255,8 @@ class TreeMode:
             want_pred = bool(kind == "full" and self.W)
             path, nxt, lps, pred_l = verify_step(model, cache, tree, sampler, want_pred)
             stats.verify_s += time.perf_counter() - tv
+            if hasattr(self.costs, "observe") and not want_pred and runs_alone(model):
+                self.costs.observe(T, time.perf_counter() - tv)  # the learnt curve (TreeCosts: fixed)
             if td is not None and kind == "full":
                 td.commit(path, tree)
                 if plan.shape == "dynamic":
@@ -270,14 +286,12 @@ class TreeMode:
             yield Token(nxt, lps[-1], "verifier")
 
 
-_COSTS_ATTR = "_tree_costs"
-
-
 def engine_tree_costs(engine):
-    """Verify costs of tree passes for this engine's verifier, measured once per engine."""
-    if _COSTS_ATTR not in engine.__dict__:
-        engine.__dict__[_COSTS_ATTR] = calibrate_tree(engine.model, MAX_TREE)
-    return engine.__dict__[_COSTS_ATTR]
+    """The verify-cost curve this engine has learnt (edgespec.calibration), shared with `auto`:
+    measured by real passes, never before the first token."""
+    from edgespec.calibration import cost_store
+
+    return cost_store(engine).costs
 
 
 def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
@@ -297,7 +311,11 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     costs = (
         engine_tree_costs(engine) if o["plan"].shape == "dynamic" and o["budget"] is None else None
     )
-    return TreeMode(engine.model, drafter, costs=costs, name=name, **o)
+    from edgespec.modes.speculative import after_request
+
+    mode = TreeMode(engine.model, drafter, costs=costs, name=name, **o)
+    mode.after_request = after_request(engine)
+    return mode
 
 
 @register_mode(
