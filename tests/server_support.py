@@ -20,13 +20,15 @@ from mlx.utils import tree_flatten
 TINY_SEED, TINY_SCALE = 2, 4.0
 
 
-def write_tiny_bundle(out: Path) -> Path:
-    """A random 2-layer Llama + character tokenizer as an edgespec bundle on disk."""
-    model = make_tiny_model(TINY_SEED, TINY_SCALE)
-    config = {k: v for k, v in vars(tiny_args()).items() if isinstance(v, (int, float, str, bool))}
+def write_tiny_bundle(out: Path, tokenizer=None, **overrides) -> Path:
+    """A random 2-layer Llama + character tokenizer as an edgespec bundle on disk.
+    `tokenizer`: another edgespec Tokenizer; `overrides`: model config fields
+    (e.g. max_position_embeddings, vocab_size to cover the tokenizer's)."""
+    model = make_tiny_model(TINY_SEED, TINY_SCALE, **overrides)
+    config = {k: v for k, v in vars(tiny_args(**overrides)).items() if isinstance(v, (int, float, str, bool))}
     with atomic_folder(out) as tmp:
         entry = write_model_files(tmp, config, dict(tree_flatten(model.parameters())), None)
-        make_tiny_tokenizer(model.args.vocab_size).save(tmp)
+        (tokenizer or make_tiny_tokenizer(model.args.vocab_size)).save(tmp)
         finish_manifest(tmp, {"source": {"format": "test", "name": "tiny"}, "model": entry})
     return out
 
