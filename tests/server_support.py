@@ -20,6 +20,19 @@ from mlx.utils import tree_flatten
 TINY_SEED, TINY_SCALE = 2, 4.0
 
 
+def tiny_bpe_tokenizer():
+    """A byte-level BPE tokenizer of 400 tokens (longest: 32 dashes, 32 bytes): a tokenizer
+    with a byte bound (Tokenizer.max_token_bytes), unlike the character one."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from edgespec.tokenizer import Tokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["hello world " * 50, "café naïve ünïcödé " * 10, "-" * 32],
+                            vocab_size=400, min_frequency=1, show_progress=False)
+    return Tokenizer(bpe._tokenizer, {"eos_token": "</s>"})
+
+
 def write_tiny_bundle(out: Path, tokenizer=None, **overrides) -> Path:
     """A random 2-layer Llama + character tokenizer as an edgespec bundle on disk.
     `tokenizer`: another edgespec Tokenizer; `overrides`: model config fields

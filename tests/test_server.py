@@ -212,6 +212,20 @@ BAD = [
     ("min-p-one", COMP, {**OK_COMP, "min_p": 1.0}, 400, "min_p"),
     ("negative-seed", COMP, {**OK_COMP, "seed": -1}, 400, "seed"),
     ("huge-seed", COMP, {**OK_COMP, "seed": 2**70}, 400, "seed"),
+    ("seed-2-to-the-63", COMP, {**OK_COMP, "seed": 2**63}, 400, "seed"),  # the engine takes [0, 2**63)
+    ("content-null", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    ("content-number", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("content-no-parts", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": []}]}, 400, "messages.0.content"),
+    ("content-image-part", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+    ("content-part-number", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [5]}]}, 400,
+     "messages.0.content"),
+    ("content-part-text-null", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": None}]}]}, 400, "messages.0.content"),
+    ("too-many-messages", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "x"}] * 2049}, 400,
+     "messages"),
+    ("too-many-parts", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}] * 1025}] * 2}, 400, "messages"),
     ("n-two", CHAT, {**OK_CHAT, "n": 2}, 400, "n"),
     ("penalty", CHAT, {**OK_CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("too-many-stops", CHAT, {**OK_CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -233,6 +247,52 @@ def test_bad_input_is_a_4xx_with_openai_error(server, case):
     assert err["param"] == param
     # The server keeps serving.
     assert post(server, COMP, OK_COMP).json()["usage"]["completion_tokens"] == 2
+
+
+CONTENT_MESSAGES = [
+    (None, 'must be a string or a list of text parts ({"type": "text", "text": "..."}), got null'),
+    (5, "must be a string or a list of text parts"),
+    ([], "is an empty list"),
+    ([{"type": "image_url", "image_url": {"url": "x"}}], "part 0 has type 'image_url': only text parts"),
+    (["hi"], 'part 0 must be an object {"type": "text", "text": "..."}, got a string'),
+    ([{"type": "text"}], "part 0 needs a string 'text', got null"),
+]
+
+
+@pytest.mark.parametrize("content,message", CONTENT_MESSAGES, ids=[repr(c[0])[:20] for c in CONTENT_MESSAGES])
+def test_message_content_that_is_not_text_is_a_clear_400(server, content, message):
+    """The engine's chat template raised TypeError on content null or 5; the server says what is wrong."""
+    r = post(server, CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": content}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.1.content" and err["code"] == "invalid_value"
+    assert err["message"].startswith(f"messages.1.content: {message}"), err["message"]
+
+
+def test_one_seed_range_in_schema_engine_and_server(server, engine):
+    """[0, 2**63): what edgespec.sampling takes, what the OpenAPI schema states, what the server accepts."""
+    from edgespec.apps.server import ServerSettings, create_app
+    from edgespec.apps.server.schemas import SEED_LIMIT
+
+    from edgespec.sampling import SamplingParams
+
+    assert SEED_LIMIT == 2**63
+    SamplingParams(seed=SEED_LIMIT - 1)
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
+        SamplingParams(seed=SEED_LIMIT)
+    schema = create_app(engine, ServerSettings(model_id="x")).openapi()["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        seed = next(s for s in schema[name]["properties"]["seed"]["anyOf"] if s.get("type") == "integer")
+        assert seed["minimum"] == 0 and seed["exclusiveMaximum"] == SEED_LIMIT, seed
+    body = {**OK_COMP, "temperature": 0.8, "seed": SEED_LIMIT - 1, "max_tokens": 6}
+    r = post(server, COMP, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == engine.generate("abc", max_tokens=6, temperature=0.8,
+                                                             seed=SEED_LIMIT - 1).text
+    r = post(server, COMP, {**body, "seed": SEED_LIMIT})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "seed: must be an integer in [0, 2**63), got 9223372036854775808")
 
 
 def test_unknown_route_and_method(server):
@@ -311,7 +371,10 @@ def test_request_the_engine_rejects_is_a_400(server, stream):
     for body in bodies:
         r = post(server, CHAT, body)
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["code"] == "invalid_request" and r.json()["error"]["message"]
+        err = r.json()["error"]
+        assert err["code"] == "invalid_request" and err["param"] == "mode"
+        assert err["message"].startswith(f"mode '{body['mode']}' ") and "drafter" in err["message"]
+        assert "This server has no drafter: start it with --drafter" in err["message"], err["message"]
     r = post(server, CHAT, {**OK_CHAT, "mode_options": {"max_tokens": 3}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode_options"
     assert post(server, COMP, OK_COMP).status_code == 200

@@ -15,8 +15,7 @@ import threading
 import time
 
 import pytest
-from server_support import ServerProcess, write_tiny_bundle
-from tokenizers import ByteLevelBPETokenizer
+from server_support import ServerProcess, tiny_bpe_tokenizer, write_tiny_bundle
 
 from edgespec.tokenizer import Tokenizer
 
@@ -42,10 +41,7 @@ def char_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bpe_tokenizer():
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["hello world " * 50, "café naïve ünïcödé " * 10, "-" * 32],
-                            vocab_size=400, min_frequency=1, show_progress=False)
-    return Tokenizer(bpe._tokenizer, {"eos_token": "</s>"})
+    return tiny_bpe_tokenizer()
 
 
 def gpt2_byte_of() -> dict[str, int]:

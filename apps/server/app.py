@@ -31,7 +31,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from edgespec.engine import make_options
-from edgespec.errors import ContextLengthError, EdgespecError
+from edgespec.errors import ContextLengthError, DrafterRequiredError, EdgespecError
 from edgespec.modes import available_modes
 
 KEEPALIVE_S = 1.0  # seconds without an event before an SSE keep-alive comment (see _sse)
@@ -198,7 +198,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
             first = await job.out.get()
-            _raise_if_error(first)
+            _raise_if_error(first, engine)
             if not body.stream:
                 return await _collect(job, first, base, chat)
         finally:
@@ -320,10 +320,16 @@ async def _sse(job: Job, first_event, base: dict, chat: bool, include_usage: boo
         job.cancel()  # no-op once done; otherwise stops a waiting or running job
 
 
-def _raise_if_error(event) -> None:
+def _raise_if_error(event, engine=None) -> None:
     kind, payload = event
     if kind != "error":
         return
+    if isinstance(payload, DrafterRequiredError):
+        # The engine's message speaks of load(drafter=...); a server is started with one.
+        have = "no drafter" if getattr(engine, "drafter", None) is None else "a drafter this mode cannot use"
+        raise APIError(400, f"{payload}. This server has {have}: start it with --drafter (self, prompt_lookup "
+                       "or a drafter's path), or ask for one of the modes GET /health lists", "mode",
+                       "invalid_request")
     if isinstance(payload, (ValueError, EdgespecError)):  # e.g. the mode's own options
         raise APIError(400, str(payload), None, "invalid_request")
     raise APIError(500, f"generation failed: {type(payload).__name__}: {payload}", None, "generation_failed")
