@@ -24,6 +24,7 @@ LONG_TEXT_CHARS = 16_384
 # U+0301 -> "\u0390", 7 bytes -> 2), NFKC/NFKD 4.0 (U+1D400 MATHEMATICAL BOLD A -> "A"),
 # Lowercase 3.0 (U+212A KELVIN SIGN -> "k"). Prepend only adds text.
 _SHRINK = {"NFD": 4.0, "NFC": 4.5, "NFKD": 5.0, "NFKC": 5.0, "Lowercase": 4.0, "Prepend": 1.0, "ByteLevel": 1.0}
+_ASCII_SAFE = {"NFD", "NFC", "NFKD", "NFKC", "Lowercase"}  # ASCII text comes out as long as it went in
 # Pre-tokenizers that split text without dropping any of it (Split and Punctuation unless
 # their behaviour is "Removed"); Whitespace, WhitespaceSplit, BertPreTokenizer and
 # CharDelimiterSplit drop what they split on.
@@ -61,15 +62,16 @@ def _utf8_len(s: str) -> int:
     return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
 
 
-def _normalizer_shrink(spec: dict | None) -> float | None:
-    """Input bytes per output byte of a normalizer, at most; None when it can drop text."""
+def _normalizer_shrink(spec: dict | None, ascii_only: bool = False) -> float | None:
+    """Input bytes per output byte of a normalizer, at most (of ASCII input with
+    `ascii_only`); None when it can drop text."""
     if spec is None:
         return 1.0
     kind = spec.get("type")
     if kind == "Sequence":
         factor = 1.0
         for step in spec.get("normalizers") or []:
-            f = _normalizer_shrink(step)
+            f = _normalizer_shrink(step, ascii_only)
             if f is None:
                 return None
             factor *= f
@@ -79,6 +81,8 @@ def _normalizer_shrink(spec: dict | None) -> float | None:
         if pattern is None or not content:
             return None  # a regex (may match runs of any length) or a deletion
         return max(1.0, _utf8_len(pattern) / _utf8_len(content))
+    if ascii_only and kind in _ASCII_SAFE:
+        return 1.0
     return _SHRINK.get(kind)  # Strip, StripAccents, BertNormalizer, NMT, Precompiled: None
 
 
@@ -95,7 +99,7 @@ def _pre_tokenizer_keeps_text(spec: dict | None) -> tuple[bool, bool]:
     return True, kind == "ByteLevel"
 
 
-def max_token_bytes(backend) -> int | None:
+def max_token_bytes(backend, ascii_only: bool = False) -> int | None:
     """The most bytes of UTF-8 input text that one token of `backend` (a `tokenizers`
     Tokenizer) can stand for, or None when no such bound holds.
 
@@ -109,7 +113,8 @@ def max_token_bytes(backend) -> int | None:
     or WordPiece models (a whole unknown word is one token), an unknown-token fallback
     that fuses runs of unknown characters, pre-tokenizers or normalizers that drop
     text (whitespace splitting, stripping, regex replacements), added tokens that
-    swallow neighbouring whitespace (lstrip/rstrip), truncation.
+    swallow neighbouring whitespace (lstrip/rstrip), truncation. `ascii_only`: the bound
+    for ASCII text, which Unicode normalization and lower-casing leave as long as it is.
     """
     try:
         spec = json.loads(backend.to_str())
@@ -117,7 +122,7 @@ def max_token_bytes(backend) -> int | None:
         return None
     if spec.get("truncation"):
         return None
-    shrink = _normalizer_shrink(spec.get("normalizer"))
+    shrink = _normalizer_shrink(spec.get("normalizer"), ascii_only)
     keeps, byte_pre = _pre_tokenizer_keeps_text(spec.get("pre_tokenizer"))
     if shrink is None or not keeps:
         return None
@@ -186,6 +191,7 @@ class Tokenizer:
         self.eos_token_ids = eos_ids
         self._template = None
         self._max_token_bytes: Any = _UNSET
+        self._max_token_bytes_ascii: Any = _UNSET
 
     # --- loading -----------------------------------------------------------------
     @classmethod
@@ -229,7 +235,14 @@ class Tokenizer:
         """Most input bytes one token stands for (None: no bound); see max_token_bytes()."""
         if self._max_token_bytes is _UNSET:
             self._max_token_bytes = max_token_bytes(self._tok)
+            self._max_token_bytes_ascii = max_token_bytes(self._tok, ascii_only=True)
         return self._max_token_bytes
+
+    @property
+    def max_token_bytes_ascii(self) -> int | None:
+        """max_token_bytes for ASCII text (smaller behind Unicode normalizers or lower-casing)."""
+        self.max_token_bytes  # noqa: B018 -- computes both
+        return self._max_token_bytes_ascii
 
     def check_length(self, text: str, context_length: int) -> None:
         """Raise ContextLengthError when `text` cannot encode to fewer than `context_length`
@@ -237,9 +250,9 @@ class Tokenizer:
         tokens. Costs nothing for texts far from the bound either way (no tokenizing, and
         the bytes are counted only for texts within 4x of it), so it may run on an event loop.
         """
-        most = self.max_token_bytes
-        if most is None or not isinstance(text, str):
+        if not isinstance(text, str) or self.max_token_bytes is None:
             return
+        most = self.max_token_bytes_ascii if text.isascii() else self.max_token_bytes  # isascii: O(1)
         fits = (context_length - 1) * most  # the most bytes context_length - 1 tokens can hold
         n = len(text)
         if 4 * n <= fits:  # 4 bytes a character at most

@@ -72,6 +72,12 @@ def _utf8(s: str) -> int:
     return len(s.encode("utf-8", "surrogatepass"))
 
 
+def _bound(tok: Tokenizer, text: str) -> int:
+    """The fewest tokens the byte bound promises for `text` (ASCII text: its own bound)."""
+    assert tok.max_token_bytes is not None
+    return math.ceil(_utf8(text) / (tok.max_token_bytes_ascii if text.isascii() else tok.max_token_bytes))
+
+
 def test_byte_level_bound_is_the_longest_tokens_bytes_and_tight():
     """"Ġ" stands for one space byte, not for its own two UTF-8 bytes."""
     tok = Tokenizer(_byte_level(), {})
@@ -89,7 +95,10 @@ def test_sentencepiece_and_unigram_bounds():
     assert Tokenizer(_sentencepiece_bpe(), {}).max_token_bytes == 24
     assert Tokenizer(_unigram(), {}).max_token_bytes == len(f"{SPACE}world".encode())
     # NFKC can shrink 4 bytes to 1 and lower-casing 3 to 1 (KELVIN SIGN): the bound grows by both.
-    assert Tokenizer(_folding(), {}).max_token_bytes == 32 * 5 * 4
+    folding = Tokenizer(_folding(), {})
+    assert folding.max_token_bytes == 32 * 5 * 4
+    assert folding.max_token_bytes_ascii == 32  # ASCII comes out of NFKC and lower-casing as long
+    assert Tokenizer(_byte_level(), {}).max_token_bytes_ascii == 32
 
 
 def _adversarial_texts(tok: Tokenizer) -> list[str]:
@@ -103,10 +112,9 @@ def _adversarial_texts(tok: Tokenizer) -> list[str]:
 
 
 def test_bound_holds_on_adversarial_texts(bounded):
-    L = bounded.max_token_bytes
-    for text in _adversarial_texts(bounded):
+    for text in _adversarial_texts(bounded) + ["ABC-" * 4000, "-" * 32000, "THE THEORY " * 900]:
         n = len(bounded.encode(text, add_special_tokens=False))
-        assert n >= math.ceil(_utf8(text) / L), (text[:40], n, _utf8(text), L)
+        assert n >= _bound(bounded, text), (text[:40], n, _utf8(text), _bound(bounded, text))
 
 
 @settings(max_examples=200, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -114,12 +122,14 @@ def test_bound_holds_on_adversarial_texts(bounded):
     st.text(max_size=40),
     st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40),
     st.sampled_from(["-" * 32, " " * 17, SPACE * 8, "<|im_start|>", "\U0001d400", "\u212a", "the", "ünï", "é"]),
+    st.text(alphabet=st.characters(max_codepoint=127), max_size=60),
+    st.sampled_from(["-" * 32, "HELLO WORLD ", "The Theory", "<|im_end|>"]),
 ), max_size=30), which=st.sampled_from(sorted(BOUNDED)))
 def test_bound_holds_on_random_texts(parts, which):
     tok = _TOKENIZERS[which]
     text = "".join(parts)
     n = len(tok.encode(text, add_special_tokens=False))
-    assert n >= math.ceil(_utf8(text) / tok.max_token_bytes)
+    assert n >= _bound(tok, text)
 
 
 _TOKENIZERS = {name: Tokenizer(make(), {}) for name, make in BOUNDED.items()}
@@ -191,6 +201,10 @@ def test_check_length_at_the_bound():
     with pytest.raises(ContextLengthError):
         tok.check_length("\ud800" * ((C - 1) * L // 3 + 1), C)  # a lone surrogate becomes 3-byte U+FFFD
     Tokenizer(HFTokenizer(models.WordLevel({"a": 0}, unk_token="a")), {}).check_length("a" * 10**6, 2)  # no bound
+    folding = Tokenizer(_folding(), {})  # ASCII text is held to the ASCII bound, other text to the wider one
+    with pytest.raises(ContextLengthError):
+        folding.check_length("a" * ((C - 1) * 32 + 1), C)
+    folding.check_length("\U0001d400" * ((C - 1) * 32 * 5 * 4 // 4), C)
 
 
 def test_encode_refuses_a_hopeless_text_without_tokenizing_it():
