@@ -6,17 +6,21 @@
 
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip install -q --disable-pip-version-check
 UNAME     := $(shell uname -s)
 OPENBLAS  := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 CBLAS     := .cache/lib/libedgespec_cblas.so
 ifeq ($(UNAME),Linux)
   EXTRAS  := cpu,dev
+  # PyPI's Linux torch is the CUDA build; the CPU build where this machine's pip finds one.
+  TORCH    = $(PIP) "torch==2.13.0+cpu" || $(PIP) torch
   # Decided by the shell when a recipe runs (after setup built it or not; make's own
   # file cache could miss a file a sub-make wrote): the shim if built, else Debian's.
   PRELOAD  = $$(test -f $(abspath $(CBLAS)) && echo $(abspath $(CBLAS)) || echo $(OPENBLAS))
   RUNENV   = LD_PRELOAD=$(PRELOAD)
 else
   EXTRAS  := dev
+  TORCH    = $(PIP) torch
   PRELOAD  =
   RUNENV   =
 endif
@@ -33,9 +37,11 @@ SWIFT_TIMEOUT := $(shell command -v timeout >/dev/null 2>&1 && echo timeout 900)
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	# torch first, only for the Hugging Face reference tests: the CPU build where the
+	# machine offers one (2.13.0+cpu), so that the dev extras (accelerate) find it
+	# installed and do not pull the CUDA build and its NVIDIA libraries (3 GB unused).
+	$(TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
-	# CPU build of torch, only for the Hugging Face reference tests.
-	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0" || $(PY) -m pip install -q --disable-pip-version-check torch
 	touch $@
 
 # MLX's CPU products on numpy's OpenBLAS (one OpenBLAS in the process, its few-row

@@ -91,11 +91,11 @@ class Engine:
         if messages is not None:
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-            ids = self.tokenizer.encode_chat(messages)
+            ids = self.tokenizer.encode_chat(messages, context_length=self.context_length)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, context_length=self.context_length)
         else:
             if isinstance(prompt, (bytes, bytearray, memoryview)):
                 raise ValueError("prompt is bytes: decode it to text first (e.g. data.decode('utf-8')), "
@@ -167,7 +167,8 @@ class Engine:
         object to read this generation's stats when several threads share the
         engine (`last_stats` is whichever generation finished last).
         """
-        options = options or make_options(**kwargs)
+        options = resolve_options(options, kwargs)
+        cancel = cancel_callable(cancel)  # refused here, not when the stream is first read
         ids = self.encode_prompt(prompt, messages)
         mode_name = self.resolve_mode(options)
         return self._stream(ids, options, mode_name, cancel, stats)
@@ -204,6 +205,10 @@ class Engine:
         (see edgespec.batch.Request) on the worker thread. Returns the Request (cancel())."""
         from edgespec.batch import Request
 
+        if not callable(emit):
+            raise ValueError(f"emit must be a callable emit(kind, payload), got {type(emit).__name__}")
+        if ready is not None and not callable(ready):
+            raise ValueError(f"ready must be a callable returning a bool, got {type(ready).__name__}")
         stats = stats if stats is not None else GenerationStats()
         stats.mode, stats.prompt_tokens = mode_name, len(ids)
         req = Request(list(ids), options, mode_name, emit, stats, cancel, ready)
@@ -247,7 +252,7 @@ class Engine:
     def generate_many(self, prompts: list, *, options=None, **kwargs) -> list[GenerationResult]:
         """Generate a reply to every prompt (text, token ids or a messages list) in one batch;
         results in the order given."""
-        options = options or make_options(**kwargs)
+        options = resolve_options(options, kwargs)
         items = []
         for p in prompts:
             ids = self.encode_prompt(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict) \
@@ -292,7 +297,8 @@ class Engine:
         return out
 
     def generate(self, prompt=None, *, messages=None, options=None, cancel=None, **kwargs) -> GenerationResult:
-        options = options or make_options(**kwargs)
+        options = resolve_options(options, kwargs)
+        cancel = cancel_callable(cancel)
         ids = self.encode_prompt(prompt, messages)
         text, tokens, finish = [], [], "length"
         stats = GenerationStats()  # ours alone: last_stats may already be another thread's
@@ -305,6 +311,39 @@ class Engine:
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         return self.generate(messages=messages, **kwargs)
+
+
+def cancel_callable(cancel):
+    """`cancel` checked at the API boundary (see edgespec.batch.batcher.cancel_callable)."""
+    from edgespec.batch.batcher import cancel_callable as check
+
+    return check(cancel)
+
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+def resolve_options(options, keywords: dict) -> GenerateOptions:
+    """A request's options from `options=` (GenerateOptions or a dict of make_options'
+    keywords) and keyword settings: keywords override what `options` says; both are checked."""
+    if options is None:
+        return make_options(**keywords)
+    if isinstance(options, dict):
+        bad = [k for k in options if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"options keys must be strings, got {bad[:3]!r}")
+        return make_options(**{**options, **keywords})
+    if not isinstance(options, GenerateOptions):
+        raise ValueError(
+            f"options must be a GenerateOptions (edgespec.make_options(...)) or a dict of its keywords "
+            f"(e.g. {{'max_tokens': 64}}), got {type(options).__name__}"
+        )
+    if not keywords:
+        return options
+    base = {"max_tokens": options.max_tokens, "stop": list(options.stop), "mode": options.mode,
+            "draft_tokens": options.draft_tokens, **options.mode_options}
+    base.update({k: getattr(options.sampling, k) for k in _SAMPLING})
+    return make_options(**{**base, **keywords})
 
 
 def make_options(

@@ -28,3 +28,14 @@ class UnknownOptionError(EdgespecError, TypeError, ValueError):
     A TypeError like any unexpected keyword argument in Python, and a ValueError so the
     CLI and the server refuse it as the bad input it is.
     """
+
+
+class CallbackError(EdgespecError, RuntimeError):
+    """A callback the caller handed in (cancel, emit, ready) raised: that request ends with
+    this error (its `__cause__` is the callback's exception); the engine and every other
+    request go on."""
+
+
+class EngineError(EdgespecError, RuntimeError):
+    """The engine's batch worker failed outside any one request (a bug): the requests it held
+    end with this error, and the next request starts a new worker."""

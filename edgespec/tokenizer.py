@@ -318,9 +318,7 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]], context_length: int | None = None) -> list[int]:
         """Token ids of the conversation rendered by the chat template; `context_length` as
         for encode (the length bound applies to the rendered text)."""
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        messages = chat_messages(messages)
         text = self.apply_chat_template(messages)
         if context_length is not None:
             self.check_length(text, context_length)
@@ -334,6 +332,34 @@ class Tokenizer:
         folder = Path(folder)
         self._tok.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2, ensure_ascii=False))
+
+
+def chat_messages(messages) -> list[dict]:
+    """Messages checked for the chat template: each a dict with a text `role` and a text
+    `content` (a string, or a list of {"type": "text", "text": ...} parts, joined). Anything
+    else is a ValueError naming the message, never an error from inside the template."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i}: each message needs 'role' and 'content', got {m!r:.80}")
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"message {i}: role must be a non-empty string, got {role!r:.40}")
+        if isinstance(content, (list, tuple)):
+            texts = []
+            for p in content:
+                if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                    raise ValueError(f"message {i} ({role}): content parts must be {{'type': 'text', 'text': str}}, "
+                                     f"got {p!r:.60}")
+                texts.append(p["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise ValueError(f"message {i} ({role}): content must be a string (or a list of text parts), "
+                             f"got {type(content).__name__}: {content!r:.40}")
+        out.append({**m, "role": role, "content": content})
+    return out
 
 
 class StreamingDetokenizer:

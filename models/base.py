@@ -52,7 +52,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _harmless(key: str, value: Any) -> bool:
-    if key in HARMLESS_FIELDS:
+    if key in HARMLESS_FIELDS or key.startswith("_"):
+        # Leading underscore: metadata transformers writes (_name_or_path, _model_name_or_path,
+        # _attn_implementation_autoset, ...), never a field of the model's math.
         return True
     if key in HARMLESS_AT:
         allowed = HARMLESS_AT[key]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from greenlet import greenlet
+from greenlet import GreenletExit, greenlet
 
 from edgespec.batch import memory
 from edgespec.batch.arena import KVArena, SlotCache
@@ -45,6 +45,7 @@ from edgespec.batch.cost import PassCost, Peer, StepCost
 from edgespec.batch.forward import Row, batched_forward, group_rows, layer_marks
 from edgespec.batch.guard import SpecGuard
 from edgespec.cache import KVCache
+from edgespec.errors import CallbackError, EngineError
 from edgespec.generate import Chunk, GenerationStats, stream_tokens
 
 log = logging.getLogger("edgespec.batch")
@@ -66,6 +67,21 @@ _KEYS = itertools.count()
 def _stop_all() -> None:
     for b in list(_BATCHERS):
         b.stop(2.0)
+
+
+def cancel_callable(cancel) -> Callable[[], bool] | None:
+    """A request's `cancel` as a callable: None, a callable returning a bool, or an Event-like
+    object (anything with `is_set()`, such as threading.Event). Anything else is refused here,
+    at the API boundary, with a ValueError."""
+    if cancel is None or callable(cancel):
+        return cancel
+    is_set = getattr(cancel, "is_set", None)
+    if callable(is_set):
+        return is_set
+    raise ValueError(
+        f"cancel must be a callable returning True to stop, or an Event-like object with is_set() "
+        f"(e.g. threading.Event), got {type(cancel).__name__}: {cancel!r:.60}"
+    )
 
 
 class Cancelled(Exception):
@@ -94,12 +110,74 @@ class Request:
     started_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
+    # The error this request ends with when one of its caller's callbacks raised (CallbackError).
+    error: BaseException | None = None
+    _ended: bool = False  # its "done" or "error" was sent
+
+    def __post_init__(self):
+        self.cancel_check = cancel_callable(self.cancel_check)
+
     def cancel(self) -> None:
         self._cancelled.set()
 
+    def fail(self, error: BaseException) -> None:
+        """End this request with `error` (the first one wins): it is cancelled at its next
+        step, and its caller gets the error instead of "done"."""
+        if self.error is None:
+            self.error = error
+        self._cancelled.set()
+
+    def _callback_failed(self, name: str, e: BaseException) -> None:
+        err = CallbackError(f"the request's {name} callback raised {type(e).__name__}: {e}")
+        err.__cause__ = e
+        log.warning("%s; that request ends, the others go on", err)
+        self.fail(err)
+
     @property
     def cancelled(self) -> bool:
-        return self._cancelled.is_set() or (self.cancel_check is not None and bool(self.cancel_check()))
+        if self._cancelled.is_set():
+            return True
+        if self.cancel_check is None:
+            return False
+        try:
+            return bool(self.cancel_check())
+        except GreenletExit:
+            raise
+        except BaseException as e:  # the caller's code: it fails this request, never the worker
+            self._callback_failed("cancel", e)
+            return True
+
+    def is_ready(self) -> bool:
+        """Whether its reader took the last chunk (always, for a reader that does not pull)."""
+        if self.ready is None:
+            return True
+        try:
+            return bool(self.ready())
+        except GreenletExit:
+            raise
+        except BaseException as e:
+            self._callback_failed("ready", e)
+            return True
+
+    def send(self, kind: str, payload: Any) -> None:
+        """Hand one event to the caller's `emit`. The end ("done" or "error") is sent once, and
+        as "error" when a callback failed; an `emit` that raises fails this request alone."""
+        if self._ended:
+            return
+        if kind in ("done", "error"):
+            self._ended = True
+            if kind == "done" and self.error is not None:
+                kind, payload = "error", self.error
+        try:
+            self.emit(kind, payload)
+        except GreenletExit:
+            raise
+        except BaseException as e:
+            if self._ended:  # nobody left to tell
+                log.warning("the request's emit callback raised %s on its %r event: %s",
+                            type(e).__name__, kind, e)
+            else:
+                self._callback_failed("emit", e)
 
 
 class SeqModel:
@@ -238,9 +316,13 @@ class Batcher:
         with self._cv:
             self._waiting.append(req)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="edgespec-batch", daemon=True)
-                self._thread.start()
+                self._start_worker()
             self._cv.notify()
+
+    def _start_worker(self) -> None:
+        """(lock held)"""
+        self._thread = threading.Thread(target=self._work, name="edgespec-batch", daemon=True)
+        self._thread.start()
 
     def wake(self) -> None:
         """A reader took a chunk: a sequence waiting on it may go on."""
@@ -309,7 +391,8 @@ class Batcher:
             req = self._waiting[0]
             if req.cancelled:  # its client left while it waited: never touch the model
                 self._waiting.popleft()
-                req.emit("done", req.stats)
+                req.send("chunk", Chunk("", [], "cancelled"))
+                req.send("done", req.stats)
                 continue
             if self._live and self.held_bytes(req) > self.budget:
                 break  # waits for memory (FIFO: nobody overtakes it)
@@ -339,14 +422,47 @@ class Batcher:
 
     def _work(self) -> None:
         self._hub = greenlet.getcurrent()
-        while self._admit():  # False: idle for a while, or stopping
-            self._step()
-        # The thread ends here. MLX keeps streams per thread, and one that ran async_eval and
-        # is left to MLX's teardown at exit aborts the process: release this thread's now.
-        mx.synchronize()
-        clear = getattr(mx, "clear_streams", None)
-        if clear is not None:
-            clear()
+        try:
+            while self._admit():  # False: idle for a while, or stopping
+                self._step()
+        except BaseException as e:  # a bug of the batcher's own (requests' errors are theirs)
+            log.exception("the batch worker failed")
+            self._fail_all(e)
+        finally:
+            # The thread ends here. MLX keeps streams per thread, and one that ran async_eval and
+            # is left to MLX's teardown at exit aborts the process: release this thread's now.
+            try:
+                mx.synchronize()
+            finally:
+                clear = getattr(mx, "clear_streams", None)
+                if clear is not None:
+                    clear()
+
+    def _fail_all(self, cause: BaseException) -> None:
+        """The worker failed outside any request: end every request it held with an EngineError
+        (their callers must not wait forever) and forget them; the next submit starts a new
+        worker on an empty batch."""
+        err = EngineError(f"the engine's batch worker failed ({type(cause).__name__}: {cause}); "
+                          "this request was ended, the next one starts afresh")
+        err.__cause__ = cause
+        with self._cv:
+            live, waiting = list(self._live), list(self._waiting)
+            self._live, self._waiting = [], deque()
+            self._reserved, self._arena, self._marks, self._last_passes = 0, None, [], []
+            self._prev = None
+        for req in [s.req for s in live] + waiting:
+            req.fail(err)
+            req.send("error", err)
+        for seq in live:  # unwind their greenlets here, on the thread they belong to
+            if seq.glet is not None and not seq.glet.dead:
+                try:
+                    seq.glet.throw(GreenletExit())
+                except BaseException:
+                    log.exception("a sequence failed while being unwound")
+        with self._cv:
+            self._thread = None
+            if self._waiting:  # submitted meanwhile: a new worker serves them
+                self._start_worker()
 
     def _step(self) -> None:
         n = len(self._live)
@@ -414,7 +530,7 @@ class Batcher:
             if seq.row is not None:  # its error handler already made its next call (_run_pass)
                 resumed += 1
                 continue
-            if seq.on_reader and not seq.req.cancelled and not seq.req.ready():
+            if seq.on_reader and not seq.req.cancelled and not seq.req.is_ready():
                 continue
             seq.on_reader = False
             resumed += 1
@@ -486,11 +602,12 @@ class Batcher:
             if not seq.started:
                 if seq.req.cancelled:  # its client left before its first step
                     self._finish(seq)
-                    seq.req.emit("done", seq.req.stats)
+                    seq.req.send("chunk", Chunk("", [], "cancelled"))
+                    seq.req.send("done", seq.req.stats)
                     return
                 seq.started = True
                 seq.req.started_at = time.perf_counter()
-                seq.req.emit("start", None)
+                seq.req.send("start", None)
                 out = seq.glet.switch()
             elif seq.req.cancelled:
                 out = seq.glet.throw(Cancelled())
@@ -498,7 +615,7 @@ class Batcher:
                 out = seq.glet.switch(seq.value)
         except BaseException as e:  # _run reports its own errors; this is a bug in the batcher
             log.exception("a sequence failed outside its own error handling")
-            seq.req.emit("error", e)
+            seq.req.send("error", e)
             out = None
         self._step_tokens += seq.req.stats.generated_tokens - before
         self._settle(seq, out)
@@ -523,7 +640,13 @@ class Batcher:
         for s, r in zip(seqs, results, strict=True):
             s.row, s.value = None, r
             if isinstance(r, _Raise):  # thrown into the sequence: it reports the error to its client
-                self._settle(s, s.glet.throw(r.error))
+                try:
+                    out = s.glet.throw(r.error)
+                except BaseException as e:  # raised again on its way out: still this sequence's alone
+                    log.exception("a sequence failed outside its own error handling")
+                    s.req.send("error", e)
+                    out = None
+                self._settle(s, out)
 
     def arena_caches(self, seq: _Seq, caches: list) -> list:
         """`caches` (one KVCache per layer) moved to a row of the batch's arena; as they are
@@ -615,11 +738,11 @@ class Batcher:
                 for chunk in chunks:
                     seq.emitted = True
                     reply.extend(chunk.tokens)
-                    req.emit("chunk", chunk)
-                    if req.ready is not None and not chunk.finish_reason and not req.ready():
+                    req.send("chunk", chunk)
+                    if req.ready is not None and not chunk.finish_reason and not req.is_ready():
                         self._hub.switch(_WAIT)  # resumed once the reader has taken it
             except Cancelled:
-                req.emit("chunk", Chunk("", [], "cancelled"))
+                req.send("chunk", Chunk("", [], "cancelled"))
             finally:
                 chunks.close()
                 if engine.history is not None and reply:
@@ -628,16 +751,16 @@ class Batcher:
                 stats.peak_memory_bytes = int(get_peak()) if get_peak else 0
                 engine.last_stats = stats
         except Exception as e:  # reported to this request's caller; the others keep going
-            req.emit("error", e)
+            req.send("error", e)
             return
-        req.emit("done", stats)
+        req.send("done", stats)
 
 
 _WAIT = object()  # a sequence's signal to the worker: paused for its reader
 
 
 def _any_ready(seqs: list[_Seq]) -> bool:
-    return any(s.req.cancelled or s.req.ready() for s in seqs)
+    return any(s.req.cancelled or s.req.is_ready() for s in seqs)
 
 
 class _Raise:

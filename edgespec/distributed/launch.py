@@ -23,7 +23,8 @@ from edgespec.distributed.errors import DistributedError
 DISTRIBUTED_HELP = (
     "shard the verifier over the hosts of HOSTFILE (mlx.launch's JSON host list, ring backend) "
     "or over N local processes (local:N); rank 0 runs this command, the others hold their "
-    "shard of the weights. See docs/distributed.md"
+    "shard of the weights. Without --model: the default model, converted once to a bundle the ranks "
+    "share. See docs/distributed.md"
 )
 SPLIT_HELP = "how the verifier is sharded: pipeline (layer ranges per rank) or tensor (heads and MLP columns split)"
 
@@ -113,12 +114,25 @@ def join_or_launch(args, argv: list[str] | None = None):
     """(exit code, None) when this process only launched the group or followed; (None, engine) on rank 0."""
     if "MLX_RANK" not in os.environ:
         argv = list(sys.argv[1:] if argv is None else argv)
+        if args.model is None:
+            # The default model: a bundle of it in the cache (fetched and converted once, here,
+            # before the ranks start), named to every rank by its path.
+            from edgespec.converters.default_model import default_bundle_path
+
+            argv += ["--model", str(default_bundle_path(progress=True))]
         return launch(args.distributed, argv), None
     import edgespec.distributed as dist
     from edgespec.lookahead.memory import parse_size
 
     if args.model is None:
-        raise DistributedError("--distributed needs --model BUNDLE (the bundle must be at the same path on every host)")
+        from edgespec.default_model import default_bundle_dir
+
+        args.model = default_bundle_dir()
+        if not (args.model / "manifest.json").is_file():
+            raise DistributedError(
+                f"this rank has no bundle of the default model at {args.model}: start the group with "
+                "`edgespec ... --distributed` (it converts the default model once before the ranks start), "
+                "or pass --model BUNDLE (at the same path on every host)")
     budget = parse_size(getattr(args, "memory_budget", None))
     engine = dist.load(args.model, split=args.distributed_split, drafter=getattr(args, "drafter", None),
                        history=getattr(args, "history", None))
