@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -59,3 +61,19 @@ def test_wheel_maps_folders_into_the_package_and_runs(tmp_path):
     assert r.stdout.startswith(str(site))  # the installed copy, not the source tree
     for sub in ("chat", "generate", "convert"):
         assert sub in r.stdout
+
+
+def test_the_cpu_build_of_torch_brings_no_nvidia_libraries():
+    """`make` installs the CPU build of torch first where the machine's pip finds one, so the
+    dev extras (accelerate) do not pull the CUDA build and ~3 GB of NVIDIA libraries (#34)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        pytest.skip("torch is not installed in this environment")
+    if "+cpu" not in version:
+        pytest.skip(f"torch {version} is not a CPU build (none offered to pip here)")
+    nvidia = sorted({d.metadata["Name"] for d in metadata.distributions()
+                     if (d.metadata["Name"] or "").lower().startswith(("nvidia-", "triton"))})
+    assert not nvidia, f"unused CUDA packages beside torch {version}: {nvidia}"
