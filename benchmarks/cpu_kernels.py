@@ -291,7 +291,7 @@ def batch_shapes(engine, reps: int) -> None:
     from edgespec.modes.adaptive import adaptive_costs
 
     model = engine.model
-    curve = adaptive_costs(engine)
+    curve = adaptive_costs(engine, measure=True)  # timed now: the estimates below need a measured curve
     c = PassCost(curve.sizes, curve.verify_s)
     Ts = (1, 2, 3, 4, 6, 8, 12, 16)
     for B in (2, 4, 8):

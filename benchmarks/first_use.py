@@ -1,28 +1,36 @@
 """First use of `auto` against plain decoding, in fresh processes, with a cold and a warm $EDGESPEC_HOME.
 
     python benchmarks/first_use.py [--model PATH] [--repeats 5] [--prompt "Say hi."] [--max-tokens 8]
-        [--only generate|serve]
+        [--only generate|serve|steady]
 
-What a new user meets first (issue #34): every run is a new process.
+What a new user meets first (issue #34), each run a new process:
 
 - generate: `edgespec generate --prompt P --max-tokens N --stats json` as a subprocess;
   measured from the process start: the time to its first reply byte on stdout (import,
   model load, prefill, first token) and to its exit (wall), and the reply's tokens/s
   (its --stats). Modes auto and plain.
-- serve: `edgespec serve --port 0 --mode auto|plain` started, /health polled until it
-  answers, then the first streaming /v1/chat/completions request timed to its first
-  content chunk (the server's time to first token), and the server stopped.
+- serve: `edgespec serve --port PORT --mode auto|plain` started on a free port, /health
+  polled until it answers, then the first streaming /v1/chat/completions request timed
+  to its first content chunk (the server's time to first token), and the server stopped.
 
-Each with two $EDGESPEC_HOME folders made for the run, both holding the model files of the
-source home (--home, default: $EDGESPEC_HOME or ~/.cache/edgespec) as links, so the model is
-never fetched or copied again: *cold* has no calibration (its calibration folder is removed
-before every auto run: the first process on this machine); *warm* holds what earlier
-processes learnt (primed by --prime auto runs first, then kept as the runs go). The runs
-are interleaved (every repeat runs every mode x home, in an order that turns), so load
-spikes on shared cores hit all alike; reported: medians and the auto / plain ratios of the
-medians (goal <= 1.1 for times, >= 1.0 for tokens/s).
+Both with two $EDGESPEC_HOME folders made for the run, holding the model files of the
+source home (--home, default: $EDGESPEC_HOME or ~/.cache/edgespec) as links, so the
+model is never fetched or copied again: *cold* has no calibration (its calibration
+folder is removed before every auto run: the first process on this machine); *warm*
+holds what earlier processes learnt (primed by --prime auto runs first, then kept as the
+runs go). The runs are interleaved (every repeat runs every mode x home, in an order
+that turns), so load spikes on shared cores hit all alike; reported: medians and the
+auto / plain ratios of the medians (goal <= 1.1 for times, >= 1.0 for tokens/s).
+
+And what learning instead of measuring costs once auto has run a while:
+
+- steady (--only steady; in this process): three engines on one loaded model, side by
+  side: plain; auto starting from the prior (no persisted file) and learning; auto whose
+  whole curve is timed up front (`calibration.measure`, what every process did before).
+  --steady-prompts prompts of benchmarks/prompts/mixed.jsonl's --steady-domains, each
+  run on the three in turning order, --steady-tokens tokens, greedy; reported: tokens/s
+  over all prompts against plain's, tokens per pass, and both curves at a few sizes.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -133,6 +141,56 @@ def calibration_files(home: Path) -> int:
     return len(list(d.glob("*.json"))) if d.is_dir() else 0
 
 
+def steady(args) -> int:
+    os.environ["EDGESPEC_CALIBRATION"] = "off"  # the learning engine starts from the prior, writes nothing
+    import edgespec
+    import edgespec.calibration as cal
+    from edgespec.drafters import attach_drafter
+    from edgespec.engine import Engine
+    from edgespec.progress import progress_bar
+
+    loaded = edgespec.load(args.model, progress=False, history="off").loaded
+
+    def engine():
+        e = Engine(loaded, history="off")
+        attach_drafter(e, None)
+        return e
+
+    engines = {"plain": engine(), "learnt": engine(), "measured": engine()}
+    t0 = time.perf_counter()
+    cal.measure(engines["measured"])
+    print(f"timing the whole curve up front took {time.perf_counter() - t0:.1f} s")
+    domains = args.steady_domains.split(",")
+    path = Path(__file__).parent / "prompts" / "mixed.jsonl"
+    rows = [r for r in map(json.loads, path.read_text().splitlines()) if r["domain"] in domains]
+    rows = rows[: args.steady_prompts]
+    tot = {k: [0, 0.0, 0] for k in engines}  # tokens, decode seconds, verifier passes
+    names = list(engines)
+    with progress_bar(total=len(rows) * len(names), desc="steady state", unit="reply") as bar:
+        for i, r in enumerate(rows):
+            msgs = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
+            outs = {}
+            for name in names[i % 3:] + names[: i % 3]:
+                res = engines[name].generate(messages=msgs, max_tokens=args.steady_tokens,
+                                             mode="plain" if name == "plain" else "auto")
+                outs[name] = res.tokens
+                t = tot[name]
+                t[0], t[1], t[2] = t[0] + len(res.tokens), t[1] + res.stats.decode_s, t[2] + res.stats.verifier_passes
+                bar.update(1)
+            if len({tuple(v) for v in outs.values()}) != 1:
+                raise SystemExit(f"{r['id']}: auto's reply differs from plain's")
+    plain = tot["plain"][0] / tot["plain"][1]
+    print(f"\n{len(rows)} prompts ({args.steady_domains}), {args.steady_tokens} tokens, greedy; every reply identical")
+    for k, (n, secs, passes) in tot.items():
+        print(f"  {k:8} {n / secs:6.1f} tok/s = {n / secs / plain:.2f}x plain, {n / max(passes, 1):.2f} tokens/pass")
+    learnt, measured = (cal.cost_store(engines[k]).costs for k in ("learnt", "measured"))
+    print("  sizes the learning engine measured:", sorted(learnt.seen))
+    for T in (1, 2, 4, 8, 16, 32):
+        print(f"  T={T:2}: learnt {learnt.verify(T) * 1000:.0f} ms, timed up front (then learnt) "
+              f"{measured.verify(T) * 1000:.0f} ms")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
@@ -143,12 +201,18 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5, help="runs of every mode x home, interleaved")
     ap.add_argument("--prime", type=int, default=2, help="auto runs that fill the warm home's calibration first")
-    ap.add_argument("--only", choices=["generate", "serve"], default=None, help="one of the two measurements")
+    ap.add_argument("--only", choices=["generate", "serve", "steady"], default=None,
+                    help="one measurement (default: generate and serve)")
+    ap.add_argument("--steady-domains", default="rag,code_edit,code", help="steady: mixed.jsonl domains")
+    ap.add_argument("--steady-prompts", type=int, default=15, help="steady: prompts (in file order)")
+    ap.add_argument("--steady-tokens", type=int, default=96, help="steady: max tokens per reply")
     ap.add_argument("--json", default=None, help="also write every sample to this file")
     args = ap.parse_args()
     if args.repeats < 1 or args.max_tokens < 1:
         raise SystemExit("--repeats and --max-tokens must be >= 1")
 
+    if args.only == "steady":
+        return steady(args)
     from edgespec.default_model import home as edgespec_home
     from edgespec.progress import progress_bar
 
