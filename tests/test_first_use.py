@@ -250,3 +250,29 @@ def test_draft_cost_is_learnt_from_drafting_calls():
     d.observe(2, 0.0)  # nothing timed: ignored
     assert d.per_token == pytest.approx(0.01)
     assert np.isfinite(d.value(0.1))
+
+
+def test_a_slow_reader_does_not_make_plain_steps_look_free(home):
+    """Pipelined plain steps: when the caller holds each token longer than a step takes (a
+    server waiting for its reader), the next step is done before it is asked for; such waits
+    are not step costs and are not learnt (they once put T = 1 at 0.1 ms)."""
+    import time
+
+    from edgespec.adaptive.history import HistoryStore
+    from edgespec.engine import make_options
+    from edgespec.generate import GenerationStats
+    from edgespec.modes import make_mode
+    from edgespec.sampling import Sampler, SamplingParams
+
+    engine = engine_for(paced=None, drafter=False)
+    engine.history = HistoryStore()  # empty: the only source, silent, so every step is plain
+    steps = make_mode("adaptive", engine, make_options(mode="adaptive", sources="history")).steps(
+        list(range(1, 30)), Sampler(SamplingParams()), GenerationStats())
+    next(steps)  # the prefill's token
+    for _ in range(12):
+        next(steps)
+        time.sleep(0.03)  # the reader: far slower than a step of this tiny model
+    steps.close()
+    costs = cal.cost_store(engine).costs
+    assert costs.counts.get(1) == 1  # the run's first step only (queued, then waited for whole)
+    assert costs.verify(1) < 0.03

@@ -42,6 +42,7 @@ import numpy as np
 from edgespec.adaptive.estimate import (
     AcceptanceStats,
     Costs,
+    PlainTimer,
     gain_curve,
     merge_candidates,
     plan_tree,
@@ -337,6 +338,7 @@ class AdaptiveDecoder:
         pending = None  # the step after seq's end, when already queued
         steps = 0
         go_on = True
+        timer = PlainTimer()
         while True:
             t0 = time.perf_counter()
             blocked = getattr(model, "blocked_s", 0.0)
@@ -355,11 +357,11 @@ class AdaptiveDecoder:
             dt = time.perf_counter() - t0
             stats.verify_s += dt
             stats.verifier_passes += 1
-            if batch_ctx is None or batch_ctx() is None:  # in a batch dt is the whole step's
-                dt = max(dt, 1e-6)
-                self.plain_s = 0.9 * self.plain_s + 0.1 * dt if self._plain_measured else dt
+            step_s = timer.sample(dt)
+            if step_s is not None and (batch_ctx is None or batch_ctx() is None):  # in a batch: the whole step's
+                self.plain_s = 0.9 * self.plain_s + 0.1 * step_s if self._plain_measured else step_s
                 self._plain_measured = True
-                self.costs.observe(1, dt)  # the curve's T = 1 (its other sizes scale with it until measured)
+                self.costs.observe(1, step_s)  # the curve's T = 1 (its other sizes scale with it until measured)
             if self.wctl is not None:
                 self.wctl.record("lean", 1, dt)
             seq.append(t)

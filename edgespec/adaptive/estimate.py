@@ -19,6 +19,7 @@ tokens, in verify(n + 1) seconds (the measured cost curve) plus fixed costs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,6 +174,32 @@ class Costs:
     @property
     def max_tokens(self) -> int:
         return int(self.sizes[-1])
+
+
+class PlainTimer:
+    """Seconds of a plain step, timed from pipelined steps (each queued before the previous
+    token is handed out).
+
+    A step's cost is the interval between successive tokens becoming ready, when the device
+    was what the decoder waited for. When the caller holding the token was slower (a server
+    waiting for its reader, a slow consumer), the next step finished meanwhile and the wait
+    is next to nothing: such a step says nothing about its cost and gives no sample (the
+    interval would be the caller's time, the wait almost zero).
+    """
+
+    WAITED = 0.25  # the wait must be at least this fraction of the interval
+
+    def __init__(self):
+        self.last: float | None = None
+
+    def sample(self, waited_s: float) -> float | None:
+        """Called when a token is read, `waited_s` the wait for it -> seconds of its step, or None."""
+        now = time.perf_counter()
+        prev, self.last = self.last, now
+        if prev is None:  # the first step of a run: queued, then waited for, whole
+            return max(waited_s, 1e-6)
+        interval = now - prev
+        return interval if waited_s >= self.WAITED * interval else None
 
 
 @dataclass

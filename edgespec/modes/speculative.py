@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from edgespec.adaptive.estimate import PlainTimer
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft
 from edgespec.errors import DrafterRequiredError
@@ -243,6 +244,7 @@ class SpeculativeMode:
             return tok, lp
 
         pending = queue(last, r)
+        timer = PlainTimer()
         while True:
             t0 = time.perf_counter()
             tok, lp = pending
@@ -251,8 +253,10 @@ class SpeculativeMode:
             dt = time.perf_counter() - t0
             stats.verify_s += dt
             stats.verifier_passes += 1
-            ctl.record_plain(dt)
-            self._learn_verify(1, dt)
+            step_s = timer.sample(dt)  # None: the step finished while the caller held the last token
+            ctl.record_plain(step_s if step_s is not None else 0.0)
+            if step_s is not None:
+                self._learn_verify(1, step_s)
             r += 1
             k = ctl.choose()
             more = k == 0
