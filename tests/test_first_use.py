@@ -266,6 +266,10 @@ def test_a_slow_reader_does_not_make_plain_steps_look_free(home):
 
     engine = engine_for(paced=None, drafter=False)
     engine.history = HistoryStore()  # empty: the only source, silent, so every step is plain
+    costs = cal.cost_store(engine).costs
+    samples = []
+    learn = costs.observe
+    costs.observe = lambda T, s: (samples.append((T, s)), learn(T, s))
     steps = make_mode("adaptive", engine, make_options(mode="adaptive", sources="history")).steps(
         list(range(1, 30)), Sampler(SamplingParams()), GenerationStats())
     next(steps)  # the prefill's token
@@ -273,6 +277,8 @@ def test_a_slow_reader_does_not_make_plain_steps_look_free(home):
         next(steps)
         time.sleep(0.03)  # the reader: far slower than a step of this tiny model
     steps.close()
-    costs = cal.cost_store(engine).costs
-    assert costs.counts.get(1) == 1  # the run's first step only (queued, then waited for whole)
-    assert costs.verify(1) < 0.03
+    plain = [s for T, s in samples if T == 1]
+    # The run's first step (queued, then waited for whole) is learnt; after it only a step the
+    # decoder really waited for (this machine busy), whose interval holds the reader's time too.
+    assert plain and all(s >= 0.03 for s in plain[1:]), plain
+    assert len(plain) < 12
