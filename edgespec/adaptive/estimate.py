@@ -177,14 +177,16 @@ class Costs:
 
 
 class PlainTimer:
-    """Seconds of a plain step, timed from pipelined steps (each queued before the previous
-    token is handed out).
+    """Seconds of a plain step on this device, timed from pipelined steps (each queued
+    before the previous token is handed out), for the cost curve's T = 1.
 
     A step's cost is the interval between successive tokens becoming ready, when the device
     was what the decoder waited for. When the caller holding the token was slower (a server
     waiting for its reader, a slow consumer), the next step finished meanwhile and the wait
     is next to nothing: such a step says nothing about its cost and gives no sample (the
-    interval would be the caller's time, the wait almost zero).
+    interval would be the caller's time, the wait almost zero). The first step of a run has
+    no interval: its wait, less the time spent queueing the step after it meanwhile
+    (`overlapped_s`), stands for it.
     """
 
     WAITED = 0.25  # the wait must be at least this fraction of the interval
@@ -192,12 +194,12 @@ class PlainTimer:
     def __init__(self):
         self.last: float | None = None
 
-    def sample(self, waited_s: float) -> float | None:
+    def sample(self, waited_s: float, overlapped_s: float = 0.0) -> float | None:
         """Called when a token is read, `waited_s` the wait for it -> seconds of its step, or None."""
         now = time.perf_counter()
         prev, self.last = self.last, now
-        if prev is None:  # the first step of a run: queued, then waited for, whole
-            return max(waited_s, 1e-6)
+        if prev is None:  # the first step of a run
+            return max(waited_s - overlapped_s, 1e-6)
         interval = now - prev
         return interval if waited_s >= self.WAITED * interval else None
 

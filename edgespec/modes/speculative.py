@@ -253,8 +253,8 @@ class SpeculativeMode:
             dt = time.perf_counter() - t0
             stats.verify_s += dt
             stats.verifier_passes += 1
-            step_s = timer.sample(dt)  # None: the step finished while the caller held the last token
-            ctl.record_plain(step_s if step_s is not None else 0.0)
+            ctl.record_plain(dt)
+            step_s = timer.sample(dt)  # this device's step, when dt shows it (see PlainTimer)
             if step_s is not None:
                 self._learn_verify(1, step_s)
             r += 1
