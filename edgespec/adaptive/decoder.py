@@ -43,6 +43,7 @@ from edgespec.adaptive.estimate import (
     AcceptanceStats,
     Costs,
     PlainTimer,
+    closed_top,
     gain_curve,
     merge_candidates,
     plan_tree,
@@ -55,6 +56,9 @@ from edgespec.sampling import Sampler, SamplingParams
 from edgespec.tree.candidates import SourceTree
 
 KMAX = 8  # longest drafter chain considered
+# Every PROBE_EVERY-th tree round run alone verifies all its candidates (up to the cap) when that
+# size's cost was never measured: sizes the prior priced too high get measured, not avoided.
+PROBE_EVERY = 8
 PRIORS = {
     # First guesses of the per-depth acceptance before anything is measured.
     "context:(4, False)": 0.8, "context:(3, False)": 0.6, "context:(2, False)": 0.45,
@@ -182,6 +186,7 @@ class AdaptiveDecoder:
         self.plain_s = mem.get("plain_s") or self.costs.verify(1)
         self._plain_measured = "plain_s" in mem or self.costs.measured(1)
         self.since_draft = 0
+        self._since_probe = mem.get("since_probe", 0)  # tree rounds since a size probe (see _probe)
         self.probe_wait = mem.get("probe_wait", self.probe_start)
         # Inside a batch (edgespec.batch.SeqModel): who else is in the step, to price against.
         self._batch_ctx = getattr(self.model, "batch_context", None) if self.batch_aware else None
@@ -211,7 +216,7 @@ class AdaptiveDecoder:
         try:
             yield from self._rounds(cache, seq, sampler, stats, greedy)
         finally:
-            mem.update(acc=self.acc, probe_wait=self.probe_wait, host=self._host)
+            mem.update(acc=self.acc, probe_wait=self.probe_wait, host=self._host, since_probe=self._since_probe)
             if self._plain_measured:
                 mem["plain_s"] = self.plain_s
             if self.after_request is not None:
@@ -271,6 +276,19 @@ class AdaptiveDecoder:
         if plan.probe:
             self.probe_wait = min(self.probe_wait * 2, self.probe_max)
 
+    def _probe(self, nodes, kept: list[int], cap: int) -> list[int]:
+        """Now and then, a larger tree than priced best: every candidate node up to the cap,
+        when that size was never measured (here or persisted). It commits at least what the
+        chosen tree would (a superset); it may cost more, once, and its time fills the curve."""
+        if not kept or self._in_batch():
+            return kept
+        self._since_probe += 1
+        n = min(len(nodes), cap - 1)
+        if self._since_probe < PROBE_EVERY or n <= len(kept) or self.costs.known(n + 1):
+            return kept
+        self._since_probe = 0
+        return closed_top(nodes, n)
+
     def _score(self, cands: list[Candidate], new: list[int]) -> None:
         """Learn from every candidate of the round: how far it agreed with what was committed."""
         for c in cands:
@@ -302,6 +320,7 @@ class AdaptiveDecoder:
         kept, _ = plan_tree(nodes, costs, 0.0, plain_s, cap, margin=0.0, others=others)
         if not kept and not window:
             return None
+        kept = self._probe(nodes, kept, cap)
         tree = build_tree(seq[-1], nodes, kept, cands)
         if window:
             tree.add_window(self.jacobi.levels)

@@ -167,6 +167,10 @@ class Costs:
         not only a prior."""
         return bool(self.seen) or bool(self.anchored)
 
+    def known(self, T: int) -> bool:
+        """Whether size T has been measured, here or by an earlier process (persisted)."""
+        return T in self.seen or T in self.anchored
+
     def measured(self, T: int | None = None) -> bool:
         """Whether size T (None: any size) has been measured here."""
         return bool(self.seen) if T is None else T in self.seen
@@ -263,6 +267,16 @@ def gain_curve(nodes: list[Node], max_tokens: int) -> np.ndarray:
     (edgespec.batch.cost.joint_sizes)."""
     order = _order(nodes, max_tokens - 1)
     return np.concatenate([[1.0], 1.0 + np.cumsum([nodes[i].prob for i in order])])
+
+
+def closed_top(nodes: list[Node], n: int) -> list[int]:
+    """The n most probable nodes, ancestor-closed, in topological order (a tree to verify)."""
+    keep = set(_order(nodes, n))
+    kept: list[int] = []
+    for i in range(len(nodes)):
+        if i in keep and (nodes[i].parent < 0 or nodes[i].parent in kept):
+            kept.append(i)
+    return kept
 
 
 def plan_tree(nodes: list[Node], costs: Costs, fixed_s: float = 0.0, plain_s: float | None = None,
