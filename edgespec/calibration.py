@@ -9,7 +9,10 @@ each engine holds one `CostStore` whose curve (`estimate.Costs`) starts from
 - a prior: a plain step of PRIOR_STEP_S seconds and a cost that grows by PRIOR_SLOPE of a
   step per extra token (steeper on a CPU than on an accelerator: conservative, so only
   likely candidates are verified until passes have been measured), and a drafted token
-  costing DRAFT_PRIOR of a plain step (so a drafter is only probed until it is measured),
+  costing a plain step times DRAFT_PRIOR_FACTOR times the drafter's share of the verifier's
+  weight bytes (0.087 for the default model's shipped drafter, which measured 0.087 of a step
+  on the 2-core machine), between 0.05 and 1; DRAFT_PRIOR of a step when that share is
+  unknown (a drafter without MLX weights),
 
 and learns from every pass run alone: plain steps give T = 1, tree and speculative rounds
 their own T, drafting its seconds per token. Unmeasured sizes follow the measured ones
@@ -57,7 +60,8 @@ FORMAT = 1
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
 PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (only ratios matter until then)
 PRIOR_SLOPE = {"cpu": 0.08, "gpu": 0.02}  # extra cost per extra token, in plain steps
-DRAFT_PRIOR = 0.5  # seconds per drafted token before one is measured, in plain steps
+DRAFT_PRIOR = 0.5  # seconds per drafted token before one is measured, in plain steps (share unknown)
+DRAFT_PRIOR_FACTOR = 1.5  # ... else this times the drafter's share of the verifier's weight bytes
 SAVE_EVERY_S = 30.0  # a long-running server writes at most this often (and at exit)
 SAVE_AFTER = 8  # new measurements before a write after a request
 PUBLISH_CHANGE = 0.1  # relative change of the curve at some size that republishes it (batcher)
@@ -83,6 +87,7 @@ class DraftCost:
     """Seconds per drafted token of one drafter: a moving average of measured drafting calls."""
 
     per_token: float | None = None  # None: not measured (the prior applies)
+    prior: float = DRAFT_PRIOR  # seconds per token before one is measured, in plain steps
     count: int = 0  # measurements in this process
     fresh: bool = False  # measured in this process (persist it)
 
@@ -95,22 +100,35 @@ class DraftCost:
         self.fresh = True
 
     def value(self, plain_s: float) -> float:
-        return self.per_token if self.per_token is not None else DRAFT_PRIOR * plain_s
+        return self.per_token if self.per_token is not None else self.prior * plain_s
+
+
+def weight_bytes(model) -> int:
+    """Bytes of an MLX model's parameters (0 when it has none that can be read)."""
+    if model is None or not hasattr(model, "parameters"):
+        return 0
+    try:
+        from mlx.utils import tree_flatten
+
+        return sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+    except Exception:  # noqa: BLE001  (no MLX parameters: unknown)
+        return 0
 
 
 def drafter_key(drafter) -> str:
     """What tells drafters apart in the persisted file: its name and its weights' size."""
     name = str(getattr(drafter, "name", type(drafter).__name__))
-    model = getattr(drafter, "model", None)
-    size = 0
-    if model is not None and hasattr(model, "parameters"):
-        try:
-            from mlx.utils import tree_flatten
+    return f"{name}:{weight_bytes(getattr(drafter, 'model', None))}"
 
-            size = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
-        except Exception:  # noqa: BLE001  (a drafter without MLX parameters: its name alone)
-            size = 0
-    return f"{name}:{size}"
+
+def draft_prior(drafter, verifier_bytes: int) -> float:
+    """Seconds per drafted token before one is measured, in plain steps: DRAFT_PRIOR_FACTOR x
+    the drafter's share of the verifier's weight bytes (decoding small models is about
+    reading their weights), within 0.05..1; DRAFT_PRIOR when the share is unknown."""
+    mine = weight_bytes(getattr(drafter, "model", None))
+    if not mine or not verifier_bytes:
+        return DRAFT_PRIOR
+    return min(max(DRAFT_PRIOR_FACTOR * mine / verifier_bytes, 0.05), 1.0)
 
 
 # ---------------------------------------------------------------------------- the key
@@ -248,6 +266,7 @@ class CostStore:
         self._warned: set = set()  # errnos of failed writes already reported
         self._lock = threading.Lock()
         self._published = None
+        self.verifier_bytes = 0  # the verifier's weight bytes (drafters' priors), set by cost_store
 
     @property
     def warm(self) -> bool:
@@ -310,6 +329,8 @@ class CostStore:
         d = self.drafts.get(key)
         if d is None:
             d = self.drafts[key] = DraftCost()
+        if d.per_token is None:
+            d.prior = draft_prior(drafter, self.verifier_bytes)
         return d
 
     # ------------------------------------------------------------------ persisting
@@ -443,6 +464,7 @@ def cost_store(engine) -> CostStore:
                 key = None
             path = key_path(key) if key is not None else None
         store = engine.__dict__["_cost_store"] = CostStore(key, path)
+        store.verifier_bytes = weight_bytes(engine.model)
         if path is not None:
             _STORES.add(store)
     return store

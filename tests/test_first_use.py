@@ -302,3 +302,21 @@ def test_sizes_the_prior_prices_too_high_are_probed(home, monkeypatch, probe):
         assert engine.generate(prompt, max_tokens=40).tokens == ref
     seen = cal.cost_store(engine).costs.seen
     assert (max(seen) > 8) == probe, sorted(seen)
+
+
+def test_a_drafter_is_priced_by_its_share_of_the_weights_until_timed(home):
+    """Before a drafting call is timed, a drafted token costs DRAFT_PRIOR_FACTOR x the drafter's
+    share of the verifier's weight bytes of a plain step (0.05..1); unknown share: DRAFT_PRIOR."""
+    engine = engine_for()
+    store = cal.cost_store(engine)
+    share = cal.weight_bytes(engine.drafter.model) / cal.weight_bytes(engine.model)
+    d = store.draft(engine.drafter)
+    assert store.verifier_bytes > 0 and d.prior == pytest.approx(min(max(cal.DRAFT_PRIOR_FACTOR * share, 0.05), 1))
+    assert d.value(0.2) == pytest.approx(d.prior * 0.2)
+
+    class Weightless:
+        name = "weightless"
+
+    assert store.draft(Weightless()).prior == cal.DRAFT_PRIOR
+    d.observe(3, 0.03)  # timed: the measurement, not the prior
+    assert d.value(0.2) == pytest.approx(0.01)
