@@ -10,8 +10,8 @@ each engine holds one `CostStore` whose curve (`estimate.Costs`) starts from
   step per extra token (steeper on a CPU than on an accelerator: conservative, so only
   likely candidates are verified until passes have been measured), and a drafted token
   costing a plain step times DRAFT_PRIOR_FACTOR times the drafter's share of the verifier's
-  weight bytes (0.087 for the default model's shipped drafter, which measured 0.087 of a step
-  on the 2-core machine), between 0.05 and 1; DRAFT_PRIOR of a step when that share is
+  weight bytes, between 0.05 and 1 (the default model's shipped drafter: a share of 0.087, so
+  0.13 of a step; it measured 0.087 of a step on the 2-core machine); DRAFT_PRIOR of a step when that share is
   unknown (a drafter without MLX weights),
 
 and learns from every pass run alone: plain steps give T = 1, tree and speculative rounds
