@@ -33,9 +33,11 @@ def run(args) -> int:
     options = options_from_args(args)
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
+        from edgespec.converters.default_model import default_bundle_path
+
         from edgespec.distributed.launch import join_or_launch
 
-        code, engine = join_or_launch(args)
+        code, engine = join_or_launch(args, default_bundle=default_bundle_path)
         if engine is None:
             return code
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

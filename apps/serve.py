@@ -99,9 +99,11 @@ def run(args) -> int:
 
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; only rank 0 binds and serves
+        from edgespec.converters.default_model import default_bundle_path
+
         from edgespec.distributed.launch import join_or_launch
 
-        code, engine = join_or_launch(args)
+        code, engine = join_or_launch(args, default_bundle=default_bundle_path)
         if engine is None:
             return code
     # Bind before loading so a busy port fails fast, and so --port 0 reports the real port.

@@ -98,17 +98,15 @@ def test_distributed_without_model_runs_the_default_models_bundle(monkeypatch, t
     its bundle to every rank (it used to refuse: 'needs --model BUNDLE')."""
     import argparse
 
-    import edgespec.converters.default_model as dm
-
     import edgespec.distributed.launch as launch
 
     bundle = tmp_path / "models" / "default"
     seen = {}
     monkeypatch.delenv("MLX_RANK", raising=False)
-    monkeypatch.setattr(dm, "default_bundle_path", lambda progress=True: bundle)
     monkeypatch.setattr(launch, "launch", lambda spec, argv: seen.setdefault("argv", argv) and 0)
     args = argparse.Namespace(model=None, distributed="local:2")
-    code, engine = launch.join_or_launch(args, ["generate", "--prompt", "hi", "--distributed", "local:2"])
+    code, engine = launch.join_or_launch(args, ["generate", "--prompt", "hi", "--distributed", "local:2"],
+                                         default_bundle=lambda: bundle)
     assert (code, engine) == (0, None)
     assert seen["argv"][-2:] == ["--model", str(bundle)]
 

@@ -110,16 +110,19 @@ def launch(spec: str, argv: list[str]) -> int:
     return code or (1 if failed else 0)
 
 
-def join_or_launch(args, argv: list[str] | None = None):
-    """(exit code, None) when this process only launched the group or followed; (None, engine) on rank 0."""
+def join_or_launch(args, argv: list[str] | None = None, default_bundle=None):
+    """(exit code, None) when this process only launched the group or followed; (None, engine) on rank 0.
+
+    default_bundle: a function giving the default model's bundle path (the apps pass the
+    converter's, which fetches and converts it once; the runtime never imports converters)."""
     if "MLX_RANK" not in os.environ:
         argv = list(sys.argv[1:] if argv is None else argv)
         if args.model is None:
             # The default model: a bundle of it in the cache (fetched and converted once, here,
             # before the ranks start), named to every rank by its path.
-            from edgespec.converters.default_model import default_bundle_path
-
-            argv += ["--model", str(default_bundle_path(progress=True))]
+            if default_bundle is None:
+                raise DistributedError("--distributed needs --model BUNDLE here (no default model bundle given)")
+            argv += ["--model", str(default_bundle())]
         return launch(args.distributed, argv), None
     import edgespec.distributed as dist
     from edgespec.lookahead.memory import parse_size
