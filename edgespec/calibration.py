@@ -228,16 +228,6 @@ def _plain(key):
     return json.loads(json.dumps(key, default=str))
 
 
-def _aside_name(path: Path) -> Path:
-    """<name>.corrupt, or .corrupt-1, -2, ... : an earlier one is never overwritten."""
-    aside = path.with_name(path.name + ".corrupt")
-    i = 0
-    while os.path.lexists(aside):
-        i += 1
-        aside = path.with_name(f"{path.name}.corrupt-{i}")
-    return aside
-
-
 def _positive(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
@@ -302,7 +292,9 @@ class CostStore:
                     raise ValueError(f"bad draft entry {k!r}: {v!r}")
             loaded_counts = {int(k): int(v) for k, v in counts.items() if isinstance(v, int)}
         except (ValueError, TypeError) as e:
-            aside = _aside_name(p)
+            from edgespec.safe_write import aside_name
+
+            aside = aside_name(p)
             try:
                 os.replace(p, aside)
             except OSError as err:

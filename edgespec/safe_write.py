@@ -109,6 +109,17 @@ def _shown(path: str | Path) -> str:
     return str(p) if str(p) == str(real) else f"{p} ({real})"
 
 
+def aside_name(path: Path) -> Path:
+    """Where a damaged file edgespec reads is kept: <name>.corrupt, or .corrupt-1, -2, ...
+    (an earlier one is never overwritten)."""
+    aside = path.with_name(path.name + ".corrupt")
+    i = 0
+    while os.path.lexists(aside):
+        i += 1
+        aside = path.with_name(f"{path.name}.corrupt-{i}")
+    return aside
+
+
 def protected_reason(path: str | Path) -> str | None:
     """Why `path` is never replaced (root, home folder, holding it or the working folder), else None."""
     p = Path(path).expanduser().resolve()

@@ -265,7 +265,9 @@ class HistoryStore:
                        "this history in memory only")  # fmt: skip
             return
         except ValueError as e:
-            aside = _aside_name(self.path)
+            from edgespec.safe_write import aside_name
+
+            aside = aside_name(self.path)
             try:
                 os.replace(self.path, aside)
             except OSError as err:
@@ -329,16 +331,6 @@ def read_history_file(path: Path) -> list[list[int]]:
     if pos != len(body):
         raise ValueError(f"{len(body) - pos} unexpected bytes after the last document")
     return docs
-
-
-def _aside_name(path: Path) -> Path:
-    """<name>.corrupt, or .corrupt-1, -2, ... : an earlier one is never overwritten."""
-    aside = path.with_name(path.name + ".corrupt")
-    i = 0
-    while os.path.lexists(aside):
-        i += 1
-        aside = path.with_name(f"{path.name}.corrupt-{i}")
-    return aside
 
 
 def history_mode(value: str | None = None) -> str:
