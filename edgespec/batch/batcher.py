@@ -133,31 +133,26 @@ class Request:
         log.warning("%s; that request ends, the others go on", err)
         self.fail(err)
 
+    def _ask(self, name: str, callback: Callable[[], bool]) -> bool:
+        """The caller's yes/no callback; one that raises fails this request (never the worker)
+        and counts as True (stop / go on: either way the request ends next)."""
+        try:
+            return bool(callback())
+        except GreenletExit:
+            raise
+        except BaseException as e:
+            self._callback_failed(name, e)
+            return True
+
     @property
     def cancelled(self) -> bool:
         if self._cancelled.is_set():
             return True
-        if self.cancel_check is None:
-            return False
-        try:
-            return bool(self.cancel_check())
-        except GreenletExit:
-            raise
-        except BaseException as e:  # the caller's code: it fails this request, never the worker
-            self._callback_failed("cancel", e)
-            return True
+        return self.cancel_check is not None and self._ask("cancel", self.cancel_check)
 
     def is_ready(self) -> bool:
         """Whether its reader took the last chunk (always, for a reader that does not pull)."""
-        if self.ready is None:
-            return True
-        try:
-            return bool(self.ready())
-        except GreenletExit:
-            raise
-        except BaseException as e:
-            self._callback_failed("ready", e)
-            return True
+        return self.ready is None or self._ask("ready", self.ready)
 
     def send(self, kind: str, payload: Any) -> None:
         """Hand one event to the caller's `emit`. The end ("done" or "error") is sent once, and
