@@ -88,9 +88,7 @@ class Engine:
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        if messages is not None:
-            if not isinstance(messages, list) or not messages:
-                raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        if messages is not None:  # checked message by message (tokenizer.chat_messages)
             ids = self.tokenizer.encode_chat(messages, context_length=self.context_length)
         elif isinstance(prompt, str):
             if not prompt:
