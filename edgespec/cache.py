@@ -4,6 +4,20 @@ Keys and values live in a preallocated buffer that grows in steps of `step`
 positions; `offset` is the number of valid positions. Rolling back (`trim`) is
 just lowering `offset`: the stale entries are overwritten by the next write, so
 rejecting draft tokens costs nothing.
+
+The per-layer state protocol every cache kind implements (decoders and the prefix
+cache, edgespec.prefix_cache, call only this):
+
+- `offset`: positions held; `trim(n)` drops the last n; `keep(start, indices)` keeps a
+  tree/lookahead step's accepted branch;
+- `export_span(start, end)`: what a fresh cache needs to hold positions [start, end)
+  after [0, start), as new arrays (never views of a buffer that is written later), or
+  None where the layer cannot give that span now;
+- `import_span(parts)`: append what `export_span` gave, at `offset`.
+
+`span_kind` says what an exported span is: "positions" (attention: one entry per
+position, any span can be exported) or "state" (recurrent/convolution layers: the state
+after `end`, exportable only while `end == offset`; import replaces the state).
 """
 
 from __future__ import annotations
@@ -70,6 +84,17 @@ class KVCache:
             self.values[..., start : start + n, :] = mx.take(self.values, idx, axis=2)
         self.offset = start + len(indices)
 
+    span_kind = "positions"
+
+    def export_span(self, start: int, end: int) -> tuple[mx.array, mx.array] | None:
+        """Keys and values of positions [start, end), copied out of the buffer."""
+        if self.keys is None or not 0 <= start < end <= self.offset:
+            return None
+        return export_kv(self.keys, self.values, start, end)
+
+    def import_span(self, parts: tuple[mx.array, mx.array]) -> None:
+        self.update_and_fetch(*parts)
+
     @property
     def state(self) -> tuple[mx.array, mx.array] | None:
         if self.keys is None:
@@ -81,6 +106,15 @@ class KVCache:
         if self.keys is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
+
+
+def export_kv(keys: mx.array, values: mx.array, start: int, end: int) -> tuple[mx.array, mx.array]:
+    """Positions [start, end) of (B, Hk, capacity, D) buffers as arrays of their own: a copy,
+    so the buffer stays the only holder of its memory and is still written in place."""
+    k = mx.contiguous(keys[..., start:end, :]) + 0
+    v = mx.contiguous(values[..., start:end, :]) + 0
+    mx.eval(k, v)
+    return k, v
 
 
 def trim_caches(caches: list[KVCache], n: int) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache
+from edgespec.cache import KVCache, export_kv
 
 
 class KVArena:
@@ -247,6 +247,19 @@ class SlotCache:
     @property
     def values(self) -> mx.array | None:
         return self._buffer("values")
+
+    span_kind = "positions"
+
+    def export_span(self, start: int, end: int) -> tuple[mx.array, mx.array] | None:
+        if self.own is not None:
+            return self.own.export_span(start, end)
+        st = self.state
+        if st is None or not 0 <= start < end <= self._offset:
+            return None
+        return export_kv(st[0], st[1], start, end)
+
+    def import_span(self, parts: tuple[mx.array, mx.array]) -> None:
+        self.update_and_fetch(*parts)
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | None:
