@@ -47,6 +47,7 @@ def load(
     progress: bool = True,
     verify_hashes: bool = True,
     history: str | None = None,
+    prompt_cache_bytes: int | None = None,
 ) -> Engine:
     """Load a bundle, HF folder or GGUF file (default: SmolLM2-135M-Instruct) into an Engine.
 
@@ -55,6 +56,9 @@ def load(
     `history`: earlier prompts and replies as a draft source for mode auto: "memory"
     (this process only), "disk" ($EDGESPEC_HOME/history) or "off"; None =
     $EDGESPEC_HISTORY, else "memory". History shapes drafts only, never the output.
+    `prompt_cache_bytes`: how much of earlier prompts' and replies' caches to keep for
+    requests that start the same way (edgespec.prefix_cache); None = a share of the memory
+    budget, 0 = off. Reuse never changes the output.
     """
     from edgespec.adaptive.history import history_mode
     from edgespec.loader import load as load_any
@@ -69,6 +73,7 @@ def load(
         loaded = load_any(model, verify_hashes=verify_hashes)
     from edgespec.drafters import attach_drafter
 
-    engine = Engine(loaded, history=history)
+    engine = Engine(loaded, history=history, prompt_cache_bytes=prompt_cache_bytes)
+    engine.prefix_cache  # a bad bound fails here, not at the first request
     attach_drafter(engine, drafter)
     return engine

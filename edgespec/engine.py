@@ -18,6 +18,12 @@ from edgespec.options import GenerateOptions
 from edgespec.sampling import SamplingParams
 
 
+# The prefix cache's default bound: this share of what the memory budget leaves for caches
+# (the batch's own budget is what remains), or this many bytes when nothing is known.
+PROMPT_CACHE_SHARE = 0.2
+PROMPT_CACHE_UNKNOWN_BUDGET = 512 << 20
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -44,6 +50,9 @@ class Engine:
     # "disk" ($EDGESPEC_HOME/history), "off"; None = $EDGESPEC_HISTORY or "memory".
     history: Any = None
     max_batch: int | None = None  # generations decoded together; None = from the memory budget
+    # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.prefix_cache):
+    # None = PROMPT_CACHE_SHARE of the memory budget's cache share, 0 = no reuse.
+    prompt_cache_bytes: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
@@ -184,6 +193,33 @@ class Engine:
             mode = make_mode(mode_name, self, options)
         stats.mode = getattr(mode, "name", mode_name)
         return mode
+
+    @property
+    def prefix_cache(self):
+        """The prefix cache every generation restores from and stores into (created at first use)."""
+        pc = self.__dict__.get("_prefix_cache")
+        if pc is None:
+            with self._lock:
+                pc = self.__dict__.get("_prefix_cache")
+                if pc is None:
+                    from edgespec.prefix_cache import PrefixCache
+
+                    pc = self.__dict__["_prefix_cache"] = PrefixCache(self._prompt_cache_limit())
+        return pc
+
+    def _prompt_cache_limit(self) -> int:
+        if self.prompt_cache_bytes is not None:
+            limit = self.prompt_cache_bytes
+            if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
+                raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0 (0 turns "
+                                 f"prefix reuse off), got {limit!r}")
+            return int(limit)
+        from edgespec.batch import memory
+
+        budget = memory.cache_budget(self, memory.free_memory_now() if self.memory_budget is None else None)
+        if budget == float("inf"):
+            return PROMPT_CACHE_UNKNOWN_BUDGET
+        return max(int(budget * PROMPT_CACHE_SHARE), 0)
 
     @property
     def batcher(self):

@@ -47,6 +47,7 @@ class GenerationStats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # tree modes: kept drafts per source
     notes: list[str] = field(default_factory=list)
     peak_memory_bytes: int = 0
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (not prefilled)
 
     @property
     def tokens_per_s(self) -> float:
@@ -111,21 +112,43 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
 
     features=True also returns the final-norm hidden states of every prompt
     position (P, E) (for a feature drafter): (logits, features)."""
+    # The engine's prefix cache (edgespec.prefix_cache), when `model` is a request's view of
+    # the verifier: the longest cached prefix is restored and only the rest is run. Not for
+    # features=True (the hidden states of the restored positions are not kept).
+    reuse_of = None if features else getattr(model, "prefix_reuse", None)
+    reuse = reuse_of(cache) if callable(reuse_of) else None
+    done = reuse.restore(tokens, cache) if reuse is not None else 0
+    # Recurrent layers export their state only where it stands: pause at the last block
+    # boundary so the prompt's blocks can be stored whole.
+    pause = None
+    if reuse is not None and reuse.needs_boundary(cache):
+        B = reuse.store.block
+        pause = (len(tokens) - 1) // B * B
+        if pause <= done:
+            pause = None
     logits = None
     feats = []
-    if len(tokens) > chunk:
+    if len(tokens) - done > chunk:
         for c in cache:
             if hasattr(c, "reserve"):
-                c.reserve(c.offset + len(tokens))  # one allocation, not one regrowth per chunk
-    for start in range(0, len(tokens), chunk):
-        piece = mx.array([int(t) for t in tokens[start : start + chunk]], dtype=mx.int32)[None]
+                c.reserve(c.offset + len(tokens) - done)  # one allocation, not one regrowth per chunk
+    starts = list(range(done, len(tokens), chunk))
+    if pause is not None:
+        starts = sorted(set(starts) | {pause})
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(tokens)
+        piece = mx.array([int(t) for t in tokens[start:end]], dtype=mx.int32)[None]
         if features:
             logits, h = model(piece, cache, return_hidden=True, last_only=True)
             feats.append(h[0])
         else:
             logits = model(piece, cache, last_only=True)
-        if start + chunk < len(tokens):
-            mx.eval([c.keys for c in cache if c.keys is not None] + feats)
+        if end < len(tokens):
+            mx.eval([c.keys for c in cache if getattr(c, "keys", None) is not None] + feats)
+        if reuse is not None and end == pause:
+            reuse.store_prompt(tokens, pause)
+    if reuse is not None:
+        reuse.store_prompt(tokens, len(tokens))
     if features:
         return logits[0, -1], mx.concatenate(feats, axis=0)
     return logits[0, -1]

@@ -205,6 +205,17 @@ class SeqModel:
             return caches
         return self._batcher.arena_caches(self._seq, caches)
 
+    def prefix_reuse(self, cache):
+        """This request's use of the engine's prefix cache for the verifier's `cache`
+        (edgespec.generate.prefill restores and stores through it), or None."""
+        store = self._batcher.engine.prefix_cache
+        if self._seq is None or store is None or not store.enabled or len(cache) != len(self._model.layers):
+            return None
+        from edgespec.prefix_cache import Reuse
+
+        self._seq.reuse = Reuse(store, self._seq.req.stats)
+        return self._seq.reuse
+
     def speculation_allowed(self) -> bool:
         """Whether this step's regime lets an adaptive row speculate at all (the batch's
         measured guard, edgespec.batch.guard); True alone."""
@@ -254,6 +265,7 @@ class _Seq:
         self.extra_s = 0.0  # host seconds its tree round costs beyond a plain step
         self.key = next(_KEYS)  # admission order: the tie-break of the joint choice
         self.arena_rows: dict[int, list] = {}  # rows of the batch's KV arena it holds -> its SlotCaches
+        self.reuse = None  # its prefix-cache use (edgespec.prefix_cache.Reuse), once its prompt ran
 
 
 class Batcher:
@@ -297,7 +309,9 @@ class Batcher:
     # ------------------------------------------------------------ caller side
     @property
     def budget(self) -> float:
-        return memory.cache_budget(self.engine, self._free_at_start)
+        """What the live sequences' caches may hold: the memory budget's cache share, less
+        what the engine's prefix cache may keep."""
+        return memory.cache_budget(self.engine, self._free_at_start) - self.engine.prefix_cache.max_bytes
 
     def submit(self, req: Request) -> None:
         """Queue `req`; raises MemoryBudgetError when it could never fit."""
@@ -719,6 +733,7 @@ class Batcher:
         req, engine = seq.req, self.engine
         stats = req.stats
         reply: list[int] = []
+        ok = False
         try:
             mode = engine.build_mode(req.options, req.mode_name, stats)
             if getattr(mode, "model", None) is engine.model:
@@ -736,10 +751,16 @@ class Batcher:
                     req.send("chunk", chunk)
                     if req.ready is not None and not chunk.finish_reason and not req.is_ready():
                         self._hub.switch(_WAIT)  # resumed once the reader has taken it
+                ok = True
             except Cancelled:
+                ok = True
                 req.send("chunk", Chunk("", [], "cancelled"))
             finally:
                 chunks.close()
+                if seq.reuse is not None:
+                    if ok:  # the reply's committed positions, for the next turn (prefix_cache)
+                        seq.reuse.commit(list(req.ids) + reply)
+                    seq.reuse = None
                 if engine.history is not None and reply:
                     engine.history.add(list(req.ids) + reply)
                 get_peak = getattr(mx, "get_peak_memory", None)

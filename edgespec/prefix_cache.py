@@ -1,0 +1,349 @@
+"""Prefix reuse: the verifier's caches of earlier prompts and replies, kept for later requests.
+
+A chat app resends its whole conversation every turn and an agent resends the same long
+system prompt every request; prefilling all of it again each time makes the first token
+wait on the conversation's length. The engine keeps the verifier's per-layer cache state
+of what it has seen in a token trie of fixed-size blocks (a radix tree whose edges are
+`block` tokens): a new request restores the longest cached prefix of its prompt into its
+fresh caches and prefills only the rest.
+
+What a node stores per layer is whatever that layer's cache exports (the state protocol of
+edgespec.cache): for attention ("positions" layers) the keys and values of the block's
+positions; for recurrent or convolution layers ("state") the state after the block, where
+one was taken (edgespec.generate.prefill pauses at the last block boundary for such
+models). A prefix is restored at the deepest node every layer can start from.
+
+What is stored is exact: the prompt's positions right after its prefill, and at the end of
+a request the positions of its reply that every decoding mode has committed by then (all
+but the last token handed out: a mode's cache holds the verified tokens in order up to
+there, whatever drafts it rejected; tests/test_prefix_cache.py checks this for every mode
+against a fresh prefill).
+
+Bounded by bytes (`max_bytes`; 0 turns reuse off), least recently used leaves evicted first
+(a node is used whenever a request walks through it, so a parent is never older than its
+children), pinned nodes (a loaded prompt cache or session) never evicted. Thread-safe: the
+trie changes under one lock; arrays are immutable once stored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+BLOCK = 32  # tokens per trie edge
+
+
+class _Node:
+    __slots__ = ("key", "parent", "children", "parts", "nbytes", "used", "pinned")
+
+    def __init__(self, key: tuple[int, ...], parent: _Node | None):
+        self.key, self.parent = key, parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.parts: list | None = None  # per layer: what its cache exported for this block, or None
+        self.nbytes = 0
+        self.used = 0
+        self.pinned = False
+
+
+@dataclass
+class PrefixStats:
+    blocks: int
+    bytes: int
+    max_bytes: int
+    lookups: int
+    hits: int
+    reused_tokens: int
+    evicted_blocks: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _nbytes(parts) -> int:
+    return sum(a.nbytes for p in parts if p is not None for a in p)
+
+
+def layer_kinds(caches) -> list[str] | None:
+    """Each layer's span kind, or None when some cache does not implement the state protocol."""
+    kinds = []
+    for c in caches:
+        kind = getattr(c, "span_kind", None)
+        if kind not in ("positions", "state") or not hasattr(c, "export_span"):
+            return None
+        kinds.append(kind)
+    return kinds
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int, block: int = BLOCK):
+        if max_bytes < 0:
+            raise ValueError(f"prompt cache bytes must be >= 0, got {max_bytes}")
+        if block < 1:
+            raise ValueError(f"block must be >= 1 token, got {block}")
+        self.max_bytes, self.block = int(max_bytes), int(block)
+        self._lock = threading.Lock()
+        self._root = _Node((), None)
+        self._clock = itertools.count(1)
+        self._kinds: list[str] | None = None  # the layer layout every stored node follows
+        self.bytes = 0
+        self.blocks = 0
+        self.lookups = self.hits = self.reused_tokens = self.evicted_blocks = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    # ------------------------------------------------------------------ reading
+    def _walk(self, tokens: list[int], limit: int) -> list[_Node]:
+        """The stored nodes along `tokens`' full blocks, up to `limit` positions (lock held)."""
+        path, node, B = [], self._root, self.block
+        for s in range(0, limit - B + 1, B):
+            node = node.children.get(tuple(tokens[s : s + B]))
+            if node is None or node.parts is None:
+                break
+            path.append(node)
+        return path
+
+    def _usable(self, path: list[_Node], kinds: list[str]) -> int:
+        """How many nodes of `path` a fresh set of caches can be restored to: every
+        positions layer needs every block's span, every state layer the last node's state."""
+        depth = 0
+        for d, node in enumerate(path, 1):
+            if any(p is None for p, k in zip(node.parts, kinds, strict=True) if k == "positions"):
+                break
+            if all(p is not None for p, k in zip(node.parts, kinds, strict=True) if k == "state"):
+                depth = d
+        return depth
+
+    def match(self, tokens: list[int], caches=None) -> int:
+        """Positions of `tokens` a request could restore now (at most len(tokens) - 1: the
+        last prompt token is always run, for its logits)."""
+        kinds = layer_kinds(caches) if caches is not None else self._kinds
+        if not self.enabled or kinds is None or kinds != self._kinds:
+            return 0
+        with self._lock:
+            return self._usable(self._walk(tokens, len(tokens) - 1), kinds) * self.block
+
+    def restore(self, tokens: list[int], caches) -> int:
+        """Fill empty `caches` with the longest cached prefix of `tokens` (at most
+        len(tokens) - 1 positions); returns the positions restored."""
+        kinds = layer_kinds(caches)
+        if not self.enabled or kinds is None or any(c.offset for c in caches):
+            return 0
+        with self._lock:
+            self.lookups += 1
+            if kinds != self._kinds:
+                return 0
+            path = self._walk(tokens, len(tokens) - 1)
+            path = path[: self._usable(path, kinds)]
+            if not path:
+                return 0
+            now = next(self._clock)
+            for node in path:
+                node.used = now
+            self.hits += 1
+            self.reused_tokens += len(path) * self.block
+            layers = [[n.parts[i] for n in path] for i in range(len(kinds))]
+        for cache, kind, parts in zip(caches, kinds, layers, strict=True):
+            if kind == "positions":
+                joined = parts[0] if len(parts) == 1 else tuple(
+                    mx.concatenate([p[j] for p in parts], axis=-2) for j in range(len(parts[0])))
+                cache.import_span(joined)
+            else:
+                cache.import_span(parts[-1])
+        return len(path) * self.block
+
+    # ------------------------------------------------------------------ writing
+    def store(self, tokens: list[int], caches, upto: int, pin: bool = False) -> int:
+        """Keep the full blocks of `tokens[:upto]` whose state `caches` hold (positions
+        beyond their offset are not). Returns the positions now cached along `tokens`."""
+        kinds = layer_kinds(caches)
+        if not self.enabled or kinds is None:
+            return 0
+        B = self.block
+        upto = min(upto, len(tokens), min(c.offset for c in caches))
+        with self._lock:
+            if self._kinds is None or not self._root.children:
+                self._kinds = kinds
+            elif kinds != self._kinds:
+                return 0  # another layout (a different model's caches): not mixed in
+            node, now, s = self._root, next(self._clock), 0
+            new: list[_Node] = []
+            while s + B <= upto:
+                key = tuple(tokens[s : s + B])
+                child = node.children.get(key)
+                if child is None:
+                    child = node.children[key] = _Node(key, node)
+                    self.blocks += 1
+                if child.parts is None or (kinds != ["positions"] * len(kinds) and s + B == upto
+                                           and any(p is None for p in child.parts)):
+                    new.append(child)
+                child.used = now
+                child.pinned = child.pinned or pin
+                node, s = child, s + B
+        # Exported outside the lock (copies out of the caches' buffers); attached under it.
+        exports = []
+        for child in new:
+            end = _depth(child) * B
+            parts = [c.export_span(end - B, end) for c in caches]
+            exports.append((child, parts))
+        with self._lock:
+            for child, parts in exports:
+                if not _attached(child, self._root):
+                    continue  # evicted meanwhile
+                if child.parts is not None:
+                    parts = [p if p is not None else q for p, q in zip(parts, child.parts, strict=True)]
+                    self.bytes -= child.nbytes
+                child.parts, child.nbytes = parts, _nbytes(parts)
+                self.bytes += child.nbytes
+            self._prune_empty()
+            self._evict()
+            return len(self._walk(tokens, upto)) * B
+
+    def _prune_empty(self) -> None:
+        """Drop nodes that never got their parts (a failed export) and have no children (lock held)."""
+        stack = [self._root]
+        while stack:
+            n = stack.pop()
+            for k, c in list(n.children.items()):
+                if c.parts is None and not c.children:
+                    del n.children[k]
+                    self.blocks -= 1
+                else:
+                    stack.append(c)
+
+    def _evict(self) -> None:
+        """Least recently used unpinned leaves go until the bytes fit (lock held)."""
+        if self.bytes <= self.max_bytes:
+            return
+        leaves = [n for n in self._nodes() if not n.children and not n.pinned]
+        leaves.sort(key=lambda n: n.used)
+        while self.bytes > self.max_bytes and leaves:
+            n = leaves.pop(0)
+            parent = n.parent
+            del parent.children[n.key]
+            self.bytes -= n.nbytes
+            self.blocks -= 1
+            self.evicted_blocks += 1
+            if parent is not self._root and not parent.children and not parent.pinned:
+                # the parent became a leaf: it takes its place in the order
+                i = 0
+                while i < len(leaves) and leaves[i].used <= parent.used:
+                    i += 1
+                leaves.insert(i, parent)
+
+    def _nodes(self):
+        stack = list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._root = _Node((), None)
+            self.bytes = self.blocks = 0
+            self._kinds = None
+
+    def unpin(self) -> None:
+        with self._lock:
+            for n in self._nodes():
+                n.pinned = False
+            self._evict()
+
+    def stats(self) -> PrefixStats:
+        with self._lock:
+            return PrefixStats(self.blocks, self.bytes, self.max_bytes, self.lookups, self.hits,
+                               self.reused_tokens, self.evicted_blocks)
+
+    def lru_order(self) -> list[tuple[int, ...]]:
+        """Leaves' first tokens in eviction order (for tests and /health)."""
+        with self._lock:
+            leaves = [n for n in self._nodes() if not n.children and not n.pinned]
+            return [n.key for n in sorted(leaves, key=lambda n: n.used)]
+
+    # ------------------------------------------------------------------ persistence
+    def export_prefix(self, tokens: list[int]) -> tuple[int, list[list]]:
+        """(positions, per node per layer parts) of the cached path along `tokens` (all of
+        it, up to len(tokens)); what edgespec.sessions writes to disk."""
+        with self._lock:
+            path = self._walk(tokens, len(tokens))
+            kinds = self._kinds or []
+            path = path[: self._usable(path, kinds)] if kinds else []
+            return len(path) * self.block, [list(n.parts) for n in path], list(kinds)
+
+    def import_prefix(self, tokens: list[int], nodes: list[list], kinds: list[str], pin: bool = False) -> int:
+        """Put a saved path back (edgespec.sessions); returns the positions now cached."""
+        B = self.block
+        if len(nodes) * B > len(tokens):
+            raise ValueError(f"{len(nodes)} blocks of {B} need {len(nodes) * B} tokens, got {len(tokens)}")
+        with self._lock:
+            if self._kinds is None or not self._root.children:
+                self._kinds = list(kinds)
+            elif list(kinds) != self._kinds:
+                raise ValueError("the saved cache's layer layout is not this model's")
+            node, now = self._root, next(self._clock)
+            for i, parts in enumerate(nodes):
+                key = tuple(tokens[i * B : (i + 1) * B])
+                child = node.children.get(key)
+                if child is None:
+                    child = node.children[key] = _Node(key, node)
+                    self.blocks += 1
+                if child.parts is None:
+                    child.parts, child.nbytes = list(parts), _nbytes(parts)
+                    self.bytes += child.nbytes
+                child.used, child.pinned = now, child.pinned or pin
+                node = child
+            self._evict()
+            return len(self._walk(tokens, len(tokens))) * B
+
+
+def _depth(node: _Node) -> int:
+    d = 0
+    while node.parent is not None:
+        d, node = d + 1, node.parent
+    return d
+
+
+def _attached(node: _Node, root: _Node) -> bool:
+    while node.parent is not None:
+        if node.parent.children.get(node.key) is not node:
+            return False
+        node = node.parent
+    return node is root
+
+
+class Reuse:
+    """One request's use of the engine's prefix cache: restore at its prefill, store its
+    prompt after it, and at its end the reply positions its mode has committed."""
+
+    def __init__(self, store: PrefixCache, stats=None):
+        self.store, self.stats = store, stats
+        self.caches = None
+        self.restored = 0
+
+    def restore(self, tokens: list[int], caches) -> int:
+        self.caches = caches
+        self.restored = self.store.restore(tokens, caches)
+        if self.stats is not None:
+            self.stats.cached_tokens = self.restored
+        return self.restored
+
+    def needs_boundary(self, caches) -> bool:
+        """Whether prefill must pause at the last block boundary (state layers only export there)."""
+        kinds = layer_kinds(caches)
+        return kinds is not None and "state" in kinds
+
+    def store_prompt(self, tokens: list[int], upto: int) -> None:
+        if self.caches is not None:
+            self.store.store(tokens, self.caches, upto)
+
+    def commit(self, tokens: list[int]) -> None:
+        """At the request's end: `tokens` = prompt + the reply handed out. All but the last
+        are in the mode's cache in order (see the module docstring)."""
+        if self.caches is not None and len(tokens) > 1:
+            self.store.store(tokens, self.caches, len(tokens) - 1)
+        self.caches = None
