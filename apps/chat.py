@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from edgespec.apps.common import (
+    add_cache_arguments,
     add_decoding_arguments,
     add_model_arguments,
+    load_prompt_caches,
     options_from_args,
     print_notes,
 )
 
-HELP = "chat with a model in the terminal (streams replies; /reset, /stats, /quit)"
+HELP = "chat with a model in the terminal (streams replies; /reset, /save, /load, /stats, /quit)"
 DESCRIPTION = (
     "Chat in the terminal. Replies stream as they are generated and tokens/s is shown after "
-    "each. Commands: /reset clears the conversation, /stats shows the last reply's decoding "
-    "statistics, /quit leaves. Ctrl-C stops the current reply and keeps the session. "
+    "each. The conversation's cache is kept between turns: a new turn runs only its new "
+    "message (the stats line shows how many tokens were reused). Commands: /reset clears "
+    "the conversation and frees its cache, /save FILE and /load FILE keep the conversation "
+    "and its cache on disk, /stats shows the last reply's decoding statistics, /quit leaves. "
+    "A conversation that outgrows the context window loses its oldest turns (the system "
+    "prompt stays), with a note. Ctrl-C stops the current reply and keeps the session. "
     "Non-interactive: --prompt TEXT answers once; piped stdin is read one user turn per line."
 )
-COMMANDS = "/reset  clear the conversation\n/stats  statistics of the last reply\n/quit   leave"
+COMMANDS = (
+    "/reset       clear the conversation and free its cache\n"
+    "/save FILE   save the conversation and its cache (atomic; only over a file edgespec saved)\n"
+    "/load FILE   load a saved conversation and its cache (same model and tokenizer only)\n"
+    "/stats       statistics of the last reply\n"
+    "/quit        leave"
+)
 
 
 def add_arguments(p) -> None:
@@ -30,6 +43,10 @@ def add_arguments(p) -> None:
     p.add_argument("--system", default=None, help="system prompt placed before the conversation")
     p.add_argument("--prompt", default=None, help="answer this one message and exit (non-interactive)")
     p.add_argument("--no-stats", action="store_true", help="do not print tokens/s after each reply")
+    p.add_argument("--session", default=None, metavar="FILE",
+                   help="load the conversation and its cache from FILE at start (when it exists) and save "
+                        "them there at exit (as /load and /save)")
+    add_cache_arguments(p)
 
 
 class ChatSession:
@@ -40,6 +57,7 @@ class ChatSession:
         self.out, self.err = out, err
         self.history: list[dict[str, str]] = []
         self.last_stats = None
+        self.tokens: list[int] = []  # the last turn's prompt and reply: what its cache holds
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -47,18 +65,34 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history.clear()
+        self.tokens = []
+        self.engine.prefix_cache.clear(keep_pinned=True)
+
+    def _prompt(self) -> list[int]:
+        """The conversation's tokens; when it outgrows the context window (with room for a
+        reply), its oldest whole turns go first (the system prompt and the new message stay)."""
+        ids, dropped = self.engine.fit_messages(self.messages(), self.options.max_tokens)
+        if dropped:
+            starts = [i for i, m in enumerate(self.history) if m["role"] == "user"]
+            del self.history[: starts[dropped]]
+            self.err.write(f"[the conversation outgrew the context window ({self.engine.context_length} tokens): "
+                           f"dropped its {dropped} oldest turn{'s' if dropped > 1 else ''}]\n")
+        return ids
 
     def reply(self, user_text: str, show_stats: bool = True) -> str:
         self.history.append({"role": "user", "content": user_text})
         pieces: list[str] = []
+        tokens: list[int] = []
         interrupted = False
         try:
-            stream = self.engine.stream(messages=self.messages(), options=self.options)
+            ids = self._prompt()
+            stream = self.engine.stream(ids, options=self.options)
         except Exception:
             self.history.pop()
             raise
         try:
             for chunk in stream:
+                tokens.extend(chunk.tokens)
                 if chunk.text:
                     pieces.append(chunk.text)
                     self.out.write(chunk.text)
@@ -71,15 +105,37 @@ class ChatSession:
         self.out.write("\n")
         self.out.flush()
         self.history.append({"role": "assistant", "content": text})
+        self.tokens = ids + tokens
         self.last_stats = self.engine.last_stats
         if interrupted:
             self.err.write("[reply stopped]\n")
         if self.last_stats is not None:
             print_notes(self.engine, self.last_stats)
             if show_stats:
-                self.err.write(f"[{self.last_stats.tokens_per_s:.1f} tok/s, {self.last_stats.generated_tokens} tokens]\n")
+                s = self.last_stats
+                cached = f", {s.cached_tokens} of {s.prompt_tokens} prompt tokens reused" if s.cached_tokens else ""
+                self.err.write(f"[{s.tokens_per_s:.1f} tok/s, {s.generated_tokens} tokens{cached}]\n")
         self.err.flush()
         return text
+
+    def save(self, path: str) -> None:
+        from edgespec import sessions
+
+        n = sessions.save(self.engine, path, self.tokens,
+                          {"kind": "chat", "system": self.system, "messages": self.history})
+        self.err.write(f"[saved {len(self.history)} messages and {n} cached tokens to {path}]\n")
+
+    def load(self, path: str) -> None:
+        from edgespec import sessions
+        from edgespec.tokenizer import chat_messages
+
+        tokens, extra, n = sessions.load(self.engine, path)
+        if extra.get("kind") != "chat":
+            raise sessions.SessionFileError(f"{path} is a saved prompt cache, not a chat session "
+                                            "(use it with --prompt-cache)")
+        messages = chat_messages(extra["messages"]) if extra.get("messages") else []
+        self.history, self.system, self.tokens = messages, extra.get("system"), tokens
+        self.err.write(f"[loaded {len(messages)} messages and {n} cached tokens from {path}]\n")
 
     def handle(self, line: str, show_stats: bool = True) -> bool:
         """Process one input line; False means quit."""
@@ -88,9 +144,19 @@ class ChatSession:
             return True
         if cmd in ("/quit", "/exit"):
             return False
+        word, _, arg = cmd.partition(" ")
+        arg = arg.strip()
         if cmd == "/reset":
             self.reset()
             self.err.write("[conversation cleared]\n")
+        elif word in ("/save", "/load"):
+            if not arg:
+                self.err.write(f"usage: {word} FILE\n")
+                return True
+            try:
+                (self.save if word == "/save" else self.load)(arg)
+            except (ValueError, OSError) as e:  # refused or failed: the conversation is as it was
+                self.err.write(f"error: {e}\n")
         elif cmd == "/stats":
             s = self.last_stats
             self.err.write((s.summary() if s else "no reply yet") + "\n")
@@ -120,7 +186,18 @@ def run(args) -> int:
         if engine is None:
             return code
     engine = engine or load_engine(args)
+    load_prompt_caches(engine, args)
     session = ChatSession(engine, options, args.system)
+    if args.session and os.path.exists(args.session):
+        session.load(args.session)
+    try:
+        return _loop(session, args, engine)
+    finally:
+        if args.session and session.history:
+            session.save(args.session)
+
+
+def _loop(session, args, engine) -> int:
     show = not args.no_stats
     if args.prompt is not None:
         session.reply(args.prompt, show)

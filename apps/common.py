@@ -36,6 +36,38 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompt cache")
+    g.add_argument(
+        "--prompt-cache-bytes",
+        default=None,
+        metavar="SIZE",
+        help="memory kept for earlier prompts' and replies' caches, so a request that starts the same "
+        "way (the next chat turn, a shared system prompt) runs only what is new, e.g. 500M or 2G; "
+        "0 turns reuse off (default: a fifth of what the memory budget leaves for caches)",
+    )
+    g.add_argument(
+        "--prompt-cache",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a prompt prefilled once by `edgespec cache-prompt` (repeatable): requests that start with "
+        "it reuse its cache; kept in memory for the whole run",
+    )
+
+
+def load_prompt_caches(engine, args) -> None:
+    """Put the --prompt-cache files into the engine's prefix cache (pinned: never evicted)."""
+    from edgespec import sessions
+
+    for path in getattr(args, "prompt_cache", None) or []:
+        tokens, extra, n = sessions.load(engine, path, pin=True)
+        if extra.get("kind") != "prompt":
+            raise sessions.SessionFileError(f"{path} is a saved chat session, not a prompt cache "
+                                            "(load it with `edgespec chat --session` or /load)")
+        print(f"[edgespec] prompt cache {path}: {n} of its {len(tokens)} tokens ready", file=sys.stderr)
+
+
 def _options_help() -> str:
     from edgespec.modes import SCHEMAS
 
@@ -114,8 +146,11 @@ def load_engine(args, progress: bool = True):
     from edgespec.lookahead.memory import parse_size
 
     budget = parse_size(getattr(args, "memory_budget", None))  # a bad size fails before the model loads
+    cache_bytes = getattr(args, "prompt_cache_bytes", None)
+    cache_bytes = None if cache_bytes is None else parse_size(cache_bytes, allow_zero=True, what="--prompt-cache-bytes")
     engine = edgespec.load(
-        args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None)
+        args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None),
+        prompt_cache_bytes=cache_bytes,
     )
     if budget:
         engine.memory_budget = budget

@@ -74,6 +74,6 @@ def load(
     from edgespec.drafters import attach_drafter
 
     engine = Engine(loaded, history=history, prompt_cache_bytes=prompt_cache_bytes)
-    engine.prefix_cache  # a bad bound fails here, not at the first request
+    engine._prompt_cache_limit()  # a bad bound fails here, not at the first request
     attach_drafter(engine, drafter)
     return engine

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "serve": "edgespec.apps.serve",
     "bench": "edgespec.apps.bench",
     "distill": "edgespec.apps.distill",
+    "cache-prompt": "edgespec.apps.cache_prompt",
 }
 
 

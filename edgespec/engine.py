@@ -17,7 +17,6 @@ from edgespec.modes import available_modes, make_mode
 from edgespec.options import GenerateOptions
 from edgespec.sampling import SamplingParams
 
-
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
 # (the batch's own budget is what remains), or this many bytes when nothing is known.
 PROMPT_CACHE_SHARE = 0.2
@@ -130,6 +129,49 @@ class Engine:
             )
         return ids
 
+    def fit_messages(self, messages: list[dict], room: int) -> tuple[list[int], int]:
+        """The conversation's tokens with its oldest whole turns dropped (a turn: a user message
+        and what answers it) until `room` tokens are left for the reply; the leading system
+        messages and the last turn always stay. Returns (ids, turns dropped); ContextLengthError
+        when even the last turn does not fit."""
+        from edgespec.tokenizer import chat_messages
+
+        messages = chat_messages(messages)
+        head = 0
+        while head < len(messages) and messages[head]["role"] == "system":
+            head += 1
+        system, rest = messages[:head], messages[head:]
+        starts = [i for i, m in enumerate(rest) if m["role"] == "user"] or [0]
+        room = max(0, min(room, self.context_length // 4))
+        for dropped, start in enumerate([0, *[s for s in starts if s > 0]]):
+            try:
+                ids = self.encode_prompt(messages=system + rest[start:])
+            except ContextLengthError:
+                ids = None
+            if ids is not None and len(ids) + room <= self.context_length:
+                return ids, dropped
+            if start == starts[-1]:
+                if ids is not None:
+                    return ids, dropped  # the last turn alone: its reply gets what is left
+                break
+        raise ContextLengthError(
+            f"the last message alone does not fit the context window of {self.context_length} tokens: "
+            "shorten it")
+
+    def prompt_ids(self, prompt, messages, options: GenerateOptions, context_overflow: str = "error") -> list[int]:
+        """The request's tokens; context_overflow="truncate_oldest" drops a conversation's
+        oldest turns when it does not fit (with room for max_tokens), instead of refusing it."""
+        if context_overflow not in ("error", "truncate_oldest"):
+            raise ValueError(f"context_overflow must be 'error' or 'truncate_oldest', got {context_overflow!r}")
+        if context_overflow == "truncate_oldest" and messages is not None:
+            if prompt is not None:
+                raise ValueError("give exactly one of prompt or messages")
+            ids, dropped = self.fit_messages(messages, options.max_tokens)
+            if dropped:
+                self.__dict__["_last_dropped"] = dropped
+            return ids
+        return self.encode_prompt(prompt, messages)
+
     def resolve_mode(self, options: GenerateOptions) -> str:
         """'auto' -> the adaptive decoder, which picks the best source each round.
 
@@ -165,6 +207,7 @@ class Engine:
         options: GenerateOptions | None = None,
         cancel: Callable[[], bool] | None = None,
         stats: GenerationStats | None = None,
+        context_overflow: str = "error",
         **kwargs,
     ) -> Iterator[Chunk]:
         """Yield text chunks as they are generated; the last chunk carries finish_reason.
@@ -173,10 +216,12 @@ class Engine:
         seed, mode, draft_tokens (or pass `options`). Pass your own `stats`
         object to read this generation's stats when several threads share the
         engine (`last_stats` is whichever generation finished last).
+        `context_overflow="truncate_oldest"`: a conversation longer than the context
+        window loses its oldest turns instead of being refused.
         """
         options = resolve_options(options, kwargs)
         cancel = cancel_callable(cancel)  # refused here, not when the stream is first read
-        ids = self.encode_prompt(prompt, messages)
+        ids = self.prompt_ids(prompt, messages, options, context_overflow)
         mode_name = self.resolve_mode(options)
         return self._stream(ids, options, mode_name, cancel, stats)
 
@@ -206,6 +251,10 @@ class Engine:
 
                     pc = self.__dict__["_prefix_cache"] = PrefixCache(self._prompt_cache_limit())
         return pc
+
+    def kv_settings(self) -> dict:
+        """What the caches' contents depend on beyond the model (saved caches must match)."""
+        return {}
 
     def _prompt_cache_limit(self) -> int:
         if self.prompt_cache_bytes is not None:
@@ -330,10 +379,11 @@ class Engine:
                                         len(ids)))
         return out
 
-    def generate(self, prompt=None, *, messages=None, options=None, cancel=None, **kwargs) -> GenerationResult:
+    def generate(self, prompt=None, *, messages=None, options=None, cancel=None, context_overflow: str = "error",
+                 **kwargs) -> GenerationResult:
         options = resolve_options(options, kwargs)
         cancel = cancel_callable(cancel)
-        ids = self.encode_prompt(prompt, messages)
+        ids = self.prompt_ids(prompt, messages, options, context_overflow)
         text, tokens, finish = [], [], "length"
         stats = GenerationStats()  # ours alone: last_stats may already be another thread's
         for chunk in self._stream(ids, options, self.resolve_mode(options), cancel, stats):

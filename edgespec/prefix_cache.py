@@ -242,11 +242,25 @@ class PrefixCache:
             yield n
             stack.extend(n.children.values())
 
-    def clear(self) -> None:
+    def clear(self, keep_pinned: bool = False) -> None:
+        """Forget what is cached (`keep_pinned`: all but the loaded prompt caches and their paths)."""
         with self._lock:
-            self._root = _Node((), None)
-            self.bytes = self.blocks = 0
-            self._kinds = None
+            if not keep_pinned:
+                self._root = _Node((), None)
+                self.bytes = self.blocks = 0
+                self._kinds = None
+                return
+            stack = [self._root]
+            while stack:
+                n = stack.pop()
+                for k, c in list(n.children.items()):
+                    if c.pinned:
+                        stack.append(c)
+                    else:
+                        gone = [c, *_below(c)]
+                        self.bytes -= sum(g.nbytes for g in gone)
+                        self.blocks -= len(gone)
+                        del n.children[k]
 
     def unpin(self) -> None:
         with self._lock:
@@ -299,6 +313,15 @@ class PrefixCache:
                 node = child
             self._evict()
             return len(self._walk(tokens, len(tokens))) * B
+
+
+def _below(node: _Node) -> list[_Node]:
+    out, stack = [], list(node.children.values())
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
 
 
 def _depth(node: _Node) -> int:

@@ -15,17 +15,19 @@ import re
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def parse_size(text: str | int | None) -> int | None:
-    """'1.5G', '800M', '512MB', '1073741824' -> bytes; None / '' -> None."""
+def parse_size(text: str | int | None, allow_zero: bool = False, what: str = "memory budget") -> int | None:
+    """'1.5G', '800M', '512MB', '1073741824' -> bytes; None / '' -> None. `allow_zero`: 0 is
+    a size too (a cache turned off)."""
     if text is None or text == "":
         return None
     if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError(f"memory budget must be positive, got {text}")
+        if text < 0 or (text == 0 and not allow_zero):
+            raise ValueError(f"{what} must be {'>= 0' if allow_zero else 'positive'}, got {text}")
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", str(text).upper())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"memory budget {text!r}: use a positive size like 800M, 1.5G or 2GB")
+    if not m or (float(m.group(1)) <= 0 and not allow_zero):
+        raise ValueError(f"{what} {text!r}: use a {'' if allow_zero else 'positive '}size like 800M, 1.5G or 2GB"
+                         + (" (0 = off)" if allow_zero else ""))
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 

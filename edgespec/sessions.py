@@ -1,0 +1,185 @@
+"""Saved caches on disk: a chat session (`/save`, `/load`, `--session`) or a prompt prefilled
+once (`edgespec cache-prompt`, `--prompt-cache`).
+
+One file, safetensors: the verifier's per-layer cache parts of a token path of the prefix
+cache (edgespec.prefix_cache), with a header naming what they belong to: the model (its
+configuration and a fingerprint of its weights), the tokenizer (vocabulary hash), the
+cache layout (block size, layer kinds) and the tokens. Loading refuses a file whose model,
+tokenizer or layout differ from the engine's, with the difference named: restoring another
+model's keys and values would silently change the output.
+
+Writes are atomic (a temp file beside the destination, then a rename): a save killed
+midway leaves the previous file whole. A file edgespec did not write is never replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+FORMAT = "edgespec-cache"
+VERSION = 1
+SUFFIX = ".safetensors"
+
+
+class SessionFileError(ValueError):
+    """A saved cache that cannot be used: not one, damaged, or another model's."""
+
+
+def model_fingerprint(engine) -> str:
+    """The verifier's identity: configuration, dtype and a sample of every weight tensor's values
+    (cheap; two checkpoints of one architecture differ in it)."""
+    fp = engine.__dict__.get("_fingerprint")
+    if fp is not None:
+        return fp
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    h.update(json.dumps(engine.model.args.to_dict(), sort_keys=True, default=str).encode())
+    for name, p in sorted(tree_flatten(engine.model.parameters()), key=lambda kv: kv[0]):
+        flat = p.reshape(-1)
+        h.update(f"{name}:{p.shape}:{p.dtype}".encode())
+        h.update(np.array(flat[:16].astype(mx.float32)).tobytes())
+        h.update(np.array(flat[-16:].astype(mx.float32)).tobytes())
+    fp = engine.__dict__["_fingerprint"] = h.hexdigest()[:24]
+    return fp
+
+
+def identity(engine) -> dict[str, Any]:
+    pc = engine.prefix_cache
+    return {"model": model_fingerprint(engine), "tokenizer": engine.tokenizer.vocab_hash(), "block": pc.block,
+            "kv": engine.kv_settings()}
+
+
+def read_header(path: str | Path) -> dict[str, Any]:
+    """The file's edgespec header; SessionFileError when it is not a whole edgespec cache file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise SessionFileError(f"{path} is not an edgespec saved cache (empty or truncated)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 64 << 20):
+                raise SessionFileError(f"{path} is not an edgespec saved cache (no safetensors header)")
+            head = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise SessionFileError(f"{path} does not exist") from None
+        if isinstance(e, OSError):
+            raise SessionFileError(f"cannot read {path}: {e.strerror or e}") from None
+        raise SessionFileError(f"{path} is not an edgespec saved cache (unreadable header)") from None
+    meta = head.get("__metadata__") if isinstance(head, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise SessionFileError(f"{path} is not an edgespec saved cache")
+    end = max((max(t["data_offsets"]) for k, t in head.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise SessionFileError(f"{path} is damaged (its tensors need {8 + n + end} bytes, the file has {size}): "
+                               "it was cut short; save it again")
+    try:
+        info = json.loads(meta["info"])
+    except (KeyError, json.JSONDecodeError):
+        raise SessionFileError(f"{path} is damaged (its edgespec header does not read)") from None
+    if info.get("version") != VERSION:
+        raise SessionFileError(f"{path} was written by another edgespec version (format {info.get('version')}, "
+                               f"this one reads {VERSION})")
+    return info
+
+
+def is_cache_file(path: str | Path) -> bool:
+    try:
+        read_header(path)
+        return True
+    except SessionFileError:
+        return False
+
+
+def check_destination(path: str | Path) -> Path:
+    """Refuse (ValueError) a destination that is not absent or a cache file edgespec wrote."""
+    from edgespec.safe_write import check_protected
+
+    path = Path(path).expanduser()
+    check_protected(path, "FILE")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise ValueError(f"{path} is not a file; refusing to replace it: choose another file")
+    if path.exists() and not is_cache_file(path):
+        raise ValueError(f"{path} exists and is not a cache edgespec saved; refusing to replace it: "
+                         "choose another file or remove it yourself")
+    return path
+
+
+def save(engine, path: str | Path, tokens: list[int], extra: dict | None = None) -> int:
+    """Write the cached path along `tokens` (what the prefix cache holds of it) and `extra`
+    (JSON: a chat's messages, the prompt text) to `path`; returns the positions saved."""
+    path = check_destination(path)
+    positions, nodes, kinds = engine.prefix_cache.export_prefix(list(tokens))
+    arrays: dict[str, mx.array] = {}
+    for i, parts in enumerate(nodes):
+        for j, layer in enumerate(parts):
+            if layer is None:
+                continue
+            for k, a in enumerate(layer):
+                arrays[f"b{i}.l{j}.{k}"] = a
+    info = {"version": VERSION, **identity(engine), "kinds": kinds, "blocks": len(nodes),
+            "positions": positions, "tokens": [int(t) for t in tokens], "extra": extra or {}}
+    from edgespec.safe_write import clean_stale_temps, fix_modes, temp_prefix
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{temp_prefix(path)}{os.getpid()}-", suffix=SUFFIX)
+    os.close(fd)
+    try:
+        mx.save_safetensors(tmp, arrays, metadata={"format": FORMAT, "info": json.dumps(info)})
+        fix_modes(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return positions
+
+
+def load(engine, path: str | Path, pin: bool = False) -> tuple[list[int], dict, int]:
+    """Put a saved cache into the engine's prefix cache: (its tokens, its extra, positions now
+    cached). SessionFileError, naming the difference, when it is not this model's."""
+    path = Path(path).expanduser()
+    info = read_header(path)
+    mine = identity(engine)
+    for key, what in (("model", "model (weights or configuration)"), ("tokenizer", "tokenizer"),
+                      ("block", "prefix cache block size"), ("kv", "KV cache settings")):
+        if info.get(key) != mine[key]:
+            raise SessionFileError(f"{path} was saved with another {what} ({info.get(key)!r}, this engine has "
+                                   f"{mine[key]!r}); it cannot be used here")
+    try:
+        arrays = mx.load(str(path))
+    except Exception as e:
+        raise SessionFileError(f"{path} is damaged ({e})") from None
+    kinds = info["kinds"]
+    nodes = []
+    try:
+        for i in range(int(info["blocks"])):
+            parts = []
+            for j in range(len(kinds)):
+                layer = []
+                k = 0
+                while f"b{i}.l{j}.{k}" in arrays:
+                    layer.append(arrays[f"b{i}.l{j}.{k}"])
+                    k += 1
+                parts.append(tuple(layer) if layer else None)
+            nodes.append(parts)
+        tokens = [int(t) for t in info["tokens"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise SessionFileError(f"{path} is damaged ({e})") from None
+    if engine.prefix_cache.enabled:
+        positions = engine.prefix_cache.import_prefix(tokens, nodes, kinds, pin=pin)
+    else:
+        positions = 0
+    return tokens, info.get("extra") or {}, positions
