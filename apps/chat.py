@@ -186,8 +186,8 @@ def run(args) -> int:
         if engine is None:
             return code
     engine = engine or load_engine(args)
-    load_prompt_caches(engine, args)
-    session = ChatSession(engine, options, args.system)
+    system = load_prompt_caches(engine, args)
+    session = ChatSession(engine, options, args.system if args.system is not None else system)
     if args.session and os.path.exists(args.session):
         session.load(args.session)
     try:

@@ -56,16 +56,20 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_prompt_caches(engine, args) -> None:
-    """Put the --prompt-cache files into the engine's prefix cache (pinned: never evicted)."""
+def load_prompt_caches(engine, args) -> str | None:
+    """Put the --prompt-cache files into the engine's prefix cache (pinned: never evicted).
+    Returns the system prompt a cached one stands for (the apps' default --system), if any."""
     from edgespec import sessions
 
+    system = None
     for path in getattr(args, "prompt_cache", None) or []:
         tokens, extra, n = sessions.load(engine, path, pin=True)
         if extra.get("kind") != "prompt":
             raise sessions.SessionFileError(f"{path} is a saved chat session, not a prompt cache "
                                             "(load it with `edgespec chat --session` or /load)")
         print(f"[edgespec] prompt cache {path}: {n} of its {len(tokens)} tokens ready", file=sys.stderr)
+        system = extra.get("system", system)
+    return system
 
 
 def _options_help() -> str:

@@ -6,8 +6,10 @@ import json
 import sys
 
 from edgespec.apps.common import (
+    add_cache_arguments,
     add_decoding_arguments,
     add_model_arguments,
+    load_prompt_caches,
     options_from_args,
     print_notes,
 )
@@ -21,6 +23,7 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     add_distributed_arguments(p)
     add_decoding_arguments(p)
+    add_cache_arguments(p)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template; continue the text as is")
     p.add_argument("--system", default=None, help="system prompt (chat template only)")
@@ -42,10 +45,12 @@ def run(args) -> int:
             return code
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     engine = engine or load_engine(args)
+    system = load_prompt_caches(engine, args)
     if args.raw:
         stream = engine.stream(prompt, options=options)
     else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        system = args.system if args.system is not None else system
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
         stream = engine.stream(messages=msgs, options=options)

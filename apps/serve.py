@@ -7,7 +7,12 @@ import os
 import socket
 import sys
 
-from edgespec.apps.common import add_decoding_arguments, add_model_arguments
+from edgespec.apps.common import (
+    add_cache_arguments,
+    add_decoding_arguments,
+    add_model_arguments,
+    load_prompt_caches,
+)
 
 HELP = "serve the model over a local OpenAI-compatible HTTP API"
 DESCRIPTION = (
@@ -23,6 +28,7 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     add_distributed_arguments(p)
     add_decoding_arguments(p)  # server-side defaults for fields a request leaves out
+    add_cache_arguments(p)
     n = p.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but a loopback address exposes the model to the network")
@@ -118,6 +124,7 @@ def run(args) -> int:
         sock.close()
         raise ValueError(f"cannot bind {args.host}:{args.port}: {e.strerror}") from None
     engine = engine or load_engine(args)
+    load_prompt_caches(engine, args)
     engine.max_batch = args.max_batch  # None: sized from the memory budget when the batcher starts
     model_id = args.model_id or (engine.loaded.path.name if engine.loaded.path else "model")
     if engine.loaded.path is not None and engine.loaded.path.is_file():

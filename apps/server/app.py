@@ -141,7 +141,8 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
             "mode": "disk" if h.path is not None else "memory", "documents": h.documents,
             "bytes": h.nbytes, "max_bytes": h.max_bytes}
         return {"status": "ok", "model": settings.model_id, "modes": ["auto", *engine.modes],
-                "queue": scheduler.snapshot(), "history": history}
+                "queue": scheduler.snapshot(), "history": history,
+                "prompt_cache": engine.prefix_cache.stats().as_dict()}
 
     def model_card(mid: str) -> dict:
         return {"id": mid, "object": "model", "created": created, "owned_by": "edgespec"}
@@ -176,7 +177,8 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
                 engine.tokenizer.check_length(prompt, engine.context_length)
             # Everything proportional to the input runs off the event loop: the messages'
             # text, the chat template, tokenizing (which releases the GIL on long texts).
-            ids = await run_in_threadpool(_encode_prompt, engine, prompt, messages)
+            ids = await run_in_threadpool(_encode_prompt, engine, prompt, messages, options,
+                                          getattr(body, "context_overflow", "error"))
         except ContextLengthError as e:
             raise APIError(400, str(e), param, "context_length_exceeded") from None
         except ValueError as e:
@@ -216,11 +218,11 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
 
 # ---------------------------------------------------------------------- helpers
-def _encode_prompt(engine, prompt, messages) -> list[int]:
+def _encode_prompt(engine, prompt, messages, options, overflow: str = "error") -> list[int]:
     """The prompt's token ids (runs in a worker thread)."""
     if messages is not None:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    return engine.encode_prompt(prompt, messages)
+    return engine.prompt_ids(prompt, messages, options, overflow)
 
 
 def _check_model(model: str, model_ids) -> None:
@@ -265,7 +267,8 @@ def _stats(job: Job) -> dict[str, Any]:
 
 def _usage(job: Job) -> dict[str, int]:
     n = job.stats.generated_tokens
-    return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+    return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n,
+            "prompt_tokens_details": {"cached_tokens": job.stats.cached_tokens}}
 
 
 def _choice(chat: bool, text: str | None, finish: str | None, first: bool = False, final: bool = False) -> dict:

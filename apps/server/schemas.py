@@ -148,6 +148,9 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    # edgespec extension: "truncate_oldest" drops the oldest turns of a conversation longer
+    # than the context window (system messages and the last turn stay) instead of a 400.
+    context_overflow: Literal["error", "truncate_oldest"] = "error"
 
     @field_validator("messages", mode="before")
     @classmethod
