@@ -275,6 +275,7 @@ class Engine:
         """The continuous batcher every generation runs in (created at first use)."""
         b = self.__dict__.get("_batcher")
         if b is None:
+            self.prefix_cache  # noqa: B018 - made first: the batcher's budget leaves its share (and takes the lock)
             with self._lock:
                 b = self.__dict__.get("_batcher")
                 if b is None:
