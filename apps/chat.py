@@ -86,7 +86,7 @@ class ChatSession:
         interrupted = False
         try:
             ids = self._prompt()
-            stream = self.engine.stream(ids, options=self.options)
+            stream = self.engine.stream(prompt=ids, options=self.options)
         except Exception:
             self.history.pop()
             raise

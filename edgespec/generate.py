@@ -84,6 +84,8 @@ class GenerationStats:
 
     def summary(self) -> str:
         parts = [f"{self.generated_tokens} tokens", f"{self.tokens_per_s:.1f} tok/s", f"mode {self.mode}"]
+        if self.cached_tokens:
+            parts.append(f"{self.cached_tokens} of {self.prompt_tokens} prompt tokens reused")
         if self.verifier_passes:
             parts.append(f"{self.tokens_per_pass:.2f} tokens/pass")
         if self.drafted:

@@ -159,7 +159,10 @@ def load(engine, path: str | Path, pin: bool = False) -> tuple[list[int], dict, 
             raise SessionFileError(f"{path} was saved with another {what} ({info.get(key)!r}, this engine has "
                                    f"{mine[key]!r}); it cannot be used here")
     try:
-        arrays = mx.load(str(path))
+        arrays = mx.load(str(path), format="safetensors")
+        # read now, on this thread: a lazy load evaluated later on the batch worker's thread
+        # would run on a stream that thread does not have
+        mx.eval(list(arrays.values()))
     except Exception as e:
         raise SessionFileError(f"{path} is damaged ({e})") from None
     kinds = info["kinds"]
