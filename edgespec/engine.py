@@ -18,7 +18,8 @@ from edgespec.options import GenerateOptions
 from edgespec.sampling import SamplingParams
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
-# (the batch's own budget is what remains), or this many bytes when nothing is known.
+# (it gives way to running requests: the batch evicts from it before admitting one), or
+# this many bytes when nothing is known.
 PROMPT_CACHE_SHARE = 0.2
 PROMPT_CACHE_UNKNOWN_BUDGET = 512 << 20
 
@@ -275,7 +276,7 @@ class Engine:
         """The continuous batcher every generation runs in (created at first use)."""
         b = self.__dict__.get("_batcher")
         if b is None:
-            self.prefix_cache  # noqa: B018 - made first: the batcher's budget leaves its share (and takes the lock)
+            self.prefix_cache  # noqa: B018 - made first (it takes the lock too): the batch shrinks it
             with self._lock:
                 b = self.__dict__.get("_batcher")
                 if b is None:

@@ -215,13 +215,20 @@ class PrefixCache:
                 else:
                     stack.append(c)
 
-    def _evict(self) -> None:
+    def shrink_to(self, nbytes: int) -> None:
+        """Evict (least recently used first) until at most `nbytes` are held: running requests
+        come first (the batch calls this before admitting one)."""
+        with self._lock:
+            self._evict(max(nbytes, 0))
+
+    def _evict(self, bound: int | None = None) -> None:
         """Least recently used unpinned leaves go until the bytes fit (lock held)."""
-        if self.bytes <= self.max_bytes:
+        bound = self.max_bytes if bound is None else min(bound, self.max_bytes)
+        if self.bytes <= bound:
             return
         leaves = [n for n in self._nodes() if not n.children and not n.pinned]
         leaves.sort(key=lambda n: n.used)
-        while self.bytes > self.max_bytes and leaves:
+        while self.bytes > bound and leaves:
             n = leaves.pop(0)
             parent = n.parent
             del parent.children[n.key]

@@ -288,6 +288,7 @@ def test_cancel_callback_in_a_batch_stops_only_that_request(engine):
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(engine, monkeypatch):
     monkeypatch.setattr(batcher_mod, "PREFILL_CHUNK", 8)
+    engine.prompt_cache_bytes = 0  # the prompts run twice: the second time must prefill again
     long_prompt = [(5 * j) % 60 + 1 for j in range(70)]
     prompts = PROMPTS[:3] + [long_prompt]
     ref = [alone(engine, p, max_tokens=16, mode="plain").tokens for p in prompts]

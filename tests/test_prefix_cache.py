@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import make_tiny_engine, make_tiny_model
 
+from edgespec.batch.batcher import Batcher
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.errors import ContextLengthError
 from edgespec.modes import available_modes
@@ -188,3 +189,34 @@ def test_truncate_oldest_drops_whole_turns_and_keeps_the_system_prompt():
     huge = [{"role": "user", "content": "ab " * 200}]
     with pytest.raises(ContextLengthError, match="last message alone"):
         e.generate(messages=huge, context_overflow="truncate_oldest")
+
+
+def test_the_prefix_cache_gives_way_to_running_requests():
+    """With a memory budget, the batch evicts cached prefixes before admitting a request, so
+    the caches of running requests and the prefix cache together stay within the budget."""
+    from edgespec.batch import memory
+
+    e = engine_with(drafter=False)
+    for i in range(6):
+        e.generate(prompt(40, 70 + i), max_tokens=1, mode="plain")
+    held = e.prefix_cache.bytes
+    assert held > 0
+    weights = memory.tree_bytes(e.model)
+    need = memory.reserve_bytes(e, 30, 20)
+    e.memory_budget = weights + need + held // 3  # room for the request and a third of the cache
+    e.__dict__.pop("_batcher", None)
+    seen = []
+    real = Batcher._make_room
+
+    def watch(self, req):
+        real(self, req)
+        seen.append((self.engine.prefix_cache.bytes + self.held_bytes(req), self.budget))
+
+    Batcher._make_room = watch
+    try:
+        r = e.generate(prompt(30, 90), max_tokens=20, mode="plain")
+    finally:
+        Batcher._make_room = real
+    assert r.stats.generated_tokens == 20
+    assert seen and all(total <= budget for total, budget in seen)
+    assert e.prefix_cache.evicted_blocks > 0

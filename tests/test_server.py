@@ -130,7 +130,8 @@ def test_completions_plain_http(server, engine):
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == ref.text
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 20, "total_tokens": 31}
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 20, "total_tokens": 31,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     events = sse_events(server, "/v1/completions",
                         {"model": "default", "prompt": "hello world", "max_tokens": 20, "stream": True})
     assert events[-1] == "[DONE]"
@@ -503,3 +504,35 @@ def test_deeply_nested_json_is_invalid_json(server):
     r = post(server, COMP, None, raw=deep)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     assert post(server, COMP, OK_COMP).status_code == 200
+
+
+def test_a_shared_prefix_is_reused_and_reported(server):
+    """usage.prompt_tokens_details.cached_tokens (as OpenAI reports it) and /health's
+    prompt_cache; the reply is the same as without reuse."""
+    system = {"role": "system", "content": "abcdefghij " * 12}
+    body = {"model": "default", "max_tokens": 6, "messages": [system, {"role": "user", "content": "hello"}]}
+    first = post(server, "/v1/chat/completions", body).json()
+    again = post(server, "/v1/chat/completions", body).json()
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= again["usage"]["prompt_tokens"] - 32 > 0
+    other = post(server, "/v1/chat/completions",
+                 {**body, "messages": [system, {"role": "user", "content": "another question"}]}).json()
+    assert 0 < other["usage"]["prompt_tokens_details"]["cached_tokens"] < other["usage"]["prompt_tokens"]
+    health = httpx.get(server.url + "/health", timeout=30).json()["prompt_cache"]
+    assert health["hits"] >= 2 and 0 < health["bytes"] <= health["max_bytes"]
+
+
+def test_context_overflow_truncate_oldest_on_request(server):
+    turns = []
+    for i in range(40):
+        turns += [{"role": "user", "content": f"question {i} " + "ab " * 20},
+                  {"role": "assistant", "content": "cd " * 20}]
+    body = {"model": "default", "max_tokens": 4, "messages": [*turns, {"role": "user", "content": "last"}]}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(server, "/v1/chat/completions", {**body, "context_overflow": "truncate_oldest"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] <= 512
+    r = post(server, "/v1/chat/completions", {**body, "context_overflow": "drop_all"})
+    assert r.status_code == 400 and "context_overflow" in r.text

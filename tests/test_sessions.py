@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from conftest import REPO, make_tiny_engine, write_tiny_bundle

@@ -309,9 +309,9 @@ class Batcher:
     # ------------------------------------------------------------ caller side
     @property
     def budget(self) -> float:
-        """What the live sequences' caches may hold: the memory budget's cache share, less
-        what the engine's prefix cache may keep."""
-        return memory.cache_budget(self.engine, self._free_at_start) - self.engine.prefix_cache.max_bytes
+        """What the live sequences' caches may hold (with the prefix cache's: it gives way,
+        see _make_room)."""
+        return memory.cache_budget(self.engine, self._free_at_start)
 
     def submit(self, req: Request) -> None:
         """Queue `req`; raises MemoryBudgetError when it could never fit."""
@@ -403,6 +403,7 @@ class Batcher:
                 req.send("chunk", Chunk("", [], "cancelled"))
                 req.send("done", req.stats)
                 continue
+            self._make_room(req)
             if self._live and self.held_bytes(req) > self.budget:
                 break  # waits for memory (FIFO: nobody overtakes it)
             self._waiting.popleft()
@@ -412,6 +413,13 @@ class Batcher:
             self._live.append(seq)
             new.append(seq)
         return new
+
+    def _make_room(self, req: Request) -> None:
+        """The prefix cache (edgespec.prefix_cache) holds only what the live sequences and
+        `req` leave of the budget: its least recently used blocks go first."""
+        pc = self.engine.prefix_cache
+        if pc.bytes and self.budget != float("inf"):
+            pc.shrink_to(int(self.budget - self.held_bytes(req)))
 
     def held_bytes(self, new: Request | None = None) -> int:
         """Bytes the live sequences' caches may come to hold, with `new` admitted too: each
