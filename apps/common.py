@@ -37,7 +37,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prompt cache")
+    g = p.add_argument_group("prompt and KV cache")
     g.add_argument(
         "--prompt-cache-bytes",
         default=None,
@@ -54,6 +54,20 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         help="a prompt prefilled once by `edgespec cache-prompt` (repeatable): requests that start with "
         "it reuse its cache; kept in memory for the whole run",
     )
+
+
+    g.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[8, 4],
+        default=None,
+        help="store the KV cache quantized to this many bits (less memory for long conversations; "
+        "changes the output slightly, see docs/prefix_cache.md; default: full precision)",
+    )
+    g.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="with --kv-bits: values quantized together (one scale and bias per group)")
+    g.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",
+                   help="with --kv-bits: the first N positions stay in full precision")
 
 
 def load_prompt_caches(engine, args) -> str | None:
@@ -158,6 +172,12 @@ def load_engine(args, progress: bool = True):
     )
     if budget:
         engine.memory_budget = budget
+    if getattr(args, "kv_bits", None) is not None:
+        from edgespec.kv_quant import check_settings
+
+        check_settings(args.kv_bits, args.kv_group_size, args.quantized_kv_start, engine.model.args.head_dim)
+        engine.kv_bits, engine.kv_group_size = args.kv_bits, args.kv_group_size
+        engine.quantized_kv_start = args.quantized_kv_start
     return engine
 
 

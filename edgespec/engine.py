@@ -53,11 +53,21 @@ class Engine:
     # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.prefix_cache):
     # None = PROMPT_CACHE_SHARE of the memory budget's cache share, 0 = no reuse.
     prompt_cache_bytes: int | None = None
+    # KV-cache quantization (edgespec.kv_quant; changes the output, so off by default):
+    # bits 8 or 4, groups of kv_group_size along the head size, positions before
+    # quantized_kv_start kept in full precision.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
 
     def __post_init__(self):
+        from edgespec.kv_quant import check_settings
+
+        check_settings(self.kv_bits, self.kv_group_size, self.quantized_kv_start,
+                       getattr(self.model.args, "head_dim", None))
         if self.history is None or isinstance(self.history, str):
             from edgespec.adaptive.history import make_history
 
@@ -255,7 +265,16 @@ class Engine:
 
     def kv_settings(self) -> dict:
         """What the caches' contents depend on beyond the model (saved caches must match)."""
-        return {}
+        if self.kv_bits is None:
+            return {}
+        return {"bits": self.kv_bits, "group_size": self.kv_group_size, "start": self.quantized_kv_start}
+
+    def make_cache(self, model=None) -> list:
+        """The verifier's per-layer caches for one generation, quantized as the engine says."""
+        from edgespec.kv_quant import quantize_caches
+
+        caches = (model or self.model).make_cache()
+        return quantize_caches(caches, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def _prompt_cache_limit(self) -> int:
         if self.prompt_cache_bytes is not None:

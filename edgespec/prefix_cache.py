@@ -73,8 +73,13 @@ def layer_kinds(caches) -> list[str] | None:
         kind = getattr(c, "span_kind", None)
         if kind not in ("positions", "state") or not hasattr(c, "export_span"):
             return None
-        kinds.append(kind)
+        form = getattr(c, "span_form", None)  # what else the exported arrays depend on (kv_quant)
+        kinds.append(f"{kind}:{form}" if form else kind)
     return kinds
+
+
+def _positions(kind: str) -> bool:
+    return kind.split(":")[0] == "positions"
 
 
 class PrefixCache:
@@ -112,9 +117,9 @@ class PrefixCache:
         positions layer needs every block's span, every state layer the last node's state."""
         depth = 0
         for d, node in enumerate(path, 1):
-            if any(p is None for p, k in zip(node.parts, kinds, strict=True) if k == "positions"):
+            if any(p is None for p, k in zip(node.parts, kinds, strict=True) if _positions(k)):
                 break
-            if all(p is not None for p, k in zip(node.parts, kinds, strict=True) if k == "state"):
+            if all(p is not None for p, k in zip(node.parts, kinds, strict=True) if not _positions(k)):
                 depth = d
         return depth
 
@@ -148,10 +153,17 @@ class PrefixCache:
             self.reused_tokens += len(path) * self.block
             layers = [[n.parts[i] for n in path] for i in range(len(kinds))]
         for cache, kind, parts in zip(caches, kinds, layers, strict=True):
-            if kind == "positions":
-                joined = parts[0] if len(parts) == 1 else tuple(
-                    mx.concatenate([p[j] for p in parts], axis=-2) for j in range(len(parts[0])))
-                cache.import_span(joined)
+            if _positions(kind):
+                # runs of spans of one form joined (a quantized cache exports two forms)
+                runs: list[list] = []
+                for p in parts:
+                    if runs and len(runs[-1][0]) == len(p):
+                        runs[-1].append(p)
+                    else:
+                        runs.append([p])
+                for run in runs:
+                    cache.import_span(run[0] if len(run) == 1 else tuple(
+                        mx.concatenate([p[j] for p in run], axis=-2) for j in range(len(run[0]))))
             else:
                 cache.import_span(parts[-1])
         return len(path) * self.block
@@ -178,7 +190,7 @@ class PrefixCache:
                 if child is None:
                     child = node.children[key] = _Node(key, node)
                     self.blocks += 1
-                if child.parts is None or (kinds != ["positions"] * len(kinds) and s + B == upto
+                if child.parts is None or (not all(map(_positions, kinds)) and s + B == upto
                                            and any(p is None for p in child.parts)):
                     new.append(child)
                 child.used = now
@@ -365,7 +377,7 @@ class Reuse:
     def needs_boundary(self, caches) -> bool:
         """Whether prefill must pause at the last block boundary (state layers only export there)."""
         kinds = layer_kinds(caches)
-        return kinds is not None and "state" in kinds
+        return kinds is not None and not all(map(_positions, kinds))
 
     def store_prompt(self, tokens: list[int], upto: int) -> None:
         if self.caches is not None:

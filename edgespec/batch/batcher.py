@@ -200,7 +200,7 @@ class SeqModel:
     def make_cache(self):
         """The model's caches; for a batched sequence, rows of the batch's KV arena when the
         model's caches are plain KVCaches and the request is short enough (see Batcher)."""
-        caches = self._model.make_cache()
+        caches = self._batcher.engine.make_cache(self._model)
         if self._seq is None:
             return caches
         return self._batcher.arena_caches(self._seq, caches)

@@ -64,7 +64,7 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
     if many is not None:  # a batch arena's rows (edgespec.batch.arena): every layer at once
         many(caches, start, indices)
         return
-    if not on_metal() or any(getattr(c, "forwards_ops", False) for c in caches):
+    if not on_metal() or any(getattr(c, "forwards_ops", False) or getattr(c, "keys", None) is None for c in caches):
         # a distributed verifier's caches replay keep() on every rank (edgespec.distributed)
         for c in caches:
             c.keep(start, indices)
