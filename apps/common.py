@@ -168,16 +168,11 @@ def load_engine(args, progress: bool = True):
     cache_bytes = None if cache_bytes is None else parse_size(cache_bytes, allow_zero=True, what="--prompt-cache-bytes")
     engine = edgespec.load(
         args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None),
-        prompt_cache_bytes=cache_bytes,
+        prompt_cache_bytes=cache_bytes, kv_bits=getattr(args, "kv_bits", None),
+        kv_group_size=getattr(args, "kv_group_size", 64), quantized_kv_start=getattr(args, "quantized_kv_start", 0),
     )
     if budget:
         engine.memory_budget = budget
-    if getattr(args, "kv_bits", None) is not None:
-        from edgespec.kv_quant import check_settings
-
-        check_settings(args.kv_bits, args.kv_group_size, args.quantized_kv_start, engine.model.args.head_dim)
-        engine.kv_bits, engine.kv_group_size = args.kv_bits, args.kv_group_size
-        engine.quantized_kv_start = args.quantized_kv_start
     return engine
 
 

@@ -48,6 +48,9 @@ def load(
     verify_hashes: bool = True,
     history: str | None = None,
     prompt_cache_bytes: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
 ) -> Engine:
     """Load a bundle, HF folder or GGUF file (default: SmolLM2-135M-Instruct) into an Engine.
 
@@ -59,7 +62,13 @@ def load(
     `prompt_cache_bytes`: how much of earlier prompts' and replies' caches to keep for
     requests that start the same way (edgespec.prefix_cache); None = a share of the memory
     budget, 0 = off. Reuse never changes the output.
+    `kv_bits` (8 or 4; None = full precision): store the KV cache quantized in groups of
+    `kv_group_size` along the head size, from position `quantized_kv_start` on
+    (edgespec.kv_quant). It saves memory on long contexts and changes the output slightly.
     """
+    from edgespec.kv_quant import check_settings
+
+    check_settings(kv_bits, kv_group_size, quantized_kv_start)  # before the model loads
     from edgespec.adaptive.history import history_mode
     from edgespec.loader import load as load_any
 
@@ -73,7 +82,8 @@ def load(
         loaded = load_any(model, verify_hashes=verify_hashes)
     from edgespec.drafters import attach_drafter
 
-    engine = Engine(loaded, history=history, prompt_cache_bytes=prompt_cache_bytes)
+    engine = Engine(loaded, history=history, prompt_cache_bytes=prompt_cache_bytes, kv_bits=kv_bits,
+                    kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     engine._prompt_cache_limit()  # a bad bound fails here, not at the first request
     attach_drafter(engine, drafter)
     return engine
