@@ -18,6 +18,17 @@ cache, edgespec.prefix_cache, call only this):
 `span_kind` says what an exported span is: "positions" (attention: one entry per
 position, any span can be exported) or "state" (recurrent/convolution layers: the state
 after `end`, exportable only while `end == offset`; import replaces the state).
+
+Speculation adds (edgespec.recurrent implements them for "state" layers):
+
+- `trim(n)` and `keep(start, indices)` on a "state" cache restore exactly the state plain
+  decoding has after the kept positions (recomputed from a checkpoint), for rollbacks
+  within the current decoding round (positions written since the last trim/keep, or the
+  last LOG_LIMIT positions); an older rollback raises ValueError naming the limit;
+- a pass whose mask is a tree (tree, lookahead and adaptive verification) runs each
+  node of a "state" layer from its parent's state; the next pass must follow a `keep`;
+- `arrays()`: the arrays whose evaluation computes the cache's latest pass (a prompt
+  written in chunks evaluates them between chunks; `cache_arrays` gathers them).
 """
 
 from __future__ import annotations
@@ -86,6 +97,9 @@ class KVCache:
 
     span_kind = "positions"
 
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys]
+
     def export_span(self, start: int, end: int) -> tuple[mx.array, mx.array] | None:
         """Keys and values of positions [start, end), copied out of the buffer."""
         if self.keys is None or not 0 <= start < end <= self.offset:
@@ -115,6 +129,18 @@ def export_kv(keys: mx.array, values: mx.array, start: int, end: int) -> tuple[m
     v = mx.contiguous(values[..., start:end, :]) + 0
     mx.eval(k, v)
     return k, v
+
+
+def cache_arrays(caches) -> list[mx.array]:
+    """What to evaluate so a pass over `caches` is computed (see `arrays` above)."""
+    out = []
+    for c in caches:
+        arrays = getattr(c, "arrays", None)
+        if arrays is not None:
+            out.extend(arrays())
+        elif getattr(c, "keys", None) is not None:
+            out.append(c.keys)
+    return out
 
 
 def trim_caches(caches: list[KVCache], n: int) -> None:

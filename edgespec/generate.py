@@ -14,7 +14,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache
+from edgespec.cache import KVCache, cache_arrays
 from edgespec.sampling import Sampler
 from edgespec.tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -146,7 +146,7 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
         else:
             logits = model(piece, cache, last_only=True)
         if end < len(tokens):
-            mx.eval([c.keys for c in cache if getattr(c, "keys", None) is not None] + feats)
+            mx.eval(cache_arrays(cache) + feats)
         if reuse is not None and end == pause:
             reuse.store_prompt(tokens, pause)
     if reuse is not None:

@@ -24,6 +24,9 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "phi3": "phi3",
     "smollm3": "smollm3",
+    "lfm2": "lfm2",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",
 }
 
 

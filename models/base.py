@@ -392,6 +392,7 @@ class LayerOptions:
     sandwich: bool = False  # Gemma 2/3: norms before and after attention and MLP
     softcap: float | None = None  # attention logits -> cap * tanh(logits / cap) (Gemma 2)
     scale: float | None = None  # attention scale (default head_dim ** -0.5)
+    output_gate: bool = False  # q_proj also gives a per-head gate: out * sigmoid(gate) (Qwen3.5)
 
 
 def window_mask(mask, positions, offset: int, T: int, window: int):
@@ -427,7 +428,8 @@ class Attention(nn.Module):
         E, H, Hk, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = H, Hk, D
         self.scale = opts.scale if opts.scale is not None else D**-0.5
-        self.q_proj = Linear(E, H * D, bias=args.attention_bias)
+        self.q_proj = Linear(E, H * D * (2 if opts.output_gate else 1), bias=args.attention_bias)
+        self._gated = opts.output_gate
         self.k_proj = Linear(E, Hk * D, bias=args.attention_bias)
         self.v_proj = Linear(E, Hk * D, bias=args.attention_bias)
         self.o_proj = Linear(H * D, E, bias=False)
@@ -441,6 +443,8 @@ class Attention(nn.Module):
     def __call__(self, x, mask, cache: KVCache | None, positions):
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.n_heads, -1)
+        if self._gated:  # per head: [q (D), gate (D)]
+            q, gate = mx.split(q, 2, axis=-1)
         k = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)
         v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self._qk_norm:
@@ -463,7 +467,10 @@ class Attention(nn.Module):
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         else:
             out = softcapped_attention(q, k, v, self.scale, self.softcap, mask, offset)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        if self._gated:
+            out = out * mx.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
 
 
 def softcapped_attention(q, k, v, scale: float, cap: float, mask, offset: int) -> mx.array:
@@ -531,6 +538,10 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = opts.norm(E, eps=eps)
             self.post_feedforward_layernorm = opts.norm(E, eps=eps)
 
+    def make_cache(self) -> KVCache:
+        """This layer's cache (the per-layer state protocol, edgespec.cache)."""
+        return KVCache()
+
     def __call__(self, x, mask, cache, positions):
         if self._sandwich:  # Gemma 2/3: x + norm(attn(norm(x))), then the same around the MLP
             h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache, positions))
@@ -540,10 +551,10 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, args: ModelArgs, opts: list[LayerOptions], norm: type):
+    def __init__(self, args: ModelArgs, layers: list[nn.Module], norm: type):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, o) for o in opts]
+        self.layers = layers
         self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
 
 
@@ -560,14 +571,18 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Body(args, [self.layer_options(args, i) for i in range(args.num_hidden_layers)],
-                          self.norm)
+        self.model = Body(args, [self.make_layer(args, i) for i in range(args.num_hidden_layers)], self.norm)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._final_softcap = self.final_softcap(args)
 
     def layer_options(self, args: ModelArgs, i: int) -> LayerOptions:
         return LayerOptions(window=args.window(i), norm=self.norm)
+
+    def make_layer(self, args: ModelArgs, i: int) -> nn.Module:
+        """Layer i: a DecoderLayer with `layer_options` unless the architecture mixes in other
+        kinds (each declares its own cache with make_cache and is called like DecoderLayer)."""
+        return DecoderLayer(args, self.layer_options(args, i))
 
     def final_softcap(self, args: ModelArgs) -> float | None:
         return None
@@ -584,8 +599,8 @@ class Model(nn.Module):
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.model.layers]
+    def make_cache(self) -> list:
+        return [layer.make_cache() for layer in self.model.layers]
 
     def embed(self, inputs: mx.array) -> mx.array:
         """Token ids (B, T) -> input embeddings (B, T, E)."""

@@ -169,6 +169,10 @@ def batched_forward(model, rows: list[Row]) -> list:
         r = rows[0]
         return [model(r.inputs, r.cache, mask=r.mask, positions=r.positions, return_hidden=r.return_hidden,
                       last_only=r.last_only)]
+    if any(getattr(c, "span_kind", "positions") != "positions" for r in rows for c in r.cache):
+        # A recurrent layer's state is one per sequence and padding would run through it:
+        # rows with such layers take one pass each (the same calls as alone).
+        return [batched_forward(model, [r])[0] for r in rows]
     if _shared_arena(rows) is not None:
         # the rows in arena order, so attention reads them as one slice of the arena (or a few)
         order = sorted(range(len(rows)), key=lambda b: rows[b].cache[0].row)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from edgespec.cache import cache_arrays
 from edgespec.distributed.shard import COL_SPLIT, Plan
 
 
@@ -115,7 +116,7 @@ class Stage:
                 # keep this rank's cache writes evaluated (they are not part of the send's graph
                 # when the hidden states do not depend on them)
                 if caches is not None:
-                    mx.eval([c.keys for c in caches if getattr(c, "keys", None) is not None])
+                    mx.eval(cache_arrays(caches))
                 return None
             h = mx.distributed.recv((B, T, E), dtype, route[-1], group=g)
         return self._finish(cmd, h)

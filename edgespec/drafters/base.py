@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache
+from edgespec.cache import KVCache, cache_arrays
 
 
 @dataclass
@@ -134,7 +134,7 @@ class ModelDrafter(CommittedSequence):
             piece = body[start : start + PREFILL_CHUNK]
             self._forward(mx.array(piece, dtype=mx.int32)[None])
             self.fed.extend(piece)
-            mx.eval([c.keys for c in self.cache if c.keys is not None])
+            mx.eval(cache_arrays(self.cache))
 
     def draft(self, k: int, sampler) -> Draft:
         """k tokens continuing `seq`; q (k, V) filtered with the sampler's params."""

@@ -73,6 +73,9 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
     moved = list(indices) != list(range(n))
     idx = mx.array([start + i for i in indices], dtype=mx.int32)
     for c in caches:
+        if getattr(c, "span_kind", "positions") != "positions":
+            c.keep(start, indices)  # a recurrent layer's state (edgespec.recurrent): recomputed
+            continue
         if c.keys is not None and moved:
             c.keys[..., start : start + n, :] = kv_gather(c.keys, idx)
             c.values[..., start : start + n, :] = kv_gather(c.values, idx)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from edgespec.cache import cache_arrays
 from edgespec.drafters.base import common_prefix
 from edgespec.kernels import commit_kv, tree_mask
 from edgespec.tree.candidates import SourceTree
@@ -113,7 +114,7 @@ class TreeDrafter:
             piece = body[s : s + PREFILL_CHUNK]
             self._logprobs(piece)
             self.fed.extend(piece)
-            mx.eval([c.keys for c in self.cache if c.keys is not None])
+            mx.eval(cache_arrays(self.cache))
 
     # ------------------------------------------------------------------ growing
     def grow(self, seq: list[int], tree: SourceTree, plan: TreePlan, pick_budget=None) -> int:
