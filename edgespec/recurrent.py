@@ -60,13 +60,17 @@ class StateCache:
     def advance(self, state: tuple | None, inputs: tuple) -> tuple:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def write(self, inputs: tuple, state: tuple, parents: list[int] | None) -> None:
+    def write(self, inputs: tuple, state: tuple, parents: list[int] | None, before: tuple) -> None:
         """Record a pass of T positions: its per-position update inputs (B, T, ...), the state
-        after its last position, and each position's parent within the pass (-1 = the state
-        before the pass; None = a chain)."""
+        after its last position, each position's parent within the pass (-1 = the state
+        before the pass; None = a chain) and the state the pass started from."""
         T = int(inputs[0].shape[1])
         if self._tree:
             raise RuntimeError("a tree pass on a recurrent layer must be committed before the next pass")
+        if self._state is None:  # the first pass: its start (zeros) is the base
+            self._state = tuple(before)
+            if self._base == self.offset and not self._parents:
+                self._base_state = self._state
         if len(self._parents) >= LOG_LIMIT:  # restart the log at the current position
             self._base, self._base_state = self.offset, self._state
             self._log, self._parents = [], []
@@ -248,9 +252,24 @@ def delta_recurrent(q, k, v, g, beta, S, parents: list[int] | None = None):
     return mx.stack(outs, axis=1), final
 
 
+def unit_lower_inverse(L: mx.array) -> mx.array:
+    """(I + L)^-1 for strictly lower triangular L (..., C, C): L is nilpotent, so the inverse is
+    the finite series sum_j (-L)^j = (I - L)(I + L^2)(I + L^4)... (log2 C matrix products,
+    on whatever device runs the rest; no triangular solve needed)."""
+    C = L.shape[-1]
+    M = -L
+    inv = mx.eye(C, dtype=L.dtype) + M
+    span = 2
+    while span < C:
+        M = M @ M
+        inv = inv + inv @ M
+        span *= 2
+    return inv
+
+
 def delta_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
     """The same as delta_recurrent for a chain, in chunks of `chunk` positions: within a chunk
-    the updates are condensed into triangular solves and matrix products (prefill)."""
+    the updates are condensed into matrix products (prefill)."""
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     pad = (-T) % chunk
@@ -265,11 +284,9 @@ def delta_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
     kb = k * beta[..., None]
     vb = v * beta[..., None]
     strict = mx.tril(mx.ones((chunk, chunk), dtype=mx.bool_), -1)
-    A = mx.where(strict, (kb @ k.swapaxes(-1, -2)) * decay, 0.0) + mx.eye(chunk, dtype=k.dtype)
-    rhs = mx.concatenate([vb, kb * mx.exp(cum)[..., None]], axis=-1)  # (.., C, Dv + Dk)
-    sol = mx.linalg.solve_triangular(A.reshape(-1, chunk, chunk), rhs.reshape(-1, chunk, Dv + Dk),
-                                     upper=False, stream=mx.cpu).reshape(B, H, N, chunk, Dv + Dk)
-    u, w = sol[..., :Dv], sol[..., Dv:]
+    inv = unit_lower_inverse(mx.where(strict, (kb @ k.swapaxes(-1, -2)) * decay, 0.0))
+    u = inv @ vb  # the chunk's delta-rule updates condensed: (I + L)^-1 (beta v)
+    w = inv @ (kb * mx.exp(cum)[..., None])
     intra = (q @ k.swapaxes(-1, -2)) * decay
     qd = q * mx.exp(cum)[..., None]
     kd = k * mx.exp(cum[..., -1:] - cum)[..., None]

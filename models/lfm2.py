@@ -102,7 +102,7 @@ class ShortConv(nn.Module):
         win, last = conv_windows(bx, state, parents)
         y = depthwise(win, self.conv.weight, self.conv.get("bias"))
         if cache is not None:
-            cache.write((bx,), (last,), parents)
+            cache.write((bx,), (last,), parents, (state,))
         return self.out_proj(c * y)
 
 

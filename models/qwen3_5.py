@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, S = delta_recurrent(q, k, v, g, beta, state[1], parents)
         if cache is not None:
-            cache.write((qkv, k, v, g, beta), (last, S), parents)
+            cache.write((qkv, k, v, g, beta), (last, S), parents, state)
         out = self.norm(out.astype(x.dtype)) * nn.silu(z.astype(mx.float32)).astype(x.dtype)
         return self.out_proj(out.reshape(B, T, -1))
 

@@ -66,6 +66,12 @@ class TreeDrafter:
                 f"drafter {getattr(drafter, 'name', drafter)!r} has no MLX model to grow a tree "
                 "with; tree modes need an MLX drafter (distilled, 'self' or an MLX folder)"
             )
+        if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
+            raise ValueError(
+                f"drafter {getattr(drafter, 'name', drafter)!r} has recurrent layers: a tree drafter grows "
+                "branches one level per pass, which a recurrent state cannot follow; use mode "
+                "'speculative' or 'auto' (chain drafts), or tree sources=prompt_lookup+pool"
+            )
         self.drafter = drafter
         self.name = getattr(drafter, "name", "drafter")
         self.model = model
