@@ -13,9 +13,10 @@ inputs of the state update (a few vectors, not the (H, Dk, Dv) state), so
   runs every node from its parent's state (per-branch states, derived from the tree mask),
   so tree, lookahead and adaptive verification work unchanged on these layers.
 
-Memory stays bounded: the log is restarted at the current position (the checkpoint becomes
-the base) once it holds LOG_LIMIT positions at the start of a pass; a rollback never spans
-more than one decoding round (a verify pass, or one round of drafts).
+Memory stays bounded: once the log holds LOG_LIMIT positions at the start of a pass it
+restarts at a snapshot STRIDE..2 STRIDE positions back (the state at an earlier pass start,
+kept by reference), so a round in progress (a verify pass, or a drafter's catch-up and K
+drafts) can always be undone; older rollbacks are refused by name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-LOG_LIMIT = 160  # positions logged before the base moves to the current position
+LOG_LIMIT = 160  # positions logged before the log restarts at a snapshot
+STRIDE = 32  # positions between kept snapshots (states at pass starts; free: arrays are immutable)
+SNAPSHOTS = 2  # snapshots kept: the log restarts STRIDE..2 STRIDE positions back
 CHUNK = 64  # chunk length of the chunked gated delta rule (prefill)
 RECURRENT_MAX = 32  # passes up to this long (decode, verify) step the recurrence per position
 
@@ -46,6 +49,7 @@ class StateCache:
         self._log: list[tuple] = []  # per pass: tuple of (B, T, ...) inputs
         self._parents: list[int] = []  # per logged position: log index of its parent, -1 = base
         self._check: tuple[int, tuple | None] | None = None  # (offset, state) before the latest pass
+        self._snaps: list[tuple[int, tuple]] = []  # (offset, state) at pass starts, >= STRIDE apart
         self._tree = False  # the latest pass was a tree: `state` is not a position's state
         self.recomputed = 0  # positions recomputed by trim/keep/rebase (benchmarks read it)
 
@@ -71,9 +75,10 @@ class StateCache:
             self._state = tuple(before)
             if self._base == self.offset and not self._parents:
                 self._base_state = self._state
-        if len(self._parents) >= LOG_LIMIT:  # restart the log at the current position
-            self._base, self._base_state = self.offset, self._state
-            self._log, self._parents = [], []
+        if len(self._parents) >= LOG_LIMIT:
+            self._rebase()
+        if not self._snaps or self.offset - self._snaps[-1][0] >= STRIDE:
+            self._snaps = (self._snaps + [(self.offset, self._state)])[-SNAPSHOTS:]
         start = len(self._parents)  # log index of the pass's first position
         self._check = (self.offset, self._state)
         if parents is None:
@@ -93,6 +98,17 @@ class StateCache:
             node = self._parents[node]
         return path[::-1]
 
+    def _rebase(self) -> None:
+        """Restart the log at the oldest snapshot after the base (STRIDE to 2 STRIDE positions
+        back: a round in progress stays undoable), or at the current position."""
+        off, state = next(((o, st) for o, st in self._snaps if o > self._base), (self.offset, self._state))
+        cut = off - self._base
+        logged = self._joined() if self._log else ()
+        self._log = [tuple(a[:, cut:] for a in logged)] if off < self.offset else []
+        self._parents = list(range(-1, self.offset - off - 1))
+        self._base, self._base_state = off, state
+        self._snaps = [(o, st) for o, st in self._snaps if o > off]
+
     def _joined(self) -> tuple:
         if len(self._log) > 1:
             self._log = [tuple(mx.concatenate([p[j] for p in self._log], axis=1)
@@ -105,10 +121,11 @@ class StateCache:
             raise ValueError("recurrent cache: the kept positions are not one branch from the cached prefix")
         target = self._base + len(path)
         start_state, done = self._base_state, 0
-        c_off, c_state = self._check if self._check is not None else (self._base, self._base_state)
-        n_check = c_off - self._base  # positions the checkpoint holds (a chain prefix of the log)
-        if 0 <= n_check <= len(path) and path[:n_check] == list(range(n_check)):
-            start_state, done = c_state, n_check
+        points = self._snaps + ([self._check] if self._check is not None else [])
+        for off, st in points:  # the latest point on the kept chain: recompute from there
+            n = off - self._base
+            if done < n <= len(path) and path[:n] == list(range(n)):
+                start_state, done = st, n
         if path:
             logged = self._joined()
             idx = mx.array(path, dtype=mx.int32)
@@ -125,6 +142,7 @@ class StateCache:
             self._state = start_state
         self._tree = False
         self._check = (target, self._state)
+        self._snaps = [(o, st) for o, st in self._snaps if o <= target]
         self.offset = target
 
     def trim(self, n: int) -> int:
@@ -166,7 +184,7 @@ class StateCache:
         *state, end = parts
         self._state = self._base_state = tuple(state)
         self.offset = self._base = int(end.item())
-        self._log, self._parents, self._check, self._tree = [], [], None, False
+        self._log, self._parents, self._check, self._tree, self._snaps = [], [], None, False, []
 
     def arrays(self) -> list[mx.array]:
         """What evaluating computes this cache's last pass (see edgespec.cache.cache_arrays)."""

@@ -223,6 +223,26 @@ def test_rollback_and_tree_branches_restore_plain_states(hybrid):
     assert long[0].trim(1) == 1  # within the round: fine
 
 
+def test_a_drafting_round_across_the_log_restart_rolls_back_exactly(hybrid):
+    """One-token passes past LOG_LIMIT: the log restarts mid-round at a snapshot, so a round
+    of 12 single-token drafts is still undone exactly (the drafter's pattern)."""
+    from edgespec.recurrent import LOG_LIMIT
+
+    _, _, _, engine = hybrid
+    model = engine.model
+    seq = (PROMPT * 4)[: LOG_LIMIT + 40]
+    cache = model.make_cache()
+    prefill(model, cache, seq[:4])
+    for t in seq[4 : LOG_LIMIT - 5]:
+        model(mx.array([[t]]), cache)
+    for t in seq[LOG_LIMIT - 5 : LOG_LIMIT + 7]:  # 12 drafts, the restart among them
+        model(mx.array([[t]]), cache)
+    for c in cache:
+        c.trim(9)  # 3 kept
+    assert cache[0].offset == LOG_LIMIT - 2
+    assert_states_equal(recurrent_states(cache), recurrent_states(plain_cache(model, seq[: LOG_LIMIT - 2])))
+
+
 def test_export_import_span_continues_like_the_original(hybrid):
     """The prefix cache's protocol: a state exported at the end of a prompt, imported into
     fresh caches (attention spans with it), continues exactly; other spans give None."""
@@ -389,3 +409,15 @@ def test_plain_mode_on_a_hybrid_model_streams_like_prefill_and_steps(hybrid):
         want = ref.generate(torch.tensor([PROMPT[:10]]), max_new_tokens=8, do_sample=False,
                             pad_token_id=0, eos_token_id=None)[0, 10:].tolist()
     assert got == want
+
+
+def test_distributed_split_of_a_hybrid_bundle_is_refused_by_name(hybrid, tmp_path):
+    from edgespec.converters.convert import convert
+
+    from edgespec.distributed.errors import DistributedError
+    from edgespec.distributed.shard import load_shard
+
+    arch, folder, _, _ = hybrid
+    convert(folder, tmp_path / "bundle", quantize="none", dtype="float32", progress=False)
+    with pytest.raises(DistributedError, match=f"{arch}.*recurrent"):
+        load_shard(tmp_path / "bundle", "pipeline", 0, 2)

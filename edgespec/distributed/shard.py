@@ -174,6 +174,10 @@ def load_shard(folder: Path, mode: str, rank: int, size: int):
         model = model_from_config(local_config)  # parameters stay lazy until loaded over
     except (TypeError, ValueError) as e:
         raise DistributedError(f"{folder}/config.json: {e}") from None
+    if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
+        # the mirrored caches forward K/V operations only; a recurrent state is not split or mirrored
+        raise DistributedError(f"distributed verifiers run attention layers only; {config.get('model_type')!r} has "
+                               "recurrent (convolution / linear-attention) layers: run it on one machine")
     apply_quantization(model, config.get("quantization"))
     prefixes = layer_prefixes(model)
     n = len(prefixes)
