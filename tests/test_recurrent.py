@@ -421,3 +421,25 @@ def test_distributed_split_of_a_hybrid_bundle_is_refused_by_name(hybrid, tmp_pat
     convert(folder, tmp_path / "bundle", quantize="none", dtype="float32", progress=False)
     with pytest.raises(DistributedError, match=f"{arch}.*recurrent"):
         load_shard(tmp_path / "bundle", "pipeline", 0, 2)
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "auto"])
+def test_prefix_cache_restores_recurrent_states(hybrid, mode):
+    """The engine's prefix cache on a hybrid model: a second request sharing a long prefix
+    restores it (recurrent states at a block boundary, attention spans) and replies exactly as
+    without the cache."""
+    import edgespec
+    from edgespec.drafters.mlx_drafter import MLXDrafter
+
+    _, folder, _, _ = hybrid
+    first, second = PROMPT[:70] + [5, 6, 7], PROMPT[:70] + [9, 9, 2, 4]
+    kw = dict(max_tokens=16, mode=mode, draft_tokens=3 if mode == "speculative" else "auto")
+    replies = []
+    for size in (0, 1 << 26):
+        engine = edgespec.load(folder, drafter="none", progress=False, history="off", prompt_cache_bytes=size)
+        engine.drafter = MLXDrafter(Perturbed(engine.model)) if mode != "plain" else None
+        engine.generate(first, **kw)
+        res = engine.generate(second, **kw)
+        assert (res.stats.cached_tokens >= 32) == (size > 0)
+        replies.append(res.tokens)
+    assert replies[0] == replies[1]
