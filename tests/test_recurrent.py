@@ -443,3 +443,26 @@ def test_prefix_cache_restores_recurrent_states(hybrid, mode):
         assert (res.stats.cached_tokens >= 32) == (size > 0)
         replies.append(res.tokens)
     assert replies[0] == replies[1]
+
+
+def test_saved_session_of_a_hybrid_model_restores_and_continues_exactly(hybrid, tmp_path):
+    """A saved prompt cache (edgespec.sessions: the prefix cache's parts in safetensors) of a
+    hybrid model loads into a fresh engine and the reply equals one computed without it."""
+    import edgespec
+    from edgespec import sessions
+
+    _, folder, _, _ = hybrid
+    prompt = PROMPT[:75]
+
+    def fresh(size):
+        return edgespec.load(folder, drafter="none", progress=False, history="off", prompt_cache_bytes=size)
+
+    want = fresh(0).generate(prompt + [3, 4], max_tokens=12, mode="plain").tokens
+    first = fresh(1 << 26)
+    first.generate(prompt, max_tokens=4, mode="plain")
+    assert sessions.save(first, tmp_path / "s.cache", prompt) >= 32
+    second = fresh(1 << 26)
+    _, _, positions = sessions.load(second, tmp_path / "s.cache")
+    assert positions >= 32
+    res = second.generate(prompt + [3, 4], max_tokens=12, mode="plain")
+    assert res.stats.cached_tokens >= 32 and res.tokens == want
