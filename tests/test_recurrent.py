@@ -466,3 +466,23 @@ def test_saved_session_of_a_hybrid_model_restores_and_continues_exactly(hybrid, 
     assert positions >= 32
     res = second.generate(prompt + [3, 4], max_tokens=12, mode="plain")
     assert res.stats.cached_tokens >= 32 and res.tokens == want
+
+
+def test_tree_mode_with_an_attention_drafter_verifies_branches_on_a_hybrid_model(hybrid):
+    """Tree mode grows branches with an attention-only drafter; the hybrid verifier scores
+    them with per-branch recurrent states and keeps the accepted one: output equals plain."""
+    from conftest import make_tiny_model
+
+    from edgespec.drafters.mlx_drafter import MLXDrafter
+
+    _, _, _, engine = hybrid
+    engine.drafter = MLXDrafter(make_tiny_model(3, vocab_size=V, num_hidden_layers=1))
+    try:
+        for p in (PROMPT[:9], PROMPT[5:30]):
+            want = engine.generate(p, max_tokens=20, mode="plain").tokens
+            res = engine.generate(p, max_tokens=20, mode="tree", shape="static", branching="3x2x1",
+                                  sources="drafter+prompt_lookup", adaptive=0)
+            assert res.tokens == want
+            assert res.stats.drafted > res.stats.accepted
+    finally:
+        engine.drafter = None
