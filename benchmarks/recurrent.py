@@ -213,7 +213,7 @@ def main():
           f"ratio {t_half / t_free:.3f}, overhead {(t_half - t_free) / (K + 1) * 1e3:.3f} ms per verified token")
     print(f"tree pass of {T} nodes (per-branch states) vs chain pass : {t_tree * 1e3:7.2f} vs {t_chain * 1e3:7.2f} ms"
           f"  ratio {t_tree / t_chain:.3f}")
-    print(f"speculative K={K}, acceptance {stats.acceptance_rate:.0%}, {a.tokens / stats.verifier_passes:.2f} tokens/pass: "
+    print(f"speculative K={K}, each draft wrong with p={p_wrong:.2f}, acceptance {stats.acceptance_rate:.0%}, {a.tokens / stats.verifier_passes:.2f} tokens/pass: "
           f"{a.tokens / t_spec:.1f} tok/s vs plain {a.tokens / t_plain:.1f} tok/s = {t_plain / t_spec:.2f}x (decode, "
           "prefill excluded)")
 
