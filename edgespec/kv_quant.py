@@ -138,6 +138,10 @@ class QuantizedKVCache:
         self.trim(self.offset - start)
         self.update_and_fetch(mx.take(k, idx, axis=2), mx.take(v, idx, axis=2))
 
+    def arrays(self) -> list[mx.array]:
+        """What to evaluate so the latest pass is computed (edgespec.cache.cache_arrays)."""
+        return self.full.arrays() + ([self.q[0], self.q[3]] if self.q is not None else [])
+
     # ------------------------------------------------------------------ the state protocol
     def export_span(self, start: int, end: int) -> tuple[mx.array, ...] | None:
         """Full-precision (k, v) for spans before `start`, the six quantized arrays after it;
