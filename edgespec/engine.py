@@ -15,6 +15,7 @@ from edgespec.generate import Chunk, GenerationStats
 from edgespec.loader import LoadedModel
 from edgespec.modes import available_modes, make_mode
 from edgespec.options import GenerateOptions
+from edgespec.processors import Penalties
 from edgespec.sampling import SamplingParams
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
@@ -31,6 +32,7 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     prompt_tokens: int = 0
+    logprobs: list | None = None  # with options.logprobs: a TokenLogprob per token
 
 
 @dataclass
@@ -183,6 +185,12 @@ class Engine:
             return ids
         return self.encode_prompt(prompt, messages)
 
+    def check_options(self, options: GenerateOptions) -> None:
+        """What needs the model to check, checked before a request joins the batch: the
+        response format compiles for this tokenizer (compiled once per tokenizer, cached)."""
+        if options.response_format is not None:
+            options.response_format.matcher(self.tokenizer, self.model.args.vocab_size)
+
     def resolve_mode(self, options: GenerateOptions) -> str:
         """'auto' -> the adaptive decoder, which picks the best source each round.
 
@@ -233,6 +241,7 @@ class Engine:
         options = resolve_options(options, kwargs)
         cancel = cancel_callable(cancel)  # refused here, not when the stream is first read
         ids = self.prompt_ids(prompt, messages, options, context_overflow)
+        self.check_options(options)
         mode_name = self.resolve_mode(options)
         return self._stream(ids, options, mode_name, cancel, stats)
 
@@ -313,6 +322,7 @@ class Engine:
             raise ValueError(f"emit must be a callable emit(kind, payload), got {type(emit).__name__}")
         if ready is not None and not callable(ready):
             raise ValueError(f"ready must be a callable returning a bool, got {type(ready).__name__}")
+        self.check_options(options)
         stats = stats if stats is not None else GenerationStats()
         stats.mode, stats.prompt_tokens = mode_name, len(ids)
         req = Request(list(ids), options, mode_name, emit, stats, cancel, ready)
@@ -362,18 +372,21 @@ class Engine:
             ids = self.encode_prompt(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict) \
                 else self.encode_prompt(p)
             items.append(ids)
+        self.check_options(options)
         mode_name = self.resolve_mode(options)
         results: list = [None] * len(items)
         done = threading.Semaphore(0)
         reqs = []
 
         def collector(i):
-            parts: dict = {"text": [], "tokens": [], "finish": "length", "error": None}
+            parts: dict = {"text": [], "tokens": [], "finish": "length", "error": None, "logprobs": None}
 
             def emit(kind, payload):
                 if kind == "chunk":
                     parts["text"].append(payload.text)
                     parts["tokens"].extend(payload.tokens)
+                    if payload.logprobs is not None:
+                        parts["logprobs"] = (parts["logprobs"] or []) + list(payload.logprobs)
                     if payload.finish_reason:
                         parts["finish"] = payload.finish_reason
                 elif kind in ("done", "error"):
@@ -397,7 +410,7 @@ class Engine:
             if parts["error"] is not None:
                 raise parts["error"]
             out.append(GenerationResult("".join(parts["text"]), parts["tokens"], parts["finish"], req.stats,
-                                        len(ids)))
+                                        len(ids), parts["logprobs"]))
         return out
 
     def generate(self, prompt=None, *, messages=None, options=None, cancel=None, context_overflow: str = "error",
@@ -405,14 +418,18 @@ class Engine:
         options = resolve_options(options, kwargs)
         cancel = cancel_callable(cancel)
         ids = self.prompt_ids(prompt, messages, options, context_overflow)
+        self.check_options(options)
         text, tokens, finish = [], [], "length"
+        lps = None
         stats = GenerationStats()  # ours alone: last_stats may already be another thread's
         for chunk in self._stream(ids, options, self.resolve_mode(options), cancel, stats):
             text.append(chunk.text)
             tokens.extend(chunk.tokens)
+            if chunk.logprobs is not None:
+                lps = (lps or []) + list(chunk.logprobs)
             if chunk.finish_reason:
                 finish = chunk.finish_reason
-        return GenerationResult("".join(text), tokens, finish, stats, len(ids))
+        return GenerationResult("".join(text), tokens, finish, stats, len(ids), lps)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         return self.generate(messages=messages, **kwargs)
@@ -446,7 +463,10 @@ def resolve_options(options, keywords: dict) -> GenerateOptions:
     if not keywords:
         return options
     base = {"max_tokens": options.max_tokens, "stop": list(options.stop), "mode": options.mode,
-            "draft_tokens": options.draft_tokens, **options.mode_options}
+            "draft_tokens": options.draft_tokens, "response_format": options.response_format,
+            "logprobs": options.logprobs, "presence_penalty": options.penalties.presence,
+            "frequency_penalty": options.penalties.frequency,
+            "repetition_penalty": options.penalties.repetition, **options.mode_options}
     base.update({k: getattr(options.sampling, k) for k in _SAMPLING})
     return make_options(**{**base, **keywords})
 
@@ -461,9 +481,22 @@ def make_options(
     seed: int | None = None,
     mode: str = "auto",
     draft_tokens: int | str = "auto",
+    response_format=None,
+    logprobs: int | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
     **mode_options,
 ) -> GenerateOptions:
+    """A request's options, checked. `response_format`: None, {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, {"type": "regex",
+    "pattern"}, {"type": "grammar", "grammar", "syntax": "lark"|"gbnf"}, a JSON-schema dict or
+    a Pydantic model class (edgespec.structured). `logprobs`: k -> every streamed Chunk carries
+    each token's logprob and its k most likely alternatives under the processed verifier
+    distribution. Penalties: OpenAI presence/frequency over the reply, the CTRL/HF repetition
+    penalty over prompt and reply; every mode applies them identically at every position."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
     try:
         return GenerateOptions(
             max_tokens=max_tokens,
@@ -472,6 +505,9 @@ def make_options(
             mode=mode,
             draft_tokens=draft_tokens,
             mode_options=mode_options,
+            response_format=response_format,
+            logprobs=logprobs,
+            penalties=penalties,
         )
     except UnknownOptionError as e:
         keywords = ", ".join(inspect.signature(make_options).parameters)

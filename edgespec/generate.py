@@ -26,6 +26,9 @@ class Token:
     id: int
     logprob: float
     source: str  # "verifier" | "drafter" | "lookahead"
+    # With options.logprobs: its logprob and alternatives under the processed verifier
+    # distribution (edgespec.processors.TokenLogprob), filled in as the token streams out.
+    top_logprobs: object = None
 
 
 @dataclass
@@ -218,6 +221,8 @@ class Chunk:
     text: str
     tokens: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled" | None
+    # With options.logprobs: one edgespec.processors.TokenLogprob per token of `tokens`.
+    logprobs: list | None = None
 
 
 def _stop_holdback(text: str, stops: list[str]) -> int:
@@ -249,6 +254,8 @@ def stream_tokens(
     detok = StreamingDetokenizer(tokenizer)
     pending_text = ""  # decoded, not yet emitted (possible stop-string prefix)
     pending_tokens: list[int] = []
+    pending_lps: list = []
+    want_lps = False
     limit = max_tokens if context_left is None else min(max_tokens, context_left)
     finish = "length" if limit == max_tokens else "context"
     stopped_on_string = False
@@ -266,6 +273,9 @@ def stream_tokens(
                 break
             stats.generated_tokens += 1
             pending_tokens.append(tok.id)
+            if tok.top_logprobs is not None:
+                want_lps = True
+            pending_lps.append(tok.top_logprobs)
             pending_text += detok.add(tok.id)
             hold = 0
             if stop:
@@ -277,14 +287,14 @@ def stream_tokens(
                 hold = _stop_holdback(pending_text, stop)
             if len(pending_text) > hold:
                 cut = len(pending_text) - hold
-                yield Chunk(pending_text[:cut], pending_tokens)
-                pending_text, pending_tokens = pending_text[cut:], []
+                yield Chunk(pending_text[:cut], pending_tokens, None, pending_lps if want_lps else None)
+                pending_text, pending_tokens, pending_lps = pending_text[cut:], [], []
             if stats.generated_tokens >= limit:
                 break
         if not stopped_on_string:
             pending_text += detok.flush()
         stats.decode_s = max(time.perf_counter() - t0 - stats.prefill_s, 1e-9)
-        yield Chunk(pending_text, pending_tokens, finish)
+        yield Chunk(pending_text, pending_tokens, finish, pending_lps if want_lps else None)
     finally:
         if stats.decode_s == 0.0:  # stopped early (Ctrl-C, a closed stream): time what ran
             stats.decode_s = max(time.perf_counter() - t0 - stats.prefill_s, 1e-9)

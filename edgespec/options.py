@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.processors import Penalties
 from edgespec.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -16,6 +19,11 @@ class GenerateOptions:
     mode: str = "auto"  # "auto" lets the engine choose (see Engine.resolve_mode)
     draft_tokens: int | str = "auto"  # K for speculative modes, or "auto"
     mode_options: dict[str, Any] = field(default_factory=dict)  # e.g. lookahead W/N/G
+    # Structured output (edgespec.structured): None, an OpenAI response_format dict, a JSON
+    # schema dict or a Pydantic model class; compiled here (a bad one raises ValueError).
+    response_format: Any = None
+    logprobs: int | None = None  # each token's logprob and this many alternatives (0..20)
+    penalties: Penalties = field(default_factory=Penalties)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -32,6 +40,15 @@ class GenerateOptions:
             raise ValueError(f"mode_options must be a dict, got {type(self.mode_options).__name__}")
         # Typed and checked against the mode's declared options, before any model is loaded.
         self.mode_options = validate_mode_options(self.mode, self.mode_options)
+        from edgespec.structured import parse_response_format
+
+        self.response_format = parse_response_format(self.response_format)
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (alternatives per token), "
+                             f"got {lp!r}")
+        if not isinstance(self.penalties, Penalties):
+            raise ValueError(f"penalties must be an edgespec.processors.Penalties, got {type(self.penalties).__name__}")
         dt = self.draft_tokens
         if dt != "auto" and (not isinstance(dt, int) or isinstance(dt, bool) or not 1 <= dt <= 16):
             raise ValueError(f"draft_tokens must be 'auto' or an integer in 1..16, got {dt!r}")

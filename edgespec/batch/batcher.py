@@ -746,9 +746,11 @@ class Batcher:
             mode = engine.build_mode(req.options, req.mode_name, stats)
             if getattr(mode, "model", None) is engine.model:
                 mode.model = SeqModel(engine.model, self, seq)
+            from edgespec.processors import attach_processors
             from edgespec.sampling import Sampler
 
-            steps = mode.steps(req.ids, Sampler(req.options.sampling), stats)
+            follow = attach_processors(mode, engine, req.options, req.ids)
+            steps = follow(mode.steps(req.ids, Sampler(req.options.sampling), stats))
             chunks = stream_tokens(steps, engine.tokenizer, stats, req.options.max_tokens, req.options.stop,
                                    context_left=engine.context_length - len(req.ids),
                                    cancel=lambda: req.cancelled)

@@ -1,0 +1,364 @@
+"""The one step where logits become the distribution every mode draws from.
+
+A request's target distribution at a position is the verifier's logits with
+its logits processors applied (repetition / presence / frequency penalties,
+then the grammar's token mask: disallowed tokens get -inf), renormalised by
+the sampling transform as before (`sampling.logprobs_from_logits`). Every mode
+must draw from exactly that law, so the processors are applied where logits
+come out of the verifier: `ProcessedModel` wraps the model a mode holds and
+transforms every row of every verifier call (prefill's last position, plain
+steps, speculative chains, tree and lookahead nodes, batched rows) with that
+row's own prefix. Decoders, the batch and the tree code see ordinary logits
+and need no branch of their own: a greedy argmax or a sampled draw of a
+processed row is the constrained draw; a drafted token the grammar forbids has
+probability 0 under its parent row, so it is never accepted.
+
+A row's prefix is derived from the call itself: the cache offset o says how
+many positions are committed (the prompt plus the tokens the mode has emitted,
+which `follow` records as they stream out, or failing that the inputs of
+earlier calls written at those positions); a causal call's row i adds
+inputs[:i+1]; a tree call's row j adds its ancestors, read from the tree mask
+(row j attends to slot o+i iff node i is j's ancestor or j itself).
+
+Processors keep their state per committed prefix and fork it per row (the
+grammar matcher consumes a row's path and rolls back), so every tree node is
+processed exactly as plain decoding would process that position.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's presence/frequency penalties over the reply's tokens and the CTRL/HF
+    repetition penalty over prompt and reply (a logit l of a seen token becomes l / r if
+    l > 0, else l * r). Defaults: off."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+
+    def __post_init__(self):
+        for name, v, lo, hi in (("presence_penalty", self.presence, -2.0, 2.0),
+                                ("frequency_penalty", self.frequency, -2.0, 2.0),
+                                ("repetition_penalty", self.repetition, 1e-6, 10.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not lo <= v <= hi:
+                if name == "repetition_penalty":
+                    raise ValueError(f"repetition_penalty must be a number in (0, 10] (1 = off), got {v!r}")
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the request's processed verifier distribution
+    (penalised, masked, temperature 1), and the `top` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class LogitsProcessor(Protocol):
+    """Transforms verifier logits, row by row, given each row's generated prefix."""
+
+    def process(self, logits: mx.array, committed: list[int], paths: list[list[int] | None]) -> mx.array:
+        """logits (T, V); committed: the reply's committed tokens; paths[i]: the tokens row i
+        adds after them (None: a row of the prompt, left alone). Returns (T, V)."""
+        ...
+
+
+class PenaltyProcessor:
+    def __init__(self, penalties: Penalties, prompt: list[int], vocab_size: int):
+        self.p = penalties
+        self.V = vocab_size
+        self.prompt_counts = np.bincount(np.asarray(prompt, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+        self._counts = np.zeros(vocab_size, dtype=np.int64)  # of committed reply tokens
+        self._n = 0
+        self._committed: list[int] = []
+
+    def _sync(self, committed: list[int]) -> None:
+        if self._n > len(committed) or self._committed[: self._n] != committed[: self._n]:
+            self._counts[:] = 0
+            self._n = 0
+        if len(committed) > self._n:
+            np.add.at(self._counts, np.asarray(committed[self._n:], dtype=np.int64), 1)
+            self._n = len(committed)
+        self._committed = list(committed)
+
+    def process(self, logits, committed, paths):
+        self._sync(committed)
+        T = logits.shape[0]
+        counts = np.zeros((T, self.V), dtype=np.float32)
+        live = np.zeros((T, 1), dtype=bool)
+        for i, path in enumerate(paths):
+            if path is None:
+                continue
+            live[i] = True
+            counts[i] = self._counts
+            if path:
+                np.add.at(counts[i], np.asarray(path, dtype=np.int64), 1)
+        if not live.any():
+            return logits
+        x = logits.astype(mx.float32)
+        p = self.p
+        if p.repetition != 1.0:
+            seen = mx.array(((counts > 0) | (self.prompt_counts[None] > 0)) & live)
+            x = mx.where(seen, mx.where(x > 0, x / p.repetition, x * p.repetition), x)
+        if p.presence or p.frequency:
+            bias = p.frequency * counts + p.presence * (counts > 0)
+            x = x - mx.array(bias.astype(np.float32))
+        return x
+
+
+class GrammarProcessor:
+    """The grammar's token mask per row; the matcher follows the committed reply and forks
+    (consume the row's path, compute the mask, roll back) for every row."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.m = matcher
+        self.V = vocab_size
+        self.state: list[int] = []  # reply tokens the matcher has consumed
+
+    def _check(self) -> None:
+        if self.m.is_error():
+            from edgespec.structured import GrammarError
+
+            raise GrammarError(f"the grammar matcher failed: {self.m.get_error()}")
+
+    def _goto(self, target: list[int]) -> bool:
+        """Bring the matcher to `target` (rolling back to the common prefix, then consuming);
+        False when the grammar forbids target (the matcher is then left at its longest
+        allowed prefix)."""
+        s = self.state
+        n = min(len(s), len(target))
+        k = 0
+        while k < n and s[k] == target[k]:
+            k += 1
+        if k < len(s):
+            self.m.rollback(len(s) - k)
+            del s[k:]
+        rest = target[k:]
+        if rest:
+            took = self.m.try_consume_tokens(rest)
+            s.extend(rest[:took])
+            self._check()
+            return took == len(rest)
+        return True
+
+    def sync(self, committed: list[int]) -> None:
+        """Follow the committed reply: a committed token the grammar forbids is an error."""
+        if not self._goto(committed):
+            from edgespec.structured import GrammarError
+
+            raise GrammarError(f"token {committed[len(self.state)]} was committed where the grammar forbids it")
+
+    def allowed(self) -> np.ndarray:
+        """(V,) bool: the tokens allowed at the matcher's state."""
+        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
+        self._check()
+        mask = np.unpackbits(bits, bitorder="little")[: self.V].astype(bool)
+        if mask.shape[0] < self.V:
+            mask = np.concatenate([mask, np.zeros(self.V - mask.shape[0], dtype=bool)])
+        return mask
+
+    def forced(self, committed: list[int], limit: int) -> list[int]:
+        """The tokens the grammar forces after `committed` (its single continuation), up to
+        `limit`: llguidance's fast-forward tokens."""
+        if not self._goto(committed) or self.m.is_stopped():
+            return []
+        return list(self.m.compute_ff_tokens())[:limit]
+
+    def accepting(self, committed: list[int]) -> bool:
+        return self._goto(committed) and self.m.is_accepting()
+
+    def process(self, logits, committed, paths):
+        self.sync(committed)
+        T = logits.shape[0]
+        masks = np.ones((T, self.V), dtype=bool)
+        any_row = False
+        for i, path in enumerate(paths):
+            if path is None:
+                continue
+            if self._goto(committed + path):
+                masks[i] = self.allowed()
+                any_row = True
+            # else: the row's prefix leaves the grammar (a drafted token it forbids). Its parent
+            # row gave that token probability 0, so this row can never be drawn from: left as is.
+        self._goto(committed)
+        if not any_row:
+            return logits
+        return mx.where(mx.array(masks), logits, NEG_INF)
+
+
+class ProcessedModel:
+    """The verifier as a request's modes see it: every row of every call comes out processed.
+
+    Calls that are not the verifier's own sequence (no cache, a layer subset: self-speculative
+    drafting; a cache this wrapper did not make) pass through unchanged.
+    """
+
+    KEEP_CALLS = 4  # calls whose processed rows stay available for the logprobs of emitted tokens
+
+    def __init__(self, model, prompt: list[int], processors: list, logprobs: int | None = None):
+        self._model = model
+        self.prompt = list(prompt)
+        self.processors = list(processors)
+        self.logprobs = logprobs
+        self.emitted: list[int] = []
+        self._records: dict[int, list[int]] = {}  # id(cache[0]) -> token at each cache position
+        self._rows: deque = deque(maxlen=self.KEEP_CALLS)  # (committed count, [(k, path, row)], logits)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def make_cache(self):
+        caches = self._model.make_cache()
+        if caches:
+            self._records[id(caches[0])] = list(self.prompt)
+        return caches
+
+    # -------------------------------------------------------------- following the reply
+    def follow(self, steps):
+        """Pass a mode's tokens through, recording them (and their logprobs when asked)."""
+        for tok in steps:
+            if self.logprobs is not None:
+                tok.top_logprobs = self.token_logprobs(len(self.emitted), tok.id)
+            self.emitted.append(tok.id)
+            yield tok
+
+    def committed(self, record: list[int], offset: int) -> list[int]:
+        """The reply's tokens at cache positions [len(prompt), offset)."""
+        P = len(self.prompt)
+        n = offset - P
+        if n <= 0:
+            return []
+        known = self.emitted[:n]
+        if len(known) < n:  # written by earlier calls, not handed out yet
+            known = known + record[P + len(known): P + n]
+        return known
+
+    # -------------------------------------------------------------- the call
+    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False,
+                 last_only=False):
+        out = self._model(inputs, cache, mask=mask, positions=positions, layer_ids=layer_ids,
+                          return_hidden=return_hidden, last_only=last_only)
+        record = self._records.get(id(cache[0])) if cache else None
+        if record is None or layer_ids is not None or inputs.ndim != 2 or inputs.shape[0] != 1:
+            return out
+        logits = out[0] if return_hidden else out
+        toks = [int(t) for t in inputs[0].tolist()]
+        T = len(toks)
+        offset = cache[0].offset - T  # the model has written this call's T positions
+        P = len(self.prompt)
+        committed = self.committed(record, offset)
+        # Ancestors of each row among this call's tokens (causal unless a tree mask says otherwise).
+        if mask is None or isinstance(mask, str):
+            paths_idx = None
+        else:
+            m = np.array(mask.astype(mx.bool_) if mask.dtype == mx.bool_ else (mask > -1e4))
+            m = m.reshape(-1, m.shape[-2], m.shape[-1])[0][:, offset: offset + T]
+            paths_idx = [np.nonzero(m[j, : j + 1])[0].tolist() for j in range(T)]
+        # Record what the call wrote at each position (the causal chain; a tree's nodes are
+        # resolved from what the mode then emits).
+        del record[offset:]
+        if paths_idx is None:
+            record.extend(toks)
+        rows = [T - 1] if last_only else list(range(T))
+        paths: list[list[int] | None] = []
+        ks: list[int] = []
+        for j in rows:
+            idx = list(range(j + 1)) if paths_idx is None else paths_idx[j]
+            depth = len(idx)
+            k = offset - P + depth  # the reply index of the token this row's distribution draws
+            ks.append(k)
+            if k < 0:
+                paths.append(None)  # a row of the prompt
+                continue
+            path = [toks[i] for i in idx]
+            if offset < P:  # a prefill reaching into the reply: only the reply's part counts
+                path = path[P - offset:]
+            paths.append(path)
+        rows2d = logits.reshape(-1, logits.shape[-1])
+        sel = rows2d if not last_only else rows2d[-1:]
+        if not last_only and len(rows) != sel.shape[0]:
+            return out
+        processed = sel
+        if any(p is not None for p in paths):
+            for proc in self.processors:
+                processed = proc.process(processed, committed, paths)
+        if self.logprobs is not None:
+            self._rows.append((len(committed), [(k, tuple(p) if p is not None else None) for k, p in
+                                                zip(ks, paths, strict=True)], processed))
+        new = processed.reshape(logits.shape).astype(logits.dtype) if processed is not sel else logits
+        return (new, out[1]) if return_hidden else new
+
+    # -------------------------------------------------------------- logprobs
+    def token_logprobs(self, k: int, token: int) -> TokenLogprob | None:
+        """The logprob of reply token k (= `token`) and the top alternatives, from the processed
+        row that drew it (looked up among the latest calls)."""
+        for c, entries, processed in reversed(self._rows):
+            if c > k:
+                continue
+            want = tuple(self.emitted[c:k])
+            for i, (kk, path) in enumerate(entries):
+                if kk == k and path == want:
+                    row = processed[i].astype(mx.float32)
+                    lp = row - mx.logsumexp(row)
+                    n = int(self.logprobs)
+                    if n > 0:
+                        top = mx.argpartition(-lp, kth=n - 1)[:n]
+                        mx.eval(lp, top)
+                        top_ids = np.array(top).tolist()
+                    else:
+                        mx.eval(lp)
+                        top_ids = []
+                    lp_np = np.array(lp)
+                    pairs = sorted(((int(t), float(lp_np[t])) for t in top_ids if np.isfinite(lp_np[t])),
+                                   key=lambda x: (-x[1], x[0]))
+                    return TokenLogprob(int(token), float(lp_np[token]), pairs)
+        return None
+
+
+def make_processors(options, prompt: list[int], tokenizer, vocab_size: int) -> list:
+    """The logits processors a request's options ask for (penalties, then the grammar)."""
+    procs: list = []
+    pen = getattr(options, "penalties", None)
+    if pen is not None and pen.active:
+        procs.append(PenaltyProcessor(pen, prompt, vocab_size))
+    grammar = getattr(options, "response_format", None)
+    if grammar is not None:
+        procs.append(GrammarProcessor(grammar.matcher(tokenizer, vocab_size), vocab_size))
+    return procs
+
+
+def attach_processors(mode, engine, options, prompt: list[int]):
+    """Put a request's processors between its mode and the verifier (see ProcessedModel); give
+    the sources that declare `grammar` the request's grammar. Returns the wrapper for the mode's
+    token stream (records emitted tokens, adds logprobs), the identity when nothing applies."""
+    procs = make_processors(options, prompt, engine.tokenizer, engine.model.args.vocab_size)
+    if not procs and options.logprobs is None:
+        return lambda steps: steps
+    if getattr(mode, "model", None) is None:
+        raise ValueError(f"mode {getattr(mode, 'name', '?')!r} cannot apply response_format, penalties or "
+                         "logprobs (it does not expose its verifier)")
+    pm = ProcessedModel(mode.model, prompt, procs, options.logprobs)
+    mode.model = pm
+    grammar = next((p for p in procs if isinstance(p, GrammarProcessor)), None)
+    for source in getattr(mode, "sources", ()):
+        caps = getattr(source, "caps", None)
+        if caps is not None and getattr(caps, "grammar", False):
+            source.bind(grammar, len(prompt))
+    return pm.follow

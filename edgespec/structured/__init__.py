@@ -1,0 +1,251 @@
+"""Structured output: response formats compiled to grammars (llguidance), cached.
+
+`response_format` (the engine API and the server share it) is one of:
+
+- None, or {"type": "text"}: free text;
+- {"type": "json_object"}: any JSON object;
+- {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+  (OpenAI's shape), a plain JSON-schema dict, or a Pydantic model class;
+- {"type": "regex", "pattern": "..."};
+- {"type": "grammar", "grammar": "...", "syntax": "lark" | "gbnf"}.
+
+`parse_response_format` checks it and compiles it to an llguidance grammar
+(without a tokenizer: it runs in make_options, before any model is touched);
+bad schemas, patterns and grammars raise ValueError naming the problem.
+`Grammar.matcher(tokenizer, vocab_size)` gives a fresh matcher for one request:
+the compiled matcher is cached per (grammar, tokenizer) and copied (deep_copy),
+so a schema is compiled once per tokenizer. Why llguidance: docs/structured.md.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+# JSON is written the way models usually write it, compact but with a space after ':' and ',':
+# fixed separators make keys and punctuation forced (one continuation), which the forced-token
+# source turns into drafts that are always accepted.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
+CACHE_SIZE = 256
+
+
+class GrammarError(RuntimeError):
+    """The grammar matcher failed during generation (fails that request alone)."""
+
+
+def _llg():
+    import llguidance
+
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A response format compiled to llguidance's grammar text (hashable: the cache key)."""
+
+    kind: str  # json_object | json_schema | regex | grammar
+    text: str = field(repr=False)  # llguidance grammar (JSON or Lark)
+    schema: Any = field(default=None, compare=False, hash=False, repr=False)  # the JSON schema (json kinds)
+    name: str | None = field(default=None, compare=False, hash=False)
+
+    def matcher(self, tokenizer, vocab_size: int | None = None):
+        """A fresh llguidance LLMatcher for one request (a copy of the cached compiled one)."""
+        return _matcher_cache.get(self, tokenizer, vocab_size)
+
+
+def _schema_of(value) -> dict | None:
+    """A Pydantic model class's JSON schema, else None."""
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):
+        return value.model_json_schema()
+    return None
+
+
+def _check(text: str, what: str) -> str:
+    err = _llg().LLMatcher.validate_grammar(text)
+    if err and not err.startswith("WARNING"):
+        raise ValueError(f"response_format: invalid {what}: {err}")
+    return text
+
+
+def _json_grammar(schema: Any, what: str) -> str:
+    if isinstance(schema, bool) or not isinstance(schema, dict):
+        raise ValueError(f"response_format: the JSON schema must be an object (a dict), got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"response_format: the JSON schema is not serialisable as JSON ({e})") from None
+    try:
+        g = _llg().LLMatcher.grammar_from_json_schema(text, defaults=dict(JSON_OPTIONS))
+    except Exception as e:  # llguidance raises ValueError/RuntimeError with the schema's problem
+        raise ValueError(f"response_format: invalid {what}: {e}") from None
+    return _check(g, what)
+
+
+@dataclass(frozen=True)
+class _Key:
+    text: str
+
+
+_parse_cache: OrderedDict = OrderedDict()
+_parse_lock = threading.Lock()
+
+
+def parse_response_format(rf: Any) -> Grammar | None:
+    """Check a response_format and compile it (see the module doc); None for free text."""
+    if rf is None:
+        return None
+    if isinstance(rf, Grammar):
+        return rf
+    pyd = _schema_of(rf)
+    if pyd is not None:
+        return _compiled("json_schema", pyd, getattr(rf, "__name__", None))
+    if not isinstance(rf, dict):
+        raise ValueError(
+            "response_format must be None, a dict ({'type': 'json_object'}, {'type': 'json_schema', ...}, "
+            "{'type': 'regex', 'pattern': ...}, {'type': 'grammar', 'grammar': ..., 'syntax': 'lark'|'gbnf'}, "
+            f"or a JSON schema) or a Pydantic model class, got {type(rf).__name__}"
+        )
+    kind = rf.get("type")
+    if kind not in KINDS or (kind == "object" or "properties" in rf and kind != "json_schema"):
+        # Not one of the wrapper shapes: a plain JSON schema ({"type": "object", ...}, {"anyOf": ...}).
+        if isinstance(kind, str) and kind.endswith(("_object", "_schema")) and kind not in KINDS:
+            raise ValueError(f"response_format type {kind!r} is not supported; use one of {', '.join(KINDS)}")
+        return _compiled("json_schema", rf, rf.get("title"))
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _compiled("json_object", {"type": "object"}, None)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if isinstance(spec, type):
+            spec = {"schema": _schema_of(spec)}
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("response_format {'type': 'json_schema'} needs 'json_schema': "
+                             "{'name': ..., 'schema': {...}}")
+        schema = spec["schema"]
+        schema = _schema_of(schema) or schema
+        return _compiled("json_schema", schema, spec.get("name"))
+    if kind == "regex":
+        pattern = rf.get("pattern", rf.get("regex"))
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError("response_format {'type': 'regex'} needs a non-empty 'pattern' string")
+        return _compiled("regex", pattern, None)
+    grammar = rf.get("grammar")
+    syntax = rf.get("syntax", "lark")
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise ValueError("response_format {'type': 'grammar'} needs a non-empty 'grammar' string")
+    if syntax not in ("lark", "gbnf"):
+        raise ValueError(f"response_format grammar 'syntax' must be 'lark' or 'gbnf', got {syntax!r}")
+    return _compiled("grammar:" + syntax, grammar, None)
+
+
+def _compiled(kind: str, source: Any, name: str | None) -> Grammar:
+    key = (kind, source if isinstance(source, str) else json.dumps(source, sort_keys=True))
+    with _parse_lock:
+        hit = _parse_cache.get(key)
+        if hit is not None:
+            _parse_cache.move_to_end(key)
+            return hit
+    llg = _llg()
+    if kind in ("json_schema", "json_object"):
+        text = _json_grammar(source, "JSON schema" if kind == "json_schema" else "json_object")
+        g = Grammar(kind, text, source, name)
+    elif kind == "regex":
+        try:
+            text = llg.LLMatcher.grammar_from_regex(source)
+        except Exception as e:
+            raise ValueError(f"response_format: invalid regex {source!r}: {e}") from None
+        g = Grammar("regex", _check(text, f"regex {source!r}"))
+    else:
+        syntax = kind.split(":", 1)[1]
+        lark = source
+        if syntax == "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                lark = gbnf_to_lark(source)
+            except Exception as e:
+                raise ValueError(f"response_format: invalid GBNF grammar: {e}") from None
+        try:
+            text = llg.LLMatcher.grammar_from_lark(lark)
+        except Exception as e:
+            raise ValueError(f"response_format: invalid {syntax} grammar: {e}") from None
+        g = Grammar("grammar", _check(text, f"{syntax} grammar"))
+    with _parse_lock:
+        _parse_cache[key] = g
+        while len(_parse_cache) > CACHE_SIZE:
+            _parse_cache.popitem(last=False)
+    return g
+
+
+# ------------------------------------------------------------------ tokenizers and matchers
+def ll_tokenizer(tokenizer, vocab_size: int | None = None):
+    """llguidance's tokenizer for edgespec's `tokenizer` (built once per tokenizer and size)."""
+    cache = tokenizer.__dict__.setdefault("_llg_tokenizers", {})
+    n = vocab_size if vocab_size is not None else tokenizer.vocab_size
+    hit = cache.get(n)
+    if hit is not None:
+        return hit
+    from edgespec.structured.tokens import token_bytes
+
+    llg = _llg()
+    tokens, special = token_bytes(tokenizer, n)
+    eos = sorted(tokenizer.eos_token_ids)
+    if not eos:
+        raise ValueError("constrained decoding needs a tokenizer with an EOS token (it ends the reply "
+                         "when the grammar is complete)")
+
+    class _Vocab:  # what llguidance.TokenizerWrapper reads
+        eos_token_id = eos[0]
+        bos_token_id = tokenizer.bos_token_id
+        special_token_ids = special
+
+        def __call__(self, s):
+            if isinstance(s, (bytes, bytearray)):
+                s = bytes(s).decode("utf-8", errors="replace")
+            return tokenizer.encode(s, add_special_tokens=False)
+
+    vocab = _Vocab()
+    vocab.tokens = tokens
+    lt = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n, eos_token=eos)
+    cache[n] = lt
+    return lt
+
+
+class _MatcherCache:
+    """Compiled matchers per (grammar, tokenizer, vocabulary size), least recently used dropped."""
+
+    def __init__(self, size: int = CACHE_SIZE):
+        self.size = size
+        self._d: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0  # how many compilations ran (tests and the benchmark read it)
+
+    def get(self, grammar: Grammar, tokenizer, vocab_size: int | None):
+        key = (grammar, id(tokenizer), vocab_size)
+        with self._lock:
+            hit = self._d.get(key)
+            if hit is not None and hit[0] is tokenizer:
+                self._d.move_to_end(key)
+                return hit[1].deep_copy()
+        llg = _llg()
+        m = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar.text, log_level=0)
+        if m.is_error():
+            raise ValueError(f"response_format: the grammar does not compile for this tokenizer: {m.get_error()}")
+        with self._lock:
+            self.compiles += 1
+            self._d[key] = (tokenizer, m)
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
+        return m.deep_copy()
+
+
+_matcher_cache = _MatcherCache()
+
+
+def matcher_cache() -> _MatcherCache:
+    return _matcher_cache
