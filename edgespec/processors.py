@@ -181,6 +181,12 @@ class GrammarProcessor:
             return []
         return list(self.m.compute_ff_tokens())[:limit]
 
+    def allowed_prefix(self, committed: list[int], tokens: list[int]) -> int:
+        """How many of `tokens`, continuing `committed`, the grammar allows."""
+        if not self._goto(committed):
+            return 0
+        return int(self.m.validate_tokens(list(tokens)))
+
     def accepting(self, committed: list[int]) -> bool:
         return self._goto(committed) and self.m.is_accepting()
 
@@ -248,6 +254,13 @@ class ProcessedModel:
         known = self.emitted[:n]
         if len(known) < n:  # written by earlier calls, not handed out yet
             known = known + record[P + len(known): P + n]
+        if len(known) < n:
+            # A mode called the verifier after a tree step before handing out that step's
+            # tokens: the prefix is unknown, and guessing it would break exactness.
+            from edgespec.structured import GrammarError
+
+            raise GrammarError(f"the verifier was called at position {offset} with only {P + len(known)} "
+                               "positions known (a mode must hand out a tree step's tokens first)")
         return known
 
     # -------------------------------------------------------------- the call

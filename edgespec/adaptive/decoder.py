@@ -64,6 +64,7 @@ PRIORS = {
     "context:(4, False)": 0.8, "context:(3, False)": 0.6, "context:(2, False)": 0.45,
     "context:(1, False)": 0.3, "context:(0, False)": 0.15, "context": 0.1,
     "history": 0.4,
+    "forced": 0.99,  # the grammar's single continuation: a point mass, so always kept
 }
 
 
@@ -111,7 +112,22 @@ class AdaptiveDecoder:
         out = []
         for s in self.sources:
             out.extend(c for c in s.propose(seq, self.guesses, self.span) if c.tokens)
-        return out
+        return self._vet(seq, out)
+
+    def _vet(self, seq: list[int], cands: list[Candidate]) -> list[Candidate]:
+        """Candidates trimmed by the sources that vet (caps.vets): what the request can never
+        accept is not verified."""
+        for s in self.sources:
+            if not s.caps.vets:
+                continue
+            for c in cands:
+                n = s.vet(seq, c.tokens)
+                if n < len(c.tokens):
+                    c.tokens = c.tokens[:n]
+                    if c.logprobs is not None:
+                        c.logprobs = c.logprobs[:n]
+            cands = [c for c in cands if c.tokens]
+        return cands
 
     def _probs(self, c: Candidate) -> np.ndarray:
         return self.acc.path_probs(c.source, c.bucket, len(c.tokens))
@@ -314,7 +330,7 @@ class AdaptiveDecoder:
             stats.draft_s += self._draft_time
             self._drafted(plan)
             if dc.tokens:
-                cands.append(dc)
+                cands.extend(self._vet(seq, [dc]))
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         costs, plain_s, others, cap = self._pricing(nodes)
         kept, _ = plan_tree(nodes, costs, 0.0, plain_s, cap, margin=0.0, others=others)

@@ -10,12 +10,18 @@ decoder needs to know about a source is declared, not probed:
   decoder verifies every proposal by "draw, then match" (see decoder.py), so it
   asks such a source for its greedy chain and treats it as point-mass;
 - `cost_per_token`: seconds per proposed token (0 for look-ups); a source
-  with a cost is only asked when the planner expects it to pay.
+  with a cost is only asked when the planner expects it to pay;
+- `grammar`: the source follows the request's grammar (bound per request with
+  `bind`, see edgespec.processors.attach_processors); it proposes nothing without one;
+- `vets`: the source also trims other sources' candidates (`vet`) to the prefix the
+  request can accept at all, before the verifier pass.
 
 Sources: "context" (n-grams of this request's prompt and output, ranked by
 match length: prompt lookup generalised to several candidates), "history"
 (the engine's earlier prompts and replies, see `history.py`), "drafter" (an
-attached drafter's chain).
+attached drafter's chain), "forced" (the grammar's single continuation: under a
+JSON schema, keys, braces and enum tails; accepted with probability 1 because the
+masked distribution there is a point mass).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class Capabilities:
     point_mass: bool = True
     has_q: bool = False
     cost_per_token: float = 0.0
+    grammar: bool = False
+    vets: bool = False
 
 
 @dataclass
@@ -197,3 +205,42 @@ class JacobiSource:
 
     def close(self) -> None:
         self.window = None
+
+
+class ForcedSource:
+    """The tokens a request's grammar forces next (llguidance's fast-forward tokens).
+
+    Where the grammar allows a single continuation (a key, a closing brace, the rest of an
+    enum value), the constrained distribution is a point mass at each of its tokens, so the
+    whole run is a candidate the verifier always accepts, checked in the same pass as the
+    other sources' candidates. It also vets the others' candidates: a drafted token the
+    grammar forbids (and everything after it) is dropped before the verifier pass."""
+
+    name = "forced"
+    caps = Capabilities(grammar=True, vets=True)
+
+    def __init__(self):
+        self.grammar = None
+        self.prompt_len = 0
+
+    def bind(self, grammar, prompt_len: int) -> None:
+        """The request's grammar (an edgespec.processors.GrammarProcessor, or None)."""
+        self.grammar, self.prompt_len = grammar, prompt_len
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
+        if self.grammar is None:
+            return []
+        toks = self.grammar.forced(seq[self.prompt_len:], span)
+        return [Candidate(toks, self.name, 0)] if toks else []
+
+    def vet(self, seq: list[int], tokens: list[int]) -> int:
+        """How many of `tokens` (a continuation of seq) the grammar allows."""
+        if self.grammar is None or not tokens:
+            return len(tokens)
+        return self.grammar.allowed_prefix(seq[self.prompt_len:], tokens)
+
+    def close(self) -> None:
+        self.grammar = None

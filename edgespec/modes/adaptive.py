@@ -13,13 +13,19 @@ $EDGESPEC_HOME/calibration/ for the next process.
 from __future__ import annotations
 
 from edgespec.adaptive.decoder import AdaptiveDecoder
-from edgespec.adaptive.sources import ContextSource, DrafterSource, HistorySource, JacobiSource
+from edgespec.adaptive.sources import (
+    ContextSource,
+    DrafterSource,
+    ForcedSource,
+    HistorySource,
+    JacobiSource,
+)
 from edgespec.calibration import SIZES, cost_store
 from edgespec.errors import DrafterRequiredError
 from edgespec.modes import register_mode
 from edgespec.modes.schema import Option
 
-SOURCES = ("context", "history", "jacobi", "drafter")
+SOURCES = ("forced", "context", "history", "jacobi", "drafter")
 
 
 def _sources(value) -> str:
@@ -37,7 +43,7 @@ def _sources(value) -> str:
 
 OPTIONS = [
     Option("sources", "str", "auto",
-           "candidate sources joined by '+': context (n-grams of this request), history (earlier requests), "
+           "candidate sources joined by '+': forced (the tokens a response_format's grammar forces), context (n-grams of this request), history (earlier requests), "
            "jacobi (lookahead's Jacobi window and its n-gram pool), drafter; auto = every one available",
            check=_sources),
     Option("window", "int", None, "Jacobi window columns W when the jacobi source is on (device default: "
@@ -93,6 +99,8 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
     dsrc = DrafterSource(drafter, store.draft(drafter)) if drafter is not None else None
     span = o.get("span", 16)
     sources = []
+    if "forced" in names:  # proposes only when the request has a grammar (bound per request)
+        sources.append(ForcedSource())
     if "context" in names:
         sources.append(ContextSource(span))
     history = getattr(engine, "history", None)
