@@ -30,6 +30,7 @@ from typing import Any
 # source turns into drafts that are always accepted.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 CACHE_SIZE = 256
 
 
@@ -110,10 +111,10 @@ def parse_response_format(rf: Any) -> Grammar | None:
             f"or a JSON schema) or a Pydantic model class, got {type(rf).__name__}"
         )
     kind = rf.get("type")
-    if kind not in KINDS or (kind == "object" or "properties" in rf and kind != "json_schema"):
-        # Not one of the wrapper shapes: a plain JSON schema ({"type": "object", ...}, {"anyOf": ...}).
-        if isinstance(kind, str) and kind.endswith(("_object", "_schema")) and kind not in KINDS:
-            raise ValueError(f"response_format type {kind!r} is not supported; use one of {', '.join(KINDS)}")
+    if isinstance(kind, str) and kind not in KINDS and kind not in JSON_TYPES:
+        raise ValueError(f"response_format type {kind!r} is not supported; use one of {', '.join(KINDS)}, "
+                         "or give a JSON schema")
+    if kind not in KINDS:  # a plain JSON schema ({"type": "object", ...}, {"anyOf": [...]}, ...)
         return _compiled("json_schema", rf, rf.get("title"))
     if kind == "text":
         return None
