@@ -159,7 +159,7 @@ REGEXES = [
 ]
 GRAMMARS = [
     ("lark_arith", {"type": "grammar", "syntax": "lark",
-                    "grammar": 'start: expr\nexpr: NUM | NUM OP expr\nNUM: /[0-9]{1,3}/\nOP: "+" | "-" | "*"\n'},
+                    "grammar": 'start: NUM | NUM OP NUM | NUM OP NUM OP NUM\nNUM: /[0-9]{1,3}/\nOP: "+" | "-" | "*"\n'},
      "Write an arithmetic expression:"),
     ("gbnf_list", {"type": "grammar", "syntax": "gbnf",
                    "grammar": 'root ::= item ("," " " item){0,2}\nitem ::= "red" | "green" | "blue"\n'},
