@@ -379,7 +379,8 @@ class Engine:
         reqs = []
 
         def collector(i):
-            parts: dict = {"text": [], "tokens": [], "finish": "length", "error": None, "logprobs": None}
+            parts: dict = {"text": [], "tokens": [], "finish": "length", "error": None,
+                           "logprobs": [] if options.logprobs is not None else None}
 
             def emit(kind, payload):
                 if kind == "chunk":
@@ -420,7 +421,7 @@ class Engine:
         ids = self.prompt_ids(prompt, messages, options, context_overflow)
         self.check_options(options)
         text, tokens, finish = [], [], "length"
-        lps = None
+        lps = [] if options.logprobs is not None else None  # a list when asked for, even if empty
         stats = GenerationStats()  # ours alone: last_stats may already be another thread's
         for chunk in self._stream(ids, options, self.resolve_mode(options), cancel, stats):
             text.append(chunk.text)

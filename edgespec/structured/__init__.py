@@ -184,8 +184,16 @@ def _compiled(kind: str, source: Any, name: str | None) -> Grammar:
 
 
 # ------------------------------------------------------------------ tokenizers and matchers
+_tok_lock = threading.Lock()
+
+
 def ll_tokenizer(tokenizer, vocab_size: int | None = None):
     """llguidance's tokenizer for edgespec's `tokenizer` (built once per tokenizer and size)."""
+    with _tok_lock:  # built once even when the first requests arrive together
+        return _ll_tokenizer(tokenizer, vocab_size)
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int | None):
     cache = tokenizer.__dict__.setdefault("_llg_tokenizers", {})
     n = vocab_size if vocab_size is not None else tokenizer.vocab_size
     hit = cache.get(n)
