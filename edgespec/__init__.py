@@ -21,6 +21,7 @@ from edgespec.errors import (
     VocabularyMismatchError,
 )
 from edgespec.options import GenerateOptions
+from edgespec.processors import Penalties, TokenLogprob
 from edgespec.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -31,6 +32,8 @@ __all__ = [
     "GenerationResult",
     "GenerateOptions",
     "SamplingParams",
+    "Penalties",
+    "TokenLogprob",
     "make_options",
     "EdgespecError",
     "ModelLoadError",

@@ -236,6 +236,9 @@ class ProcessedModel:
             self._records[id(caches[0])] = list(self.prompt)
         return caches
 
+    # A request's processors apply to its own verifier caches only; calls on other caches (a
+    # drafter's, a mid level's) pass through.
+
     # -------------------------------------------------------------- following the reply
     def follow(self, steps):
         """Pass a mode's tokens through, recording them (and their logprobs when asked)."""
@@ -274,7 +277,12 @@ class ProcessedModel:
         logits = out[0] if return_hidden else out
         toks = [int(t) for t in inputs[0].tolist()]
         T = len(toks)
-        offset = cache[0].offset - T  # the model has written this call's T positions
+        # The model has written this call's T positions (a layer without positions, e.g. a
+        # recurrent state, has no offset: the first that has one counts).
+        offset = next((c.offset for c in cache if hasattr(c, "offset")), None)
+        if offset is None:
+            return out
+        offset -= T
         P = len(self.prompt)
         committed = self.committed(record, offset)
         # Ancestors of each row among this call's tokens (causal unless a tree mask says otherwise).
