@@ -405,3 +405,45 @@ def test_token_bytes_of_a_byte_level_and_a_character_tokenizer():
     assert token_style(tok) == "text" and special[0] == 0 and set(special) >= {0, 96, 99}
     assert b"".join(tb[i] for i in tok.encode("Hi {x}!")) == b"Hi {x}!"
     assert token_style(make_tiny_tokenizer()) == "text"
+
+
+# ------------------------------------------------------------------ the wrapper itself
+def test_processed_model_rows_follow_their_own_prefix(engine):
+    """A tree call's rows are masked after their own paths; drafter-style calls (a layer
+    subset, a cache the wrapper did not make) pass through; a call whose committed prefix is
+    unknown is refused instead of guessed."""
+    from edgespec.generate import prefill
+    from edgespec.processors import GrammarProcessor, ProcessedModel
+
+    ids = prompt_ids(engine)
+    g = parse_response_format({"type": "regex", "pattern": "a(b|c)d"})
+    pm = ProcessedModel(engine.model, ids, [GrammarProcessor(g.matcher(engine.tokenizer, V), V)])
+    cache = pm.make_cache()
+    first = np.array(prefill(pm, cache, ids))
+    assert np.isfinite(first).sum() == 1 and np.argmax(first) == cid("a")  # only 'a' may start
+    # a tree: root 'a' with children 'b' and 'c', 'd' under 'b'; and a forbidden child 'x'
+    from edgespec.kernels import tree_mask
+
+    toks = [cid("a"), cid("b"), cid("c"), cid("d"), cid("x")]
+    parents = [-1, 0, 0, 1, 0]
+    mask, pos = tree_mask(mx.array(parents, dtype=mx.int32), cache[0].offset)
+    out = np.array(pm(mx.array([toks], dtype=mx.int32), cache, mask=mask, positions=pos)[0])
+    allowed = [set(np.nonzero(np.isfinite(r))[0].tolist()) for r in out]
+    assert allowed[0] == {cid("b"), cid("c")}  # after 'a'
+    assert allowed[1] == {cid("d")} and allowed[2] == {cid("d")}  # after 'ab' / 'ac'
+    assert allowed[3] == {0}  # after 'abd': the grammar is complete, EOS only
+    assert len(allowed[4]) > 1  # after the forbidden 'ax': never drawn from, left alone
+    raw = np.array(engine.model(mx.array([ids], dtype=mx.int32))[0, -1])
+    side = engine.model.make_cache()  # not made by the wrapper: passes through
+    assert np.allclose(np.array(pm(mx.array([ids], dtype=mx.int32), side)[0, -1]), raw, atol=1e-4)
+    # the tree step kept 'a','b' but the mode has not handed them out: the prefix is unknown
+    for c in cache:
+        c.keep(len(ids), [0, 1])
+    with pytest.raises(GrammarError, match="positions known"):
+        pm(mx.array([[cid("d")]], dtype=mx.int32), cache)
+    # once they are handed out, the same call is masked after 'ab' + 'd'
+    for c in cache:
+        c.trim(c.offset - (len(ids) + 2))  # drop what the refused call wrote
+    pm.emitted.extend([cid("a"), cid("b")])
+    row = np.array(pm(mx.array([[cid("d")]], dtype=mx.int32), cache)[0, -1])
+    assert set(np.nonzero(np.isfinite(row))[0].tolist()) == {0}
