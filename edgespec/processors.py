@@ -281,7 +281,8 @@ class ProcessedModel:
         # recurrent state, has no offset: the first that has one counts).
         offset = next((c.offset for c in cache if hasattr(c, "offset")), None)
         if offset is None:
-            return out
+            raise RuntimeError("the verifier's caches keep no positions: response_format, penalties and "
+                               "logprobs need them")
         offset -= T
         P = len(self.prompt)
         committed = self.committed(record, offset)
@@ -314,8 +315,9 @@ class ProcessedModel:
             paths.append(path)
         rows2d = logits.reshape(-1, logits.shape[-1])
         sel = rows2d if not last_only else rows2d[-1:]
-        if not last_only and len(rows) != sel.shape[0]:
-            return out
+        if sel.shape[0] != len(rows):
+            raise RuntimeError(f"the verifier returned {sel.shape[0]} rows for a call of {len(rows)}: "
+                               "cannot apply the request's logits processors")
         processed = sel
         if any(p is not None for p in paths):
             for proc in self.processors:
