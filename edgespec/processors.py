@@ -278,8 +278,9 @@ class ProcessedModel:
         toks = [int(t) for t in inputs[0].tolist()]
         T = len(toks)
         # The model has written this call's T positions (a layer without positions, e.g. a
-        # recurrent state, has no offset: the first that has one counts).
-        offset = next((c.offset for c in cache if hasattr(c, "offset")), None)
+        # recurrent state, may have none: the furthest that has one counts).
+        offsets = [c.offset for c in cache if hasattr(c, "offset")]
+        offset = max(offsets) if offsets else None
         if offset is None:
             raise RuntimeError("the verifier's caches keep no positions: response_format, penalties and "
                                "logprobs need them")
