@@ -220,3 +220,25 @@ def test_the_prefix_cache_gives_way_to_running_requests():
     assert r.stats.generated_tokens == 20
     assert seen and all(total <= budget for total, budget in seen)
     assert e.prefix_cache.evicted_blocks > 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "auto", "tree"])
+def test_constrained_turns_reusing_a_reply_equal_reuse_off(mode):
+    """A grammar's state follows the request's tokens, not the cache: a turn that restores an
+    earlier prompt and reply (mid-grammar positions included) is constrained exactly as without."""
+    from test_structured import ascii_engine
+
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["name", "n"], "additionalProperties": False}}}
+    on, off = ascii_engine("self"), ascii_engine("self")
+    on.__dict__["_prefix_cache"] = PrefixCache(1 << 30, block=BLOCK)
+    off.prompt_cache_bytes = 0
+    convo = on.tokenizer.encode('Data: {"name": "ab", "n": 3} -> ')
+    for turn in range(3):
+        a = on.generate(convo, max_tokens=30, mode=mode, response_format=rf)
+        b = off.generate(convo, max_tokens=30, mode=mode, response_format=rf)
+        assert a.tokens == b.tokens, turn
+        if turn:
+            assert a.stats.cached_tokens > len(convo) - 2 * BLOCK - 8
+        convo = convo + a.tokens + on.tokenizer.encode(" next: ")
