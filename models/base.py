@@ -393,6 +393,7 @@ class LayerOptions:
     softcap: float | None = None  # attention logits -> cap * tanh(logits / cap) (Gemma 2)
     scale: float | None = None  # attention scale (default head_dim ** -0.5)
     output_gate: bool = False  # q_proj also gives a per-head gate: out * sigmoid(gate) (Qwen3.5)
+    mlp: Any = None  # (args) -> the feed-forward module (default: the gated MLP); MoE layers
 
 
 def window_mask(mask, positions, offset: int, T: int, window: int):
@@ -530,7 +531,7 @@ class DecoderLayer(nn.Module):
         opts = opts or LayerOptions()
         E, eps = args.hidden_size, args.rms_norm_eps
         self.self_attn = Attention(args, opts)
-        self.mlp = MLP(args)
+        self.mlp = opts.mlp(args) if opts.mlp is not None else MLP(args)
         self.input_layernorm = opts.norm(E, eps=eps)
         self.post_attention_layernorm = opts.norm(E, eps=eps)
         self._sandwich = opts.sandwich
