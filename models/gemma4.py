@@ -363,6 +363,51 @@ class SharedKV:
         return 0
 
 
+class HiddenKVCache(KVCache):
+    """Layer 0's cache when an assistant drafts for the model: its keys and values, plus the
+    final-norm hidden state of every position (what the assistant reads at the last one),
+    trimmed, kept and exported with them."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden: mx.array | None = None  # (B, capacity, E)
+
+    def put_hidden(self, h: mx.array) -> None:
+        """h (B, T, E): the rows of the last T positions written."""
+        end = self.offset
+        start = end - h.shape[1]
+        if self.hidden is None or end > self.hidden.shape[1]:
+            cap = max(end, self.keys.shape[2] if self.keys is not None else end)
+            grown = mx.zeros((h.shape[0], cap, h.shape[2]), h.dtype)
+            if self.hidden is not None and start > 0:
+                grown[:, :start] = self.hidden[:, :start]
+            self.hidden = grown
+        self.hidden[:, start:end] = h
+
+    def hidden_at(self, i: int) -> mx.array | None:
+        """(B, 1, E) row of position i, or None when not held."""
+        if self.hidden is None or not 0 <= i < min(self.offset, self.hidden.shape[1]):
+            return None
+        return self.hidden[:, i : i + 1]
+
+    def keep(self, start: int, indices) -> None:
+        if self.hidden is not None and list(indices) != list(range(len(indices))):
+            idx = mx.array([start + i for i in indices], dtype=mx.int32)
+            self.hidden[:, start : start + len(indices)] = mx.take(self.hidden, idx, axis=1)
+        super().keep(start, indices)
+
+    def export_span(self, start: int, end: int):
+        kv = super().export_span(start, end)
+        if kv is None or self.hidden is None or end > self.hidden.shape[1]:
+            return kv
+        return (*kv, mx.contiguous(self.hidden[:, start:end]) + 0)
+
+    def import_span(self, parts) -> None:
+        super().import_span(parts[:2])
+        if len(parts) > 2:
+            self.put_hidden(parts[2])
+
+
 class Body(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -412,10 +457,15 @@ class Model(BaseModel):
                 out = stack_experts(out, f"model.layers.{i}", self.args.num_experts, into="experts.switch_glu")
         return out
 
+    keep_hidden = False  # set by an assistant drafter: layer 0's cache then records hidden states
+
     def make_cache(self) -> list:
         caches: list = []
-        for src in self._sources:
-            caches.append(KVCache() if src is None else SharedKV(caches[src]))
+        for i, src in enumerate(self._sources):
+            if src is not None:
+                caches.append(SharedKV(caches[src]))
+            else:
+                caches.append(HiddenKVCache() if i == 0 and self.keep_hidden else KVCache())
         return caches
 
     def per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array | None:
@@ -446,7 +496,11 @@ class Model(BaseModel):
         for i in ids:
             h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions,
                                ple[:, :, i] if ple is not None else None, shared)
-        if return_hidden:
+        tap = layer_ids is None and cache is not None and isinstance(cache[0], HiddenKVCache)
+        if return_hidden or tap:
             h = self.model.norm(h)
-            return self.project(h[:, -1:] if last_only else h), h
+            if tap:
+                cache[0].put_hidden(h)
+            logits = self.project(h[:, -1:] if last_only else h)
+            return (logits, h) if return_hidden else logits
         return self.head(h[:, -1:] if last_only else h)

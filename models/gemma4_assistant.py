@@ -22,9 +22,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from edgespec.models import gemma4
 
 from edgespec.kernels.linear import Linear
-from edgespec.models import gemma4
 
 
 @dataclass

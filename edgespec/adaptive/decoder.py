@@ -216,6 +216,8 @@ class AdaptiveDecoder:
             mem["wctl"] = StepController(kinds=("full", "lean"))
         self.wctl = mem.get("wctl") if self.jacobi is not None else None
         cache = model.make_cache()
+        if self.drafter is not None:
+            self.drafter.bind_verifier_cache(cache)  # for a drafter that reads it (Gemma 4's assistant)
         t0 = time.perf_counter()
         logits = prefill(model, cache, prompt)
         lp = sampler.logprobs(logits)

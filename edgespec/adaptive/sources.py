@@ -144,6 +144,12 @@ class DrafterSource:
         """Seconds per drafted token: measured, else the prior relative to a plain step."""
         return self.cost.value(plain_s)
 
+    def bind_verifier_cache(self, cache) -> None:
+        """The verifier cache of this generation, for a drafter that drafts from it."""
+        bind = getattr(self.drafter, "bind_verifier_cache", None)
+        if bind is not None:
+            bind(cache)
+
     def begin(self, prompt: list[int]) -> None:
         # Deferred to the first draft: a request the drafter never drafts for costs it nothing.
         self._prompt = list(prompt)

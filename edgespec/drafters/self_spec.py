@@ -234,6 +234,13 @@ def skip_set_for(loaded, search: bool = True, progress: bool = True) -> dict | N
                 pass  # corrupt: search again
     if not search:
         return None
+    if not getattr(loaded.model, "layerwise", True):
+        from edgespec.errors import DrafterRequiredError
+
+        raise DrafterRequiredError(
+            f"self-speculation searches which layers to skip by running them one by one, which "
+            f"{loaded.model.args.model_type} cannot (its layers read per-layer inputs and shared keys the whole "
+            "forward makes); name the layers instead (cascade's mid_layers option) or load a drafter")
     from edgespec.progress import progress_bar
 
     steps = len(loaded.model.layers) // 2  # search_skip_layers' default max_skip

@@ -53,15 +53,15 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             "mode 'cascade' needs a tiny drafter that can roll back (a distilled/MLX drafter folder "
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
-    if getattr(tiny, "needs_features", False):
+    if getattr(tiny, "needs_features", False) or getattr(tiny, "reads_verifier", False):
         # A feature drafter drafts in mode 'speculative' only; the shipped distilled drafter takes its place.
         from edgespec.drafters import load_drafter, shipped_drafter_path
 
         student = shipped_drafter_path(engine)
         if student is None:
             raise DrafterRequiredError(
-                f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: a feature drafter reads the "
-                "verifier's hidden states and drafts in mode 'speculative' only; load a distilled or MLX drafter"
+                f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: it reads the verifier's hidden "
+                "states and drafts in mode 'speculative' (or 'auto') only; load a distilled or MLX drafter"
             )
         students = engine.__dict__.setdefault("_cascade_students", {})
         if student not in students:

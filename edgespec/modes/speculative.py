@@ -130,6 +130,9 @@ class SpeculativeMode:
         if pipeline and self.features:
             pipeline = False  # drafting ahead would need features the verifier has not computed yet
             self._note = f"drafter {drafter.name!r} reads the verifier's features; pipelining off"
+        elif pipeline and getattr(drafter, "reads_verifier", False):
+            pipeline = False  # it drafts from the verifier's cache, which holds only verified positions
+            self._note = f"drafter {drafter.name!r} reads the verifier's cache; pipelining off"
         elif pipeline and not hasattr(drafter, "sync"):
             pipeline = False  # cannot undo a wrong guess without sync()
             self._note = f"drafter {drafter.name!r} cannot roll back a guess; pipelining off"
@@ -274,6 +277,8 @@ class SpeculativeMode:
         t0 = time.perf_counter()
         begun = worker.submit(drafter.begin, prompt) if pipelined else None
         cache = self.cache = model.make_cache()  # kept on the mode for inspection (tests)
+        if hasattr(drafter, "bind_verifier_cache"):  # a drafter reading the verifier's keys (Gemma 4's assistant)
+            drafter.bind_verifier_cache(cache)
         self._fpend = []
         if self.features:
             logits, feats = prefill(model, cache, prompt, features=True)

@@ -303,6 +303,10 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
             "(skip layers of the verifier) or a drafter folder/bundle, or set "
             "--mode-option sources=prompt_lookup+pool"
         )
+    if getattr(drafter, "reads_verifier", False):
+        raise DrafterRequiredError(
+            f"mode {name!r} cannot draft with {drafter.name!r}: it drafts from the verifier's cache of the "
+            "committed tokens, not along tree branches; use mode 'speculative' or 'auto', or drafter='self'")
     if getattr(drafter, "needs_features", False):
         raise DrafterRequiredError(
             f"mode {name!r} cannot draft with {drafter.name!r}: a feature drafter reads the verifier's hidden "

@@ -1,0 +1,173 @@
+"""Gemma 4's assistant as a drafter: drafts from the verifier's own keys, values and hidden state.
+
+Folder: a Hugging Face `gemma4_assistant` checkpoint (config.json, *.safetensors), as Google
+ships it beside Gemma 4, or the `drafter/` folder `edgespec convert --drafter` wrote from one.
+It is found like any drafter: `edgespec.load(verifier, drafter=folder)`, or a `drafter/`
+folder inside the verifier's bundle or Hugging Face folder (then `auto` and `speculative`
+use it with no option).
+
+State: with the committed sequence x_0..x_p, the verifier's cache holds positions 0..p-1
+(every mode that drafts with it keeps that invariant: the last committed token is fed with
+the next verification). A draft reads, from that cache, the keys and values of the
+verifier's store layers and the final-norm hidden state at p - 1 (layer 0's cache records
+it once an assistant is attached, models/gemma4.HiddenKVCache), so the assistant owns no
+cache and has nothing to roll back: `sync` only replaces the committed sequence. The
+speculative and adaptive (auto) modes hand it their verifier cache (`bind_verifier_cache`);
+it drafts in those modes only (tree, cascade and pipelined drafting refuse it or fall back,
+see `reads_verifier`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from edgespec.drafters.base import Draft
+from edgespec.errors import ModelLoadError
+
+MODEL_TYPE = "gemma4_assistant"
+
+
+def is_assistant_folder(path: str | Path) -> bool:
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        return False
+    try:
+        return json.loads(p.read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def load_assistant_model(path: str | Path, dtype=None):
+    """The assistant's MLX model from its folder (HF checkpoint or an edgespec drafter/ copy)."""
+    from edgespec.formats.hf import read_config, read_safetensors
+    from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
+
+    path = Path(path).expanduser()
+    config = read_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    try:
+        args = AssistantArgs.from_dict(config)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    model = AssistantModel(args)
+    weights = model.sanitize(read_safetensors(files))
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: weights do not match config.json: {e}") from None
+    mx.eval(model.parameters())
+    return model
+
+
+class AssistantDrafter:
+    """Drafter protocol (begin / draft / accept / sync / close) over Gemma 4's assistant."""
+
+    reads_verifier = True  # drafts from the verifier's live cache: no pipelining, not in tree/cascade
+
+    def __init__(self, assistant, verifier, name: str = "gemma4-assistant"):
+        args, t = verifier.args, assistant.args.text
+        if not hasattr(args, "store_layers"):
+            raise ModelLoadError(f"a gemma4_assistant drafts for Gemma 4; the verifier is {args.model_type!r}")
+        if assistant.args.vocab_size != args.vocab_size:
+            raise ModelLoadError(f"the assistant's vocabulary has {assistant.args.vocab_size} tokens, "
+                                 f"the verifier's {args.vocab_size}")
+        if assistant.args.backbone_hidden_size != args.hidden_size:
+            raise ModelLoadError(f"the assistant was trained on a verifier of width "
+                                 f"{assistant.args.backbone_hidden_size}, this one is {args.hidden_size}")
+        store = args.store_layers()
+        for i, kind in enumerate(t.layer_types):
+            j = store.get(kind)
+            if j is None:
+                raise ModelLoadError(f"assistant layer {i} reads {kind} keys; the verifier has no such layer")
+            if (t.layer_head_dims[i], t.num_attention_heads % args.layer_kv_heads[j]) != (args.layer_head_dims[j], 0):
+                raise ModelLoadError(f"assistant layer {i} ({kind}) does not fit the verifier's layer {j}: "
+                                     f"head size {t.layer_head_dims[i]} vs {args.layer_head_dims[j]}")
+        self.assistant, self.verifier, self.name = assistant, verifier, name
+        self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        self.vocab_size = args.vocab_size
+        self.store = {kind: store[kind] for kind in set(t.layer_types)}
+        verifier.keep_hidden = True  # its caches made from now on record the hidden states read here
+        self.cache = None
+        self.seq: list[int] = []
+        self._last_draft: list[int] = []
+
+    # ------------------------------------------------------------- verifier state
+    def bind_verifier_cache(self, cache) -> None:
+        """The verifier cache of the generation this drafter now serves."""
+        self.cache = cache
+
+    def _inputs(self):
+        """(keys/values per layer type, hidden at p - 1, p) from the verifier cache, or None."""
+        p = len(self.seq) - 1
+        cache = self.cache
+        if cache is None or p < 1 or cache[0].offset < p or not hasattr(cache[0], "hidden_at"):
+            return None
+        hidden = cache[0].hidden_at(p - 1)
+        if hidden is None:
+            return None
+        kv = {}
+        for kind, j in self.store.items():
+            c = cache[j]
+            if c.keys is None:
+                return None
+            kv[kind] = (c.keys[..., :p, :], c.values[..., :p, :])
+        return kv, hidden, p
+
+    # ------------------------------------------------------------- protocol
+    def begin(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the drafter needs a non-empty prompt")
+        self.seq = list(prompt)
+        self._last_draft = []
+
+    def draft(self, k: int, sampler) -> Draft:
+        got = self._inputs() if k >= 1 else None
+        if got is None:
+            self._last_draft = []
+            return Draft([], None)
+        kv, hidden, p = got
+        dtype = self.assistant.pre_projection.weight.dtype
+        hidden = hidden.astype(dtype)
+        tok = mx.array([[self.seq[-1]]], dtype=mx.int32)
+        toks, rows = [], []
+        for _ in range(k):
+            x = mx.concatenate([self.verifier.embed(tok).astype(dtype), hidden], axis=-1)
+            logits, hidden = self.assistant(x, kv, p)
+            lp = sampler.logprobs(logits[0, -1])
+            t = sampler.sample(lp)
+            toks.append(t)
+            rows.append(lp)
+            tok = t.reshape(1, 1).astype(mx.int32)
+        q = mx.stack(rows)
+        toks = mx.stack(toks)
+        mx.eval(toks, q)
+        self._last_draft = [int(t) for t in toks.tolist()]
+        return Draft(list(self._last_draft), q)
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        if not 0 <= n_accepted <= len(self._last_draft):
+            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
+        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
+
+    def sync(self, committed: list[int]) -> None:
+        self.seq = list(committed)
+        self._last_draft = []
+
+    def close(self) -> None:
+        self.cache = None
+
+    @classmethod
+    def load(cls, path: str | Path, verifier) -> AssistantDrafter:
+        """From a gemma4_assistant folder; `verifier` is the Engine (or LoadedModel) it drafts for."""
+        loaded = getattr(verifier, "loaded", verifier)
+        model = loaded.model
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        dtype = mx.float32 if on_cpu else mx.float16
+        return cls(load_assistant_model(path, dtype), model, name=f"gemma4-assistant:{Path(path).name}")
