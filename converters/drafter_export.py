@@ -78,10 +78,13 @@ def write_drafter(
         raise ValueError(f"--drafter-calibrate must be >= 0 steps, got {calibrate}")
     if calibrate and tokenizer is None:
         raise ValueError("--drafter-calibrate needs the verifier's tokenizer to encode calibration text")
+    from edgespec.drafters.assistant import is_assistant_folder
     from edgespec.drafters.feature import is_feature_folder
 
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
+    if Path(src).is_dir() and is_assistant_folder(src):
+        return write_assistant_drafter(folder, Path(src), verifier_vocab, verifier_hash, dtype, coreml, compress)
     loaded = load_drafter_source(Path(src))
     model = loaded.model
     vmap = distilled_vocab_map(Path(src), model)
@@ -233,4 +236,41 @@ def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier
         "kind": "feature",
         "coreml": None,
         "coreml_note": FEATURE_NO_COREML if coreml else None,
+    }
+
+
+ASSISTANT_NO_COREML = (
+    "Gemma 4's assistant reads the verifier's keys, values and hidden state at every draft, so it runs "
+    "in MLX beside the verifier; no Core ML package is made for it"
+)
+
+
+def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifier_hash: str, dtype, coreml: bool,
+                            compress: str) -> dict[str, Any]:
+    """Gemma 4's assistant (a gemma4_assistant checkpoint) goes in as drafter/: its config and its
+    weights in the bundle's dtype, read and checked first (the verifier's fit is checked at load)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from edgespec.converters.bundle import write_model_files
+    from edgespec.drafters.assistant import load_assistant_model
+
+    if compress != "none":
+        raise ValueError(f"--drafter-compress applies to Core ML packages; {ASSISTANT_NO_COREML}")
+    model = load_assistant_model(src)
+    if model.args.vocab_size != verifier_vocab:
+        raise ModelLoadError(f"the assistant's vocabulary has {model.args.vocab_size} tokens, "
+                             f"the verifier's {verifier_vocab}")
+    params = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+              for k, v in tree_flatten(model.parameters())}
+    entry = write_model_files(folder / "drafter", json.loads((src / "config.json").read_text()), params, None)
+    return {
+        "config": "drafter/" + entry["config"],
+        "weights": "drafter/" + entry["weights"],
+        "num_layers": model.args.num_hidden_layers,
+        "vocab_hash": verifier_hash,
+        "source": {"name": src.name},
+        "kind": "gemma4_assistant",
+        "coreml": None,
+        "coreml_note": ASSISTANT_NO_COREML if coreml else None,
     }

@@ -32,6 +32,9 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5": "qwen3_5",
 }
 
+# model_type values that only draft for another model (edgespec.drafters)
+DRAFTER_ONLY = {"gemma4_assistant": "Gemma 4's assistant drafter"}
+
 
 def supported_model_types() -> list[str]:
     return sorted(ARCHITECTURES)
@@ -42,6 +45,9 @@ def get_architecture(model_type: str | None) -> ModuleType:
     from edgespec.errors import ModelLoadError
 
     name = ARCHITECTURES.get(model_type or "llama")
+    if name is None and model_type in DRAFTER_ONLY:
+        raise ModelLoadError(f"{model_type!r} is {DRAFTER_ONLY[model_type]}, not a model of its own: load it as the "
+                             "drafter, edgespec.load(verifier, drafter=this_folder)")
     if name is None:
         raise ModelLoadError(
             f"unsupported architecture {model_type!r} (config model_type); edgespec supports "
