@@ -182,6 +182,7 @@ def rope_for(args: ModelArgs, i: int) -> RoPE:
         if args.full_rope_type == "proportional":
             rotated = int(args.full_partial_rotary_factor * D // 2)
             periods = mx.where(mx.arange(D // 2) < rotated, periods, mx.inf)
+    mx.eval(periods)  # now: a graph left pending here cannot be evaluated on another thread's stream
     rope = RoPE.__new__(RoPE)
     nn.Module.__init__(rope)
     rope.dims, rope.traditional, rope.scale, rope.base, rope._freqs = D, False, 1.0, None, periods
