@@ -250,9 +250,9 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
     """Gemma 4's assistant (a gemma4_assistant checkpoint) goes in as drafter/: its config and its
     weights in the bundle's dtype, read and checked first (the verifier's fit is checked at load)."""
     import mlx.core as mx
+    from edgespec.converters.bundle import write_model_files
     from mlx.utils import tree_flatten
 
-    from edgespec.converters.bundle import write_model_files
     from edgespec.drafters.assistant import load_assistant_model
 
     if compress != "none":
