@@ -4,7 +4,7 @@ The tensor names come from gguf's TensorNameMap (HF name -> GGUF name), not from
 edgespec's reader, so a reader bug cannot hide behind a matching writer bug. The
 per-architecture transforms are the ones llama.cpp's HF->GGUF converter applies
 (written out here from its documented behaviour): Llama's Q/K row permutation,
-Gemma's norm weights stored as 1 + w, Phi-3's fused QKV and gate/up tensors.
+Gemma's norm weights stored as 1 + w, Phi-3's fused QKV and gate/up tensors, MoE experts stacked.
 """
 
 from __future__ import annotations
@@ -93,6 +93,19 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
         out[name] = w
     if arch == "phi3":  # fused in the HF checkpoint already (qkv_proj, gate_up_proj): kept as is
         pass
+    if arch == "qwen3moe":  # one (experts, out, in) tensor per projection and layer (ffn_gate_exps ...)
+        n = config.get("num_experts") or config["num_local_experts"]
+        for i in range(config["num_hidden_layers"]):
+            pre = f"model.layers.{i}.mlp.experts"
+            fused = out.pop(f"{pre}.gate_up_proj", None)  # transformers 5's in-memory layout
+            if fused is not None:
+                half = fused.shape[1] // 2
+                out[f"{pre}.gate_proj.weight"], out[f"{pre}.up_proj.weight"] = fused[:, :half], fused[:, half:]
+                out[f"{pre}.down_proj.weight"] = out.pop(f"{pre}.down_proj")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names = [f"{pre}.{e}.{proj}.weight" for e in range(n)]
+                if names[0] in out:
+                    out[f"{pre}.{proj}.weight"] = np.stack([out.pop(k) for k in names])
     if config.get("tie_word_embeddings", False):
         out.pop("lm_head.weight", None)
     return out

@@ -41,6 +41,11 @@ CASES = {
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=0), {}),
     "phi3": ("Phi3Config", dict(num_key_value_heads=4, tie_word_embeddings=False, pad_token_id=0,
                                 sliding_window=None), {"phi3.rope.dimension_count": 16}),
+    # 8 experts, 2 active per token, every layer sparse (as llama.cpp runs it)
+    "qwen3moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True, tie_word_embeddings=False),
+                 {"qwen3moe.expert_count": 8, "qwen3moe.expert_used_count": 2,
+                  "qwen3moe.expert_feed_forward_length": 32}),
 }
 
 

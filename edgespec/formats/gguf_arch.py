@@ -6,7 +6,8 @@ Hugging Face checkpoint:
 - llama, smollm3: rows of Q and K permuted per head (RoPE pairs interleaved) -> inverted;
 - gemma, gemma2, gemma3: RMSNorm weights stored as 1 + w (HF Gemma computes
   x * (1 + w); llama.cpp's norm computes x * w) -> 1 subtracted;
-- phi3: QKV and gate/up stay fused (attn_qkv, ffn_up = [gate; up]) as in HF's Phi-3.
+- phi3: QKV and gate/up stay fused (attn_qkv, ffn_up = [gate; up]) as in HF's Phi-3;
+- qwen3moe: experts stacked per layer (ffn_gate_exps ...), read as models/qwen3_moe's switch_mlp.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ _GEMMA2 = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Mixture of experts: the router and the experts stacked (experts, out, in), as llama.cpp stores them
+_MOE = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+}
 _PHI3 = {
     "attn_norm": "input_layernorm",
     "attn_qkv": "self_attn.qkv_proj",
@@ -47,6 +55,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], bool, bool]] = {
     "llama": ("llama", _LLAMA, True, False),
     "qwen2": ("qwen2", _LLAMA, False, False),
     "qwen3": ("qwen3", {**_LLAMA, **_QK_NORM}, False, False),
+    "qwen3moe": ("qwen3_moe", {**_LLAMA, **_QK_NORM, **_MOE}, False, False),
     "gemma2": ("gemma2", _GEMMA2, False, True),
     "gemma3": ("gemma3_text", {**_GEMMA2, **_QK_NORM}, False, True),
     "phi3": ("phi3", _PHI3, False, False),
@@ -102,6 +111,14 @@ def arch_config(arch: str, g, cfg: dict[str, Any]) -> None:
         cfg["rope_local_base_freq"] = 10000.0
         cfg["final_logit_softcapping"] = None
         cfg["attn_logit_softcapping"] = None
+    if arch == "qwen3moe":
+        # llama.cpp runs every layer sparse and renormalises the top-k weights unless told
+        # otherwise (expert_weights_norm); Qwen3-MoE checkpoints do both (norm_topk_prob true).
+        cfg["num_experts"] = int(g("expert_count"))
+        cfg["num_experts_per_tok"] = int(g("expert_used_count"))
+        cfg["moe_intermediate_size"] = int(g("expert_feed_forward_length"))
+        cfg["norm_topk_prob"] = bool(g("expert_weights_norm", True))
+        cfg["decoder_sparse_step"], cfg["mlp_only_layers"] = 1, []
     if arch == "phi3":
         window = g("attention.sliding_window")
         if window is not None:
