@@ -396,14 +396,30 @@ class LayerOptions:
     mlp: Any = None  # (args) -> the feed-forward module (default: the gated MLP); MoE layers
 
 
-def window_mask(mask, positions, offset: int, T: int, window: int):
+def window_mask(mask, positions, offset: int, T: int, window: int, key_slots: int | None = None):
     """Restrict `mask` (None, "causal" or bool broadcastable to (B, 1, T, S)) to the window.
+
+    key_slots: the S keys of a batched pass (edgespec.batch.forward), where each row's cached
+    slots hold positions 0, 1, ... and its T new tokens sit right after them, at the slots from
+    its first new position (rows right-padded; the mask hides the padding); then each key's
+    position is read from there, not from `offset`.
 
     Key positions are derived, not stored: cache slots before this step hold consecutive
     positions ending just before the first new token (true for plain, tree, lookahead and
     left-padded batched decoding), and the new slots hold `positions`. Returns `mask`
     itself when no query can reach past the window (the common short-context case).
     """
+    if key_slots is not None and positions is not None:
+        qpos = positions.astype(mx.int32)
+        qpos = qpos[None] if qpos.ndim == 1 else qpos  # (B', T)
+        slot = mx.arange(key_slots, dtype=mx.int32)[None]  # (1, S)
+        first = qpos[:, :1]  # each row's first new token: its slot is its position
+        new = mx.take_along_axis(qpos, mx.clip(slot - first, 0, T - 1), axis=1)  # (B', S)
+        kpos = mx.where(slot < first, slot, new)
+        near = (qpos[:, :, None] - kpos[:, None, :]) < window  # (B', T, S)
+        if mask is None or isinstance(mask, str):
+            mask = mx.arange(key_slots)[None] <= (key_slots - T + mx.arange(T))[:, None]
+        return mask & near[:, None]
     S = offset + T
     if positions is None:
         if S <= window:
@@ -458,7 +474,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B, Hk, S, D)
         if self.window is not None:
-            mask = window_mask(mask, positions, offset, T, self.window)
+            slots = k.shape[2] if getattr(cache, "slot_positions", False) else None
+            mask = window_mask(mask, positions, offset, T, self.window, slots)
         # A long prompt chunk on the CPU device: see the kernel's notes. Only calls with a cache
         # (inference) take it: numpy has no gradients, and full-sequence calls without a cache
         # (drafter training, calibration) must stay differentiable.

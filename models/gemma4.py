@@ -222,14 +222,16 @@ class Attention(nn.Module):
             v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
-            shared[key] = (k, v, offset)
+            slots = k.shape[2] if getattr(cache, "slot_positions", False) else None  # a batched pass
+            shared[key] = (k, v, offset, slots)
         else:
-            k, v, offset = shared[key]
+            k, v, offset, *rest = shared[key]
+            slots = rest[0] if rest else None
         q = self.rope(q, offset, positions)
         if isinstance(mask, dict):  # per layer type, final (the assistant's cross-attention)
             mask = mask[self.layer_type]
         elif self.window is not None:
-            mask = window_mask(mask, positions, offset, T, self.window)
+            mask = window_mask(mask, positions, offset, T, self.window, slots)
         if cache is not None and use_numpy_attention(q, k):
             out = numpy_attention(q, k, v, 1.0, mask)
         else:
@@ -469,6 +471,20 @@ class Model(BaseModel):
                 caches.append(HiddenKVCache() if i == 0 and self.keep_hidden else KVCache())
         return caches
 
+    @staticmethod
+    def _hidden_caches(cache) -> list | None:
+        """Where this pass records its hidden states: [(HiddenKVCache, row or None, rows' length)]."""
+        if cache is None:
+            return None
+        c0 = cache[0]
+        if isinstance(c0, HiddenKVCache):
+            return [(c0, None, None)]
+        rows = getattr(c0, "caches", None)  # a batched pass (edgespec.batch.forward): one cache per row
+        if rows is None:
+            return None
+        return [(c, b, t) for b, (c, t) in enumerate(zip(rows, c0.lengths, strict=True))
+                if isinstance(c, HiddenKVCache)] or None
+
     def per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array | None:
         """(B, T) ids and their scaled embeddings (B, T, E) -> (B, T, L, P), or None without PLE."""
         P = self.args.hidden_size_per_layer_input
@@ -497,11 +513,11 @@ class Model(BaseModel):
         for i in ids:
             h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions,
                                ple[:, :, i] if ple is not None else None, shared)
-        tap = layer_ids is None and cache is not None and isinstance(cache[0], HiddenKVCache)
+        tap = self._hidden_caches(cache) if layer_ids is None else None
         if return_hidden or tap:
             h = self.model.norm(h)
-            if tap:
-                cache[0].put_hidden(h)
+            for c, b, t in tap or ():
+                c.put_hidden(h[b : b + 1, :t] if b is not None else h)
             logits = self.project(h[:, -1:] if last_only else h)
             return (logits, h) if return_hidden else logits
         return self.head(h[:, -1:] if last_only else h)

@@ -190,6 +190,26 @@ def test_every_mode_is_greedy_identical_to_plain(tmp_path, arch):
         assert out.tokens == ref, mode
         rejected += out.stats.drafted - out.stats.accepted
     assert rejected > 0
+    # requests decoded together in one batch (rows at different offsets, windows shorter than
+    # them) equal each alone
+    prompts = [SHORT, SHORT[5:30], LONG[:50]]
+    alone = [engine.generate(p, max_tokens=16, mode="plain").tokens for p in prompts]
+    for mode in ("plain", "auto"):
+        assert [r.tokens for r in engine.generate_many(prompts, max_tokens=16, mode=mode)] == alone, mode
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_batched_requests_keep_sliding_windows(tmp_path, arch):
+    """Every windowed architecture: requests of different lengths decoded in one batch equal
+    each alone once their context passes the window (the batched pass's keys sit at their
+    positions' slots; the window is measured from them)."""
+    from test_architectures import hf_checkpoint
+
+    hf_checkpoint(tmp_path / "hf", arch, seed=1)
+    engine = edgespec.load(tmp_path / "hf", drafter="none", progress=False, history="off")
+    prompts = [SHORT, SHORT[5:30], LONG[:50]]
+    alone = [engine.generate(p, max_tokens=16, mode="plain").tokens for p in prompts]
+    assert [r.tokens for r in engine.generate_many(prompts, max_tokens=16, mode="plain")] == alone
 
 
 # ---------------------------------------------------------------- Gemma 4's assistant

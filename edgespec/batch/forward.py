@@ -60,6 +60,7 @@ class _GatherCache:
     into that row's own cache and hands attention the rows padded to S_max."""
 
     offset = 0  # unused: the batched pass always gives positions
+    slot_positions = True  # key slot j of every row holds position j (sliding windows measure from it)
 
     def __init__(self, caches: list, lengths: list[int], s_max: int):
         self.caches, self.lengths, self.s_max = caches, lengths, s_max
@@ -89,6 +90,7 @@ class _ArenaView:
     and attention reads the rows in place."""
 
     offset = 0  # unused: the batched pass always gives positions
+    slot_positions = True  # key slot j of every row holds position j (sliding windows measure from it)
 
     def __init__(self, arena, layer: int, rows: list[int], rows_idx: mx.array, write_pos: mx.array, s_max: int):
         self.arena, self.layer, self.rows = arena, layer, rows

@@ -60,8 +60,11 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
         student = shipped_drafter_path(engine)
         if student is None:
             raise DrafterRequiredError(
-                f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: it reads the verifier's hidden "
-                "states and drafts in mode 'speculative' (or 'auto') only; load a distilled or MLX drafter"
+                f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: "
+                + ("it drafts from the verifier's cache, in modes 'speculative' and 'auto' only"
+                   if getattr(tiny, "reads_verifier", False) else
+                   "a feature drafter reads the verifier's hidden states and drafts in mode 'speculative' only")
+                + "; load a distilled or MLX drafter"
             )
         students = engine.__dict__.setdefault("_cascade_students", {})
         if student not in students:
