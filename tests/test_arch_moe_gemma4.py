@@ -91,6 +91,24 @@ def test_matches_transformers_from_folder_and_bundle(tmp_path, arch):
         assert engine.generate(LONG, max_tokens=32, mode="plain").tokens == want_tokens, path.name
 
 
+def test_gemma4_multimodal_folder_loads_its_language_model(tmp_path):
+    """A `gemma4` (image-text) checkpoint: the text model under model.language_model loads and
+    matches transformers on text; the vision tower's tensors are skipped, with a note."""
+    text = transformers.Gemma4TextConfig(**CONFIGS["gemma4_text"][1])
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    ref = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(text_config=text,
+                                                                                vision_config=vision)).eval()
+    ref.save_pretrained(tmp_path / "mm")
+    vocab_tokenizer(V).save(tmp_path / "mm")
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([SHORT])).logits[0, -1].numpy()
+    model = edgespec.load(tmp_path / "mm", drafter="none", progress=False, history="off").model
+    assert model.args.model_type == "gemma4_text" and "vision" in model.load_note
+    assert_close(np.array(model(mx.array([SHORT]))[0, -1]), want)
+
+
 def test_moe_layers_route_to_a_few_of_more_experts(tmp_path):
     """The sparse layers are where the config puts them and hold every expert stacked; each
     token's output depends on its chosen experts only (zeroing another expert changes nothing)."""
