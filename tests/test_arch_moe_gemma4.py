@@ -172,16 +172,35 @@ def dequantized(model, config: dict):
     from edgespec.models import model_from_config
     from mlx.utils import tree_flatten
 
-    weights = {}
+    weights = dict(tree_flatten(model.parameters()))
     for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
         if "scales" in m:
             weights[f"{path}.weight"] = mx.dequantize(m["weight"], m["scales"], m.get("biases"),
                                                       group_size=m.group_size, bits=m.bits)
-        else:
-            weights.update({f"{path}.{k}": v for k, v in tree_flatten(m.parameters())})
+            weights.pop(f"{path}.scales")
+            weights.pop(f"{path}.biases", None)
     dense = model_from_config({k: v for k, v in config.items() if k != "quantization"})
     dense.load_weights(list(weights.items()), strict=True)
     return dense
+
+
+def test_gemma4_quantized_bundle_equals_its_dequantized_weights(tmp_path):
+    """`convert --quantize 4`: every projection, both embedding tables and the experts quantized;
+    the forward equals the dense model's with the dequantized weights."""
+    from edgespec.converters.convert import convert
+    from edgespec.models.experts import QuantizedSwitchLinear
+
+    checkpoint(tmp_path / "hf", "gemma4_text", seed=1, intermediate_size=128, moe_intermediate_size=32,
+               hidden_size_per_layer_input=32)
+    convert(tmp_path / "hf", tmp_path / "q4", quantize="4", group_size=32, dtype="float32", progress=False)
+    engine = edgespec.load(tmp_path / "q4", drafter="none", progress=False, history="off")
+    model = engine.model
+    assert isinstance(model.layers[0].experts.switch_glu.down_proj, QuantizedSwitchLinear)
+    assert "scales" in model.model.embed_tokens_per_layer and "scales" in model.layers[5].mlp.down_proj
+    dense = dequantized(model, json.loads((tmp_path / "q4" / "config.json").read_text()))
+    assert_close(np.array(model(mx.array([SHORT]))[0, -1]), np.array(dense(mx.array([SHORT]))[0, -1]))
+    assert engine.generate(SHORT, max_tokens=16, mode="plain").tokens == \
+        engine.generate(SHORT, max_tokens=16, mode="auto").tokens
 
 
 def _modes(arch: str) -> list[tuple[str, dict]]:
