@@ -360,6 +360,8 @@ def test_assistant_speculative_equals_plain_and_auto_uses_it_without_options(tmp
             drafter=tmp_path / "assistant", drafter_options={"coreml": False})
     manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
     assert manifest["drafter"]["kind"] == "gemma4_assistant"
+    named = edgespec.load(tmp_path / "bundle", drafter=tmp_path / "assistant", progress=False, history="off")
+    assert isinstance(named.drafter, AssistantDrafter)  # the folder named as the drafter
     for path in (tmp_path / "hf", tmp_path / "bundle"):
         engine = edgespec.load(path, progress=False, history="off")
         assert isinstance(engine.drafter, AssistantDrafter), path.name
