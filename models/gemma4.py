@@ -510,6 +510,10 @@ class Model(BaseModel):
         if layer_ids is not None:
             ids = sorted(set(layer_ids) | {self._sources[i] for i in layer_ids if self._sources[i] is not None})
         shared: dict = {}
+        if cache is not None:  # a shared layer's entry follows its source's (which may have been swapped,
+            for i, src in enumerate(self._sources):  # e.g. for a quantized cache, after make_cache)
+                if src is not None and isinstance(cache[i], SharedKV):
+                    cache[i].source = cache[src]
         for i in ids:
             h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions,
                                ple[:, :, i] if ple is not None else None, shared)

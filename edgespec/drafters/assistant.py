@@ -114,10 +114,10 @@ class AssistantDrafter:
             return None
         kv = {}
         for kind, j in self.store.items():
-            c = cache[j]
-            if c.keys is None:
+            state = cache[j].state  # (keys, values) of the held positions (dequantized for a quantized cache)
+            if state is None:
                 return None
-            kv[kind] = (c.keys[..., :p, :], c.values[..., :p, :])
+            kv[kind] = (state[0][..., :p, :], state[1][..., :p, :])
         return kv, hidden, p
 
     # ------------------------------------------------------------- protocol
