@@ -9,13 +9,20 @@ for N = 1, 4, 16 and 128 tokens (a decoding step, verification rounds, a prompt 
 - gather_mm: `mx.gather_mm` over the tokens' k expert indices (what edgespec runs);
 - sorted: the same with the (token, expert) pairs sorted by expert first (`sorted_indices`);
 - take: the k experts' weights gathered per token (`w[idx]`, (N, k, out, in)) then a batched
-  matmul, the obvious composition: it copies k weight matrices per token;
+  matmul, the obvious composition: it copies k weight matrices per token (skipped, nan, where
+  those copies would pass 1 GB);
 - loop: one matmul per expert that any token chose, over the rows that chose it (the
   reference implementation's loop), its outputs scattered back;
 - 4-bit: `mx.gather_qmm` over the same layer quantized (groups of 64), beside gather_mm.
 Each kind's median ms a call, the kinds alternated rep by rep so a load spike hits them
 alike; all kinds' outputs are checked against gather_mm's first. The machine is shared:
 figures are indicative, ratios measured in one run are what to read.
+
+Measured here (2 shared x86 cores, --small --reps 5, ms): N=1: gather_mm 1.08, sorted 0.95,
+take 1.19, loop 2.04, 4-bit 1.84; N=16: 48.3 / 38.9 / 332 / 135 / 90.8; N=128: 268 / 234 /
+4660 / 2696 / 610. gather_mm is 1.9-10x faster than the reference's loop and 1.1-17x faster
+than gathering weights; sorting the pairs by expert first gained 2-20% (within this machine's
+noise at N=1..4), so edgespec keeps the unsorted call.
 """
 
 from __future__ import annotations
@@ -105,9 +112,11 @@ def main() -> None:
             "loop": lambda x=x, idx_np=idx_np: loop_composition(layer, x, idx_np),
             "4-bit": lambda x=x, idx=idx: q(x, idx),
         }
+        if N * K * E * F * 4 > 1e9:  # the gathered weight copies alone would pass 1 GB
+            kinds.pop("take")
         want = kinds["gather_mm"]()
         mx.eval(want)
-        for name in ("sorted", "take", "loop"):
+        for name in [k for k in ("sorted", "take", "loop") if k in kinds]:
             got = kinds[name]()
             err = float(mx.abs(got - want).max() / mx.abs(want).max())
             assert err < 1e-4, f"{name} differs from gather_mm ({err:.1e})"
@@ -116,6 +125,7 @@ def main() -> None:
             for name, fn in kinds.items():
                 timed(fn, times[name])
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
+        med.setdefault("take", float("nan"))
         g = med["gather_mm"]
         print(f"{N:>5} {g:>10.2f} {med['sorted']:>10.2f} {med['take']:>10.2f} {med['loop']:>10.2f} "
               f"{med['4-bit']:>10.2f}   {med['sorted'] / g:>12.2f}x {med['take'] / g:>10.2f}x {med['loop'] / g:>10.2f}x")
