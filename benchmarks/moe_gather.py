@@ -6,23 +6,27 @@ MLX compositions, side by side in one process, CPU device.
 One sparse layer's experts (SwitchGLU: gate, up, down) of Qwen3-30B-A3B's shape by default
 (hidden 2048, expert width 768, 128 experts, 8 active; --small for a quarter of each size),
 for N = 1, 4, 16 and 128 tokens (a decoding step, verification rounds, a prompt chunk):
-- gather_mm: `mx.gather_mm` over the tokens' k expert indices (what edgespec runs);
-- sorted: the same with the (token, expert) pairs sorted by expert first (`sorted_indices`);
+- gather_mm: `mx.gather_mm` over the tokens' k expert indices, unsorted (what edgespec runs for a decoding step);
+- sorted: the same with the (token, expert) pairs sorted by expert first (`sorted_indices`; what
+  edgespec runs from 64 pairs);
 - take: the k experts' weights gathered per token (`w[idx]`, (N, k, out, in)) then a batched
   matmul, the obvious composition: it copies k weight matrices per token (skipped, nan, where
   those copies would pass 1 GB);
 - loop: one matmul per expert that any token chose, over the rows that chose it (the
   reference implementation's loop), its outputs scattered back;
-- 4-bit: `mx.gather_qmm` over the same layer quantized (groups of 64), beside gather_mm.
+- 4-bit: the same layer quantized (groups of 64) as SwitchGLU runs it (`mx.gather_qmm`, sorted
+  from 64 pairs), beside gather_mm.
 Each kind's median ms a call, the kinds alternated rep by rep so a load spike hits them
 alike; all kinds' outputs are checked against gather_mm's first. The machine is shared:
 figures are indicative, ratios measured in one run are what to read.
 
-Measured here (2 shared x86 cores, --small --reps 5, ms): N=1: gather_mm 1.08, sorted 0.95,
-take 1.19, loop 2.04, 4-bit 1.84; N=16: 48.3 / 38.9 / 332 / 135 / 90.8; N=128: 268 / 234 /
-4660 / 2696 / 610. gather_mm is 1.9-10x faster than the reference's loop and 1.1-17x faster
-than gathering weights; sorting the pairs by expert first gained 2-20% (within this machine's
-noise at N=1..4), so edgespec keeps the unsorted call.
+Measured here (2 x86 cores shared with other work, --small --reps 9, ms; gather_mm / sorted /
+take / loop / 4-bit): N=1: 3.23 / 3.44 / 3.56 / 6.70 / 4.47; N=4: 11.0 / 10.3 / 59.7 / 15.7 /
+20.2; N=16: 39.4 / 29.6 / 237 / 316 / 59.0; N=128: 306 / 214 / 4571 / 1854 / 632. gather_mm
+beats gathering the weights (1.1-15x) and the reference's loop (1.4-8x; one noisier 1-rep run
+had the loop ahead at N=16 and 128); sorting by expert gained 25-30% from N=16 (and 7-20% in
+a 5-rep run), nothing at N=1-4, so SwitchGLU sorts from 64 (token, expert) pairs
+(models/experts.SORT_MIN). Indicative: the machine is shared.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ def take_composition(layer: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
 
     h = mx.broadcast_to(x[:, None, :], (*idx.shape, x.shape[-1]))
     return proj(layer.down_proj, nn.silu(proj(layer.gate_proj, h)) * proj(layer.up_proj, h))
+
+
+def unsorted_gather(layer: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
+    """gather_mm on the pairs as they come: (N, E), (N, k) -> (N, k, E)."""
+    h = x[:, None, None, :]
+    g, u = layer.gate_proj(h, idx), layer.up_proj(h, idx)
+    return layer.down_proj(nn.silu(g) * u, idx)[:, :, 0]
 
 
 def sorted_gather(layer: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
@@ -106,7 +117,7 @@ def main() -> None:
         idx_np = np.stack([np.random.default_rng(N + i).choice(X, K, replace=False) for i in range(N)])
         idx = mx.array(idx_np.astype(np.int32))
         kinds = {
-            "gather_mm": lambda x=x, idx=idx: layer(x, idx),
+            "gather_mm": lambda x=x, idx=idx: unsorted_gather(layer, x, idx),
             "sorted": lambda x=x, idx=idx: sorted_gather(layer, x, idx),
             "take": lambda x=x, idx=idx: take_composition(layer, x, idx),
             "loop": lambda x=x, idx_np=idx_np: loop_composition(layer, x, idx_np),

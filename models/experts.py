@@ -16,6 +16,8 @@ import mlx.nn as nn
 
 from edgespec.kernels.activation import gated_activation
 
+SORT_MIN = 64  # (token, expert) pairs from which SwitchGLU sorts them by expert
+
 
 class SwitchLinear(nn.Module):
     """`experts` stacked linear maps (weight (experts, out, in)); row i of x goes through
@@ -30,9 +32,9 @@ class SwitchLinear(nn.Module):
     def experts(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         """x (..., 1 or k, 1, in), indices (..., k) -> (..., k, 1, out)."""
-        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices)
+        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      **_) -> QuantizedSwitchLinear:
@@ -61,9 +63,10 @@ class QuantizedSwitchLinear(nn.Module):
             q.biases = rest[0]
         return q
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
+                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=sorted_indices)
 
 
 class SwitchGLU(nn.Module):
@@ -77,10 +80,24 @@ class SwitchGLU(nn.Module):
         self._act = activation
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        """x (..., E), indices (..., k) -> each chosen expert's output (..., k, E)."""
-        x = x[..., None, None, :]  # (..., 1, 1, E): one row, shared by the k experts
-        h = gated_activation(self._act, self.gate_proj(x, indices), self.up_proj(x, indices))
-        return self.down_proj(h, indices).squeeze(-2)
+        """x (..., E), indices (..., k) -> each chosen expert's output (..., k, E).
+
+        From SORT_MIN (token, expert) pairs on (prompt chunks, verification rounds) the pairs
+        are sorted by expert first, so each expert's rows are multiplied together
+        (benchmarks/moe_gather.py: 25-30% faster from 16 tokens on the CPU); a decoding step's
+        few pairs go as they are. Each row's product is the same either way."""
+        if indices.size < SORT_MIN:
+            x = x[..., None, None, :]  # (..., 1, 1, E): one row, shared by the k experts
+            h = gated_activation(self._act, self.gate_proj(x, indices), self.up_proj(x, indices))
+            return self.down_proj(h, indices).squeeze(-2)
+        k, E = indices.shape[-1], x.shape[-1]
+        flat = indices.reshape(-1)
+        order = mx.argsort(flat)
+        rows = x.reshape(-1, E)[order // k][:, None, :]  # (pairs, 1, E), grouped by expert
+        e = flat[order]
+        h = gated_activation(self._act, self.gate_proj(rows, e, True), self.up_proj(rows, e, True))
+        y = self.down_proj(h, e, True)[:, 0]  # (pairs, E)
+        return y[mx.argsort(order)].reshape(*indices.shape, E)
 
 
 def top_k(probs: mx.array, k: int) -> tuple[mx.array, mx.array]:

@@ -134,6 +134,25 @@ def test_moe_layers_route_to_a_few_of_more_experts(tmp_path):
     assert not np.allclose(np.array(moe(x)[0, 0]), before)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_experts_sorted_by_expert_equal_the_pairs_as_they_come(monkeypatch, quantized):
+    """From SORT_MIN (token, expert) pairs the experts run on pairs sorted by expert: the
+    same outputs, each in its token's place."""
+    import edgespec.models.experts as ex
+    import mlx.nn as nn
+
+    mx.random.seed(3)
+    layer = ex.SwitchGLU(64, 32, 8, "silu")
+    if quantized:
+        nn.quantize(layer, group_size=32, bits=4)
+    x = mx.random.normal((2, 40, 64))
+    idx = mx.array(np.random.default_rng(0).integers(0, 8, (2, 40, 3)).astype(np.int32))
+    assert idx.size >= ex.SORT_MIN
+    sorted_out = layer(x, idx)
+    monkeypatch.setattr(ex, "SORT_MIN", 10**9)
+    np.testing.assert_allclose(np.array(sorted_out), np.array(layer(x, idx)), rtol=1e-6, atol=1e-6)
+
+
 def test_qwen3_moe_quantized_bundle_and_mlx_community_folder(tmp_path):
     """`convert --quantize 4` quantizes the stacked experts (gather_qmm); an mlx-lm-converted
     (mlx-community) 4-bit folder loads as it is and equals mlx-lm's forward of it."""
