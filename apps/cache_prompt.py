@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgespec.apps.common import add_model_arguments
+from edgespec.apps.common import add_cache_arguments, add_model_arguments
 
 HELP = "prefill a long system prompt or document once and save its cache (for --prompt-cache)"
 DESCRIPTION = (
@@ -19,6 +19,7 @@ DESCRIPTION = (
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
+    add_cache_arguments(p, prompt_cache_files=False)  # --kv-bits must match the runs that load it
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--system-file", default=None, metavar="FILE",
                      help="a system prompt, rendered by the model's chat template as a conversation's start "

@@ -36,7 +36,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+def add_cache_arguments(p: argparse.ArgumentParser, prompt_cache_files: bool = True) -> None:
     g = p.add_argument_group("prompt and KV cache")
     g.add_argument(
         "--prompt-cache-bytes",
@@ -46,16 +46,15 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "way (the next chat turn, a shared system prompt) runs only what is new, e.g. 500M or 2G; "
         "0 turns reuse off (default: a fifth of what the memory budget leaves for caches)",
     )
-    g.add_argument(
-        "--prompt-cache",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a prompt prefilled once by `edgespec cache-prompt` (repeatable): requests that start with "
-        "it reuse its cache; kept in memory for the whole run",
-    )
-
-
+    if prompt_cache_files:
+        g.add_argument(
+            "--prompt-cache",
+            action="append",
+            default=[],
+            metavar="FILE",
+            help="a prompt prefilled once by `edgespec cache-prompt` (repeatable): requests that start with "
+            "it reuse its cache; kept in memory for the whole run",
+        )
     g.add_argument(
         "--kv-bits",
         type=int,

@@ -203,9 +203,20 @@ class PrefixCache:
             parts = [c.export_span(end - B, end) for c in caches]
             exports.append((child, parts))
         with self._lock:
+            broken = False
             for child, parts in exports:
                 if not _attached(child, self._root):
                     continue  # evicted meanwhile
+                if broken or any(p is None for p, k in zip(parts, kinds, strict=True) if _positions(k)):
+                    # a block some layer cannot give (a quantized cache's full-precision split
+                    # inside it): it and the blocks after it could never be restored
+                    broken = True
+                    if child.parts is None:
+                        gone = [child, *_below(child)]
+                        self.bytes -= sum(g.nbytes for g in gone)
+                        self.blocks -= len(gone)
+                        del child.parent.children[child.key]
+                    continue
                 if child.parts is not None:
                     parts = [p if p is not None else q for p, q in zip(parts, child.parts, strict=True)]
                     self.bytes -= child.nbytes

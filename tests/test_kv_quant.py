@@ -97,3 +97,14 @@ def test_bad_settings_are_refused_up_front():
         Engine(make_tiny_engine(3).loaded, kv_bits=8, kv_group_size=32)
     with pytest.raises(ValueError, match="quantized_kv_start"):
         Engine(make_tiny_engine(3, **HEADS).loaded, kv_bits=8, kv_group_size=32, quantized_kv_start=-1)
+
+
+def test_blocks_past_the_full_precision_split_are_not_kept():
+    """A block across quantized_kv_start cannot be exported: it and the blocks after it are
+    not stored (they could never be restored), so they cost the cache nothing."""
+    e = engine(4, start=13, cache_bytes=1 << 30)
+    e.generate(PROMPT, max_tokens=20, mode="plain")
+    pc = e.prefix_cache
+    assert pc.match(PROMPT + [1]) == 12 and pc.blocks == 3
+    per_block = pc.bytes // 3
+    assert per_block > 0
