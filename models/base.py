@@ -569,10 +569,12 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, args: ModelArgs, layers: list[nn.Module], norm: type):
+    def __init__(self, args: ModelArgs, make_layer, norm: type):
         super().__init__()
+        # Built in this order (embeddings, layers, norm): a model made after mx.random.seed(s)
+        # has the same random weights as before layers could be of mixed kinds.
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = layers
+        self.layers = [make_layer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
 
 
@@ -589,7 +591,7 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Body(args, [self.make_layer(args, i) for i in range(args.num_hidden_layers)], self.norm)
+        self.model = Body(args, self.make_layer, self.norm)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._final_softcap = self.final_softcap(args)
