@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -118,6 +119,24 @@ def test_openai_tools_required_then_a_tool_result_round_trip(client, real_engine
     assert r2.usage.prompt_tokens == ref2.prompt_tokens > r.usage.prompt_tokens
     assert r2.choices[0].message.content == ref2.text
     assert r2.choices[0].finish_reason in ("stop", "length")
+
+
+class GetWeather(BaseModel):
+    """Get the current weather in a city"""
+
+    city: str = Field(max_length=40)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_openai_parse_with_a_pydantic_function_tool(client):
+    # The SDK sends a strict function tool and parses the call's arguments into the model.
+    r = client.chat.completions.parse(model="default", messages=ASK_WEATHER, max_tokens=N, temperature=0,
+                                      tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+                                      parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    assert r.choices[0].finish_reason == "tool_calls"
 
 
 def test_openai_named_tool_choice_streamed(client, real_engine):
