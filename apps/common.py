@@ -126,7 +126,9 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
 
 
-def options_from_args(args):
+def options_from_args(args, **settings):
+    """make_options from the decoding arguments; `settings`: more make_options keywords
+    (e.g. response_format)."""
     from edgespec.engine import make_options
 
     dt = args.draft_tokens
@@ -155,6 +157,7 @@ def options_from_args(args):
         mode=args.mode,
         draft_tokens=dt,
         **extra,
+        **settings,
     )
 
 

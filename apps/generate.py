@@ -28,12 +28,62 @@ def add_arguments(p) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template; continue the text as is")
     p.add_argument("--system", default=None, help="system prompt (chat template only)")
     p.add_argument("--stats", choices=["text", "json", "none"], default="text", help="print decoding stats to stderr")
+    f = p.add_argument_group("structured output (one of; the reply is constrained to match, token by token)")
+    shape = f.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="a JSON Schema file (.json): the reply is one JSON value that validates against it")
+    shape.add_argument("--json", action="store_true", help="the reply is any one JSON object (no schema)")
+    shape.add_argument("--regex", metavar="R", help="a regular expression the whole reply matches, e.g. '[0-9]{3}-[0-9]{4}'")
+    shape.add_argument("--grammar", metavar="FILE",
+                       help="a context-free grammar file the reply follows: Lark (.lark) or GBNF (.gbnf, "
+                            "llama.cpp's format); other extensions: say which with --grammar-syntax")
+    f.add_argument("--grammar-syntax", choices=["lark", "gbnf"], default=None,
+                   help="the --grammar file's syntax (default: from its extension)")
+
+
+def response_format_from_args(args) -> dict | None:
+    """The response_format the structured-output arguments ask for (None: free text).
+    A file that cannot be read or parsed is a ValueError naming the option."""
+    from pathlib import Path
+
+    if getattr(args, "json", False):
+        return {"type": "json_object"}
+    if getattr(args, "regex", None) is not None:
+        if not args.regex:
+            raise ValueError("--regex is empty")
+        return {"type": "regex", "pattern": args.regex}
+    if getattr(args, "json_schema", None):
+        path = Path(args.json_schema)
+        try:
+            schema = json.loads(path.read_text())
+        except OSError as e:
+            raise ValueError(f"--json-schema {path}: cannot read it ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {path}: not valid JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"--json-schema {path}: a JSON Schema is an object, got {type(schema).__name__}")
+        return {"type": "json_schema", "json_schema": {"name": path.stem or "schema", "schema": schema, "strict": True}}
+    if getattr(args, "grammar", None):
+        path = Path(args.grammar)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"--grammar {path}: cannot read it ({e.strerror})") from None
+        syntax = args.grammar_syntax or {".lark": "lark", ".gbnf": "gbnf"}.get(path.suffix.lower())
+        if syntax is None:
+            raise ValueError(f"--grammar {path}: say its syntax with --grammar-syntax lark|gbnf "
+                             "(or name it .lark / .gbnf)")
+        return {"type": "grammar", "grammar": text, "syntax": syntax}
+    if getattr(args, "grammar_syntax", None):
+        raise ValueError("--grammar-syntax needs --grammar FILE")
+    return None
 
 
 def run(args) -> int:
     from edgespec.apps.common import load_engine
 
-    options = options_from_args(args)
+    rf = response_format_from_args(args)
+    options = options_from_args(args, **({"response_format": rf} if rf is not None else {}))
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
         from edgespec.converters.default_model import default_bundle_path

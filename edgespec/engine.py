@@ -33,6 +33,9 @@ class GenerationResult:
     stats: GenerationStats
     prompt_tokens: int = 0
     logprobs: list | None = None  # with options.logprobs: a TokenLogprob per token
+    # chat(tools=...): the calls the model made (edgespec.tools.ToolCall); `text` is then
+    # the rest of the reply, and finish_reason "tool_calls" when there are calls.
+    tool_calls: list = field(default_factory=list)
 
 
 @dataclass
@@ -106,11 +109,16 @@ class Engine:
         return [m for m in available_modes() if self.drafter is not None or m not in needs_drafter]
 
     # ------------------------------------------------------------------ prompts
-    def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt or a conversation; `tools` (checked, OpenAI's shape) are
+        rendered into the conversation by the chat template (edgespec.tools)."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if tools and messages is None:
+            raise ValueError("tools need messages (a chat): a raw prompt has no template to render them")
         if messages is not None:  # checked message by message (tokenizer.chat_messages)
-            ids = self.tokenizer.encode_chat(messages, context_length=self.context_length)
+            ids = self.tokenizer.encode_chat(messages, context_length=self.context_length, tools=tools)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -142,7 +150,7 @@ class Engine:
             )
         return ids
 
-    def fit_messages(self, messages: list[dict], room: int) -> tuple[list[int], int]:
+    def fit_messages(self, messages: list[dict], room: int, tools: list[dict] | None = None) -> tuple[list[int], int]:
         """The conversation's tokens with its oldest whole turns dropped (a turn: a user message
         and what answers it) until `room` tokens are left for the reply; the leading system
         messages and the last turn always stay. Returns (ids, turns dropped); ContextLengthError
@@ -158,7 +166,7 @@ class Engine:
         room = max(0, min(room, self.context_length // 4))
         for dropped, start in enumerate([0, *[s for s in starts if s > 0]]):
             try:
-                ids = self.encode_prompt(messages=system + rest[start:])
+                ids = self.encode_prompt(messages=system + rest[start:], tools=tools)
             except ContextLengthError:
                 ids = None
             if ids is not None and len(ids) + room <= self.context_length:
@@ -171,19 +179,21 @@ class Engine:
             f"the last message alone does not fit the context window of {self.context_length} tokens: "
             "shorten it")
 
-    def prompt_ids(self, prompt, messages, options: GenerateOptions, context_overflow: str = "error") -> list[int]:
+    def prompt_ids(self, prompt, messages, options: GenerateOptions, context_overflow: str = "error",
+                   tools: list[dict] | None = None) -> list[int]:
         """The request's tokens; context_overflow="truncate_oldest" drops a conversation's
-        oldest turns when it does not fit (with room for max_tokens), instead of refusing it."""
+        oldest turns when it does not fit (with room for max_tokens), instead of refusing it.
+        `tools`: rendered by the chat template (see encode_prompt)."""
         if context_overflow not in ("error", "truncate_oldest"):
             raise ValueError(f"context_overflow must be 'error' or 'truncate_oldest', got {context_overflow!r}")
         if context_overflow == "truncate_oldest" and messages is not None:
             if prompt is not None:
                 raise ValueError("give exactly one of prompt or messages")
-            ids, dropped = self.fit_messages(messages, options.max_tokens)
+            ids, dropped = self.fit_messages(messages, options.max_tokens, tools)
             if dropped:
                 self.__dict__["_last_dropped"] = dropped
             return ids
-        return self.encode_prompt(prompt, messages)
+        return self.encode_prompt(prompt, messages, tools)
 
     def check_options(self, options: GenerateOptions) -> None:
         """What needs the model to check, checked before a request joins the batch: the
@@ -227,6 +237,9 @@ class Engine:
         cancel: Callable[[], bool] | None = None,
         stats: GenerationStats | None = None,
         context_overflow: str = "error",
+        tools: list[dict] | None = None,
+        tool_choice=None,
+        parallel_tool_calls: bool | None = None,
         **kwargs,
     ) -> Iterator[Chunk]:
         """Yield text chunks as they are generated; the last chunk carries finish_reason.
@@ -236,14 +249,39 @@ class Engine:
         object to read this generation's stats when several threads share the
         engine (`last_stats` is whichever generation finished last).
         `context_overflow="truncate_oldest"`: a conversation longer than the context
-        window loses its oldest turns instead of being refused.
+        window loses its oldest turns instead of being refused. With `tools`
+        (and `tool_choice`, `parallel_tool_calls`, as for chat), a chunk's `text` is
+        content only and each call comes in `chunk.tool_calls` as soon as it is complete;
+        finish_reason is then "tool_calls".
         """
+        plan = None
+        if messages is not None and (tools or tool_choice is not None):
+            plan = self._tool_plan(tools, tool_choice, parallel_tool_calls, kwargs, options)
+            tools = plan.render_tools
         options = resolve_options(options, kwargs)
         cancel = cancel_callable(cancel)  # refused here, not when the stream is first read
-        ids = self.prompt_ids(prompt, messages, options, context_overflow)
+        ids = self.prompt_ids(prompt, messages, options, context_overflow, tools)
         self.check_options(options)
         mode_name = self.resolve_mode(options)
-        return self._stream(ids, options, mode_name, cancel, stats)
+        chunks = self._stream(ids, options, mode_name, cancel, stats)
+        return _tool_chunks(chunks, plan) if plan is not None and plan.parses else chunks
+
+    def _tool_plan(self, tools, tool_choice, parallel_tool_calls, kwargs: dict, options):
+        """The request's tool plan (edgespec.tools); a constraint it needs goes into `kwargs`."""
+        from edgespec.tools import plan_tools
+
+        plan = plan_tools(tools, tool_choice, parallel_tool_calls, self.tokenizer.chat_template)
+        if plan.response_format is not None:
+            given = kwargs.get("response_format")
+            if given is None and isinstance(options, dict):
+                given = options.get("response_format")
+            if given is None and isinstance(options, GenerateOptions):
+                given = options.response_format
+            if given is not None:
+                raise ValueError(f"tool_choice {plan.choice!r} constrains the reply to a tool call; "
+                                 "it cannot be combined with response_format")
+            kwargs["response_format"] = plan.response_format
+        return plan
 
     def build_mode(self, options: GenerateOptions, mode_name: str, stats: GenerationStats):
         """The decoding mode object for one generation (runs on the batch worker's thread)."""
@@ -415,10 +453,10 @@ class Engine:
         return out
 
     def generate(self, prompt=None, *, messages=None, options=None, cancel=None, context_overflow: str = "error",
-                 **kwargs) -> GenerationResult:
+                 tools=None, **kwargs) -> GenerationResult:
         options = resolve_options(options, kwargs)
         cancel = cancel_callable(cancel)
-        ids = self.prompt_ids(prompt, messages, options, context_overflow)
+        ids = self.prompt_ids(prompt, messages, options, context_overflow, tools)
         self.check_options(options)
         text, tokens, finish = [], [], "length"
         lps = [] if options.logprobs is not None else None  # a list when asked for, even if empty
@@ -432,8 +470,42 @@ class Engine:
                 finish = chunk.finish_reason
         return GenerationResult("".join(text), tokens, finish, stats, len(ids), lps)
 
-    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        return self.generate(messages=messages, **kwargs)
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool | None = None, **kwargs) -> GenerationResult:
+        """A reply to `messages`. With `tools` (OpenAI's list of functions), the model's
+        calls come back parsed in `result.tool_calls` (edgespec.tools.ToolCall: name,
+        arguments as a dict, id) and `text` holds the rest of the reply. `tool_choice`:
+        "auto" (default with tools), "none", "required" or {"type": "function", "function":
+        {"name": ...}}; the last two constrain the reply to the functions' parameter
+        schemas (through response_format)."""
+        if not tools and tool_choice is None:
+            return self.generate(messages=messages, **kwargs)
+        plan = self._tool_plan(tools, tool_choice, parallel_tool_calls, kwargs, kwargs.get("options"))
+        result = self.generate(messages=messages, tools=plan.render_tools, **kwargs)
+        if plan.parses:
+            result.text, result.tool_calls = plan.parse(result.text)
+            if result.tool_calls and result.finish_reason == "stop":
+                result.finish_reason = "tool_calls"
+        return result
+
+
+def _tool_chunks(chunks, plan) -> Iterator[Chunk]:
+    """`chunks` with the model's tool calls read out of their text (edgespec.tools): text
+    is content only, calls come in `tool_calls`, finish_reason "tool_calls" when any."""
+    reader = plan.stream()
+    try:
+        for chunk in chunks:
+            events = reader.feed(chunk.text)
+            if chunk.finish_reason:
+                events += reader.finish()
+            calls = [e for kind, e in events if kind == "call"]
+            finish = chunk.finish_reason
+            if finish == "stop" and reader.calls:
+                finish = "tool_calls"
+            yield Chunk("".join(e for kind, e in events if kind == "content"), chunk.tokens, finish,
+                        chunk.logprobs, calls or None)
+    finally:
+        chunks.close()  # the caller stopped reading: free the row now
 
 
 def cancel_callable(cancel):

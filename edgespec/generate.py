@@ -223,6 +223,8 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled" | None
     # With options.logprobs: one edgespec.processors.TokenLogprob per token of `tokens`.
     logprobs: list | None = None
+    # Engine.stream(tools=...): the tool calls (edgespec.tools.ToolCall) completed in this chunk.
+    tool_calls: list | None = None
 
 
 def _stop_holdback(text: str, stops: list[str]) -> int:

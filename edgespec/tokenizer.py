@@ -292,8 +292,36 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for (what OpenAI's logprobs report as `bytes`), as the
+        grammar engine reads the vocabulary (edgespec.structured.tokens); a special token
+        (EOS, chat markers) as its name."""
+        table = self.__dict__.get("_token_bytes")
+        if table is None:
+            from edgespec.structured.tokens import token_bytes
+
+            table = self.__dict__["_token_bytes"] = token_bytes(self)[0]
+        i = int(i)
+        if not 0 <= i < len(table):
+            return b""
+        b = table[i]
+        return b[1:] if b[:1] == b"\xff" else b
+
     # --- chat ---------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The conversation as the model's chat template writes it. `tools` (OpenAI's list,
+        see edgespec.tools) go to a template that renders tools as `tools` (SmolLM3:
+        `xml_tools`); a template that renders none gets them described in the system
+        message. Assistant `tool_calls` and `tool` messages are passed the same way."""
+        from edgespec import tools as tool_calls
+
+        fmt = tool_calls.tool_format(self.chat_template)
+        var = self.tool_variable
+        if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = tool_calls.prepare_messages(messages, fmt, native=var is not None)
+        if tools and var is None:
+            messages = tool_calls.fallback_messages(messages, tools, fmt)
         if not self.chat_template:
             # No template: a plain transcript is the least surprising fallback.
             lines = [f"{m['role']}: {m['content']}" for m in messages]
@@ -306,20 +334,52 @@ class Tokenizer:
             def raise_exception(message):
                 raise ValueError(message)
 
+            def tojson(value, indent=None, separators=None, sort_keys=False):
+                # As transformers renders templates: plain JSON, not HTML-escaped.
+                return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                                  sort_keys=sort_keys)
+
+            def strftime_now(fmt):
+                import datetime
+
+                return datetime.datetime.now().strftime(fmt)
+
             env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = strftime_now
+            env.filters["tojson"] = tojson
             self._template = env.from_string(self.chat_template)
+        extra = {var: tools} if tools and var is not None else {}
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **extra,
         )
 
-    def encode_chat(self, messages: list[dict[str, str]], context_length: int | None = None) -> list[int]:
+    @property
+    def tool_variable(self) -> str | None:
+        """The variable the chat template renders a tool list from (None: it renders none)."""
+        if "_tool_variable" not in self.__dict__:
+            from edgespec.tools import template_tool_variable
+
+            self.__dict__["_tool_variable"] = template_tool_variable(self.chat_template)
+        return self.__dict__["_tool_variable"]
+
+    @property
+    def tool_format(self):
+        """How this model writes tool calls (an edgespec.tools.ToolFormat)."""
+        from edgespec.tools import tool_format
+
+        return tool_format(self.chat_template)
+
+    def encode_chat(self, messages: list[dict[str, str]], context_length: int | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of the conversation rendered by the chat template; `context_length` as
-        for encode (the length bound applies to the rendered text)."""
+        for encode (the length bound applies to the rendered text); `tools` as for
+        apply_chat_template."""
         messages = chat_messages(messages)
-        text = self.apply_chat_template(messages)
+        text = self.apply_chat_template(messages, tools=tools or None)
         if context_length is not None:
             self.check_length(text, context_length)
         ids = self._encode_text(valid_text(text), context_length)
@@ -336,17 +396,31 @@ class Tokenizer:
 
 def chat_messages(messages) -> list[dict]:
     """Messages checked for the chat template: each a dict with a text `role` and a text
-    `content` (a string, or a list of {"type": "text", "text": ...} parts, joined). Anything
-    else is a ValueError naming the message, never an error from inside the template."""
+    `content` (a string, or a list of {"type": "text", "text": ...} parts, joined). An
+    assistant message may carry `tool_calls` (OpenAI's shape; its content may then be
+    None or absent) and a `tool` message answers one (`tool_call_id`). Anything else is a
+    ValueError naming the message, never an error from inside the template."""
+    from edgespec.tools import check_message_tool_calls
+
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
             raise ValueError(f"message {i}: each message needs 'role' and 'content', got {m!r:.80}")
-        role, content = m["role"], m["content"]
+        role, content = m["role"], m.get("content")
         if not isinstance(role, str) or not role:
             raise ValueError(f"message {i}: role must be a non-empty string, got {role!r:.40}")
+        extra = {}
+        if calls is not None:
+            if role != "assistant":
+                raise ValueError(f"message {i} ({role}): only assistant messages carry tool_calls")
+            extra["tool_calls"] = check_message_tool_calls(i, calls)
+            if content is None:
+                content = ""
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise ValueError(f"message {i} (tool): tool_call_id must be a string")
         if isinstance(content, (list, tuple)):
             texts = []
             for p in content:
@@ -358,7 +432,7 @@ def chat_messages(messages) -> list[dict]:
         elif not isinstance(content, str):
             raise ValueError(f"message {i} ({role}): content must be a string (or a list of text parts), "
                              f"got {type(content).__name__}: {content!r:.40}")
-        out.append({**m, "role": role, "content": content})
+        out.append({**m, "role": role, "content": content, **extra})
     return out
 
 

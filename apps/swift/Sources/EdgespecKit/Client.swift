@@ -62,6 +62,14 @@ public struct EdgespecClient: Sendable {
         return try await fetch(post("v1/chat/completions", body, streaming: false))
     }
 
+    /// A chat reply decoded into a `StructuredOutput` type: the request's response format
+    /// is set to the type's JSON schema, so the server constrains the reply to it.
+    public func chat<T: StructuredOutput>(_ request: ChatRequest, as type: T.Type) async throws -> T {
+        var body = request
+        body.responseFormat = .type(T.self)
+        return try await chat(body).decode(T.self)
+    }
+
     /// A chat reply as it is generated: the role chunk, one chunk per piece of text, the
     /// chunk with the finish reason and `edgespec` stats, then (with `includeUsage`) a
     /// chunk with `usage`.
@@ -112,7 +120,7 @@ public struct EdgespecClient: Sendable {
         r.setValue("application/json", forHTTPHeaderField: "Content-Type")
         r.setValue(streaming ? "text/event-stream" : "application/json", forHTTPHeaderField: "Accept")
         do {
-            r.httpBody = try JSONEncoder().encode(body)
+            r.httpBody = try (body as? OrderedJSONBody)?.jsonBody() ?? JSONEncoder().encode(body)
         } catch {
             throw EdgespecError.decoding("cannot encode the request: \(error)")
         }

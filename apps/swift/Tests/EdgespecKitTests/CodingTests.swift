@@ -46,6 +46,64 @@ final class CodingTests: XCTestCase {
         XCTAssertNil(try json(request)["stream_options"])
     }
 
+    func testStructuredRequestBodiesKeepTheSchemasKeyOrder() throws {
+        let schema: JSONValue = ["type": "object", "properties": ["zeta": ["type": "string"], "alpha": ["type": "integer"],
+                                                                  "mid": ["enum": ["b", "a"]]],
+                                 "required": ["zeta", "alpha"]]
+        let request = ChatRequest(messages: [.user("hi"), .tool("{\"ok\": true}", callId: "call_1")],
+                                  options: .init(presencePenalty: 0.5, repetitionPenalty: 1.2),
+                                  responseFormat: .jsonSchema(name: "T", schema: schema),
+                                  tools: [Tool(name: "f", description: "does f", parameters: schema)],
+                                  toolChoice: .function("f"), parallelToolCalls: false)
+        let data = try request.jsonBody()
+        let raw = String(decoding: data, as: UTF8.self)
+        // Property order as written, in the response format and in the tool's parameters.
+        XCTAssertTrue(raw.contains(#""properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"},"mid":{"enum":["b","a"]}}"#),
+                      raw)
+        let body = try XCTUnwrap(JSONSerialization.jsonObject(with: data) as? [String: Any])
+        XCTAssertEqual(body["parallel_tool_calls"] as? Bool, false)
+        XCTAssertEqual(body["presence_penalty"] as? Double, 0.5)
+        XCTAssertEqual(body["repetition_penalty"] as? Double, 1.2)
+        let format = try XCTUnwrap(body["response_format"] as? [String: Any])
+        XCTAssertEqual(format["type"] as? String, "json_schema")
+        XCTAssertEqual((format["json_schema"] as? [String: Any])?["name"] as? String, "T")
+        let tool = try XCTUnwrap((body["tools"] as? [[String: Any]])?.first)
+        XCTAssertEqual(tool["type"] as? String, "function")
+        XCTAssertEqual((tool["function"] as? [String: Any])?["description"] as? String, "does f")
+        let choice = try XCTUnwrap(body["tool_choice"] as? [String: Any])
+        XCTAssertEqual(choice["type"] as? String, "function")
+        XCTAssertEqual((choice["function"] as? [String: String])?["name"], "f")
+        let messages = try XCTUnwrap(body["messages"] as? [[String: String]])
+        XCTAssertEqual(messages.last, ["role": "tool", "content": "{\"ok\": true}", "tool_call_id": "call_1"])
+        // The same body through JSONEncoder holds the same values (in whatever key order).
+        XCTAssertEqual(try JSONValue(json: raw), try JSONDecoder().decode(JSONValue.self, from: JSONEncoder().encode(request)))
+    }
+
+    func testToolCallDeltasAndRepliesDecode() throws {
+        let lines = [
+            #"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_a","type":"function","function":{"name":"get_time","arguments":""}}]},"logprobs":null,"finish_reason":null}]}"#,
+            #"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"zone\": "}}]},"logprobs":null,"finish_reason":null}]}"#,
+            #"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"UTC\"}"}}]},"logprobs":null,"finish_reason":"tool_calls"}]}"#,
+        ]
+        var calls = ToolCallAccumulator()
+        var finish: FinishReason?
+        for line in lines {
+            let chunk = try JSONDecoder().decode(ChatCompletionChunk.self, from: Data(line.utf8))
+            calls.add(chunk)
+            finish = chunk.finishReason ?? finish
+        }
+        XCTAssertEqual(finish, .toolCalls)
+        XCTAssertEqual(calls.toolCalls, [ToolCall(id: "call_a", name: "get_time", arguments: #"{"zone": "UTC"}"#)])
+        struct Zone: Decodable, Equatable { let zone: String }
+        XCTAssertEqual(try calls.toolCalls[0].decodeArguments(Zone.self), Zone(zone: "UTC"))
+
+        let whole = #"{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_b","type":"function","function":{"name":"f","arguments":"{}"}}]},"logprobs":null,"finish_reason":"tool_calls"}]}"#
+        let reply = try JSONDecoder().decode(ChatCompletion.self, from: Data(whole.utf8))
+        XCTAssertEqual(reply.text, "")
+        XCTAssertEqual(reply.toolCalls.map(\.function.name), ["f"])
+        XCTAssertThrowsError(try reply.decode(Zone.self))
+    }
+
     func testUnsetOptionsAreLeftOut() throws {
         let body = try json(ChatRequest(messages: [.user("hi")]))
         XCTAssertEqual(Set(body.keys), ["model", "messages", "stream"], "unknown or null fields would be rejected")

@@ -44,6 +44,21 @@ enum Fixture {
             let text: String
         }
 
+        /// On the tiny-json bundle (JSON punctuation, a template that renders tools).
+        struct Structured: Decodable {
+            let bundle: String
+            let schema: JSONValue
+            let tool: JSONValue
+            let max_tokens: Int
+            let schema_text: String
+            let call_name: String
+            let call_arguments: String
+            let call_id: String
+            let answer_max_tokens: Int
+            let answer_text: String
+            let answer_prompt_tokens: Int
+        }
+
         let bundle: String
         let model_id: String
         let messages: [ChatMessage]
@@ -51,6 +66,7 @@ enum Fixture {
         let completion: Completion
         let seeded: Seeded
         let stop: Stop
+        let structured: Structured
     }
 
     static let environment = ProcessInfo.processInfo.environment
@@ -67,12 +83,12 @@ enum Fixture {
     }
 
     /// `python -m edgespec.cli serve --model <tiny bundle> ...` with the given key and options.
-    static func configuration(apiKey: String? = nil, extra: [String] = [],
+    static func configuration(apiKey: String? = nil, extra: [String] = [], model: String? = nil,
                               restart: EdgespecServer.RestartPolicy = .init()) throws -> EdgespecServer.Configuration
     {
         let reference = try reference()
         var configuration = EdgespecServer.Configuration.python(environment["EDGESPEC_TEST_PYTHON"]!,
-                                                                model: reference.bundle)
+                                                                model: model ?? reference.bundle)
         configuration.apiKey = apiKey
         configuration.extraArguments = extra
         configuration.startupTimeout = 300
@@ -87,12 +103,13 @@ enum Fixture {
     private static let lock = NSLock()
     nonisolated(unsafe) private static var servers: [String: EdgespecServer] = [:]
 
-    static func sharedServer(_ name: String, apiKey: String? = nil, extra: [String] = []) async throws -> EdgespecServer {
+    static func sharedServer(_ name: String, apiKey: String? = nil, extra: [String] = [],
+                             model: String? = nil) async throws -> EdgespecServer {
         let server: EdgespecServer = try {
             lock.lock()
             defer { lock.unlock() }
             if let s = servers[name] { return s }
-            let s = EdgespecServer(configuration: try configuration(apiKey: apiKey, extra: extra))
+            let s = EdgespecServer(configuration: try configuration(apiKey: apiKey, extra: extra, model: model))
             servers[name] = s
             if servers.count == 1 { atexit { Fixture.stopAll() } }
             return s
