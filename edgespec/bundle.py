@@ -6,13 +6,22 @@
     OUT/tokenizer.json, tokenizer_config.json
     OUT/drafter/               optional drafter (same layout), drafter.mlpackage
 
-`read_manifest` validates everything before any weight is touched.
+`read_manifest` validates everything before any weight is touched. Hashing the weights
+costs ~0.4 s per 500 MB, on every fresh process; so once a file's hash has been checked, its
+identity on disk (size, mtime, ctime, inode, device: any write changes the ctime, which no
+user call can set back) is recorded under $EDGESPEC_HOME/verified/, and while it is
+unchanged the file is not hashed again. Sizes are always checked. As git does for "racily
+clean" files, a file changed within RACY_S of its hashing is not recorded (file times are
+coarser than the writes that could follow).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,59 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+VERIFIED_FORMAT = "edgespec-verified-1"
+RACY_S = 2.0
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def verified_record_path(folder: Path) -> Path:
+    from edgespec.default_model import home
+
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:20]
+    return home() / "verified" / f"{key}.json"
+
+
+def _read_verified(path: Path, folder: str) -> dict[str, list]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != VERIFIED_FORMAT or data.get("folder") != str(folder):
+        return {}
+    files = data.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def _write_verified(path: Path, folder: str, files: dict[str, list]) -> None:
+    """Best effort, atomic; never over a file that is not such a record (then nothing is written)."""
+    from edgespec.safe_write import clean_stale_temps, temp_prefix
+
+    tmp = None
+    try:
+        if os.path.lexists(path):
+            try:
+                ours = json.loads(path.read_text(encoding="utf-8")).get("format") == VERIFIED_FORMAT
+            except (OSError, ValueError, AttributeError):
+                ours = False
+            if not ours:
+                return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temps(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{temp_prefix(path)}{os.getpid()}-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"format": VERIFIED_FORMAT, "folder": str(folder), "files": files}, f)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -78,15 +140,28 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> dict[str, A
             f"{path}: bundle format {manifest.get('format_version')} is not supported by this "
             f"edgespec (expects {FORMAT_VERSION}); re-run `edgespec convert`"
         )
+    record_path = verified_record_path(folder) if verify_hashes else None
+    record = _read_verified(record_path, str(folder.resolve())) if record_path else {}
+    fresh = {}
     for name, entry in manifest.get("files", {}).items():
         p = folder / name
         if not p.is_file():
             raise ModelLoadError(f"{folder}: bundle file {name} is missing")
-        size = p.stat().st_size
-        if size != entry["size"]:
+        st = p.stat()
+        if st.st_size != entry["size"]:
             raise ModelLoadError(
-                f"{p}: size {size} differs from the manifest's {entry['size']} (truncated or modified)"
+                f"{p}: size {st.st_size} differs from the manifest's {entry['size']} (truncated or modified)"
             )
-        if verify_hashes and sha256_file(p) != entry["sha256"]:
+        if not verify_hashes:
+            continue
+        seen = _identity(st) + [entry["sha256"]]
+        if record.get(name) == seen:  # hashed before, and not written to since
+            fresh[name] = seen
+            continue
+        if sha256_file(p) != entry["sha256"]:
             raise ModelLoadError(f"{p}: checksum differs from the manifest (corrupt or modified)")
+        if time.time_ns() - max(st.st_ctime_ns, st.st_mtime_ns) > RACY_S * 1e9:
+            fresh[name] = seen
+    if record_path is not None and fresh and fresh != record:
+        _write_verified(record_path, str(folder.resolve()), fresh)
     return manifest

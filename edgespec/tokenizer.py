@@ -250,7 +250,9 @@ class Tokenizer:
         tokens. Costs nothing for texts far from the bound either way (no tokenizing, and
         the bytes are counted only for texts within 4x of it), so it may run on an event loop.
         """
-        if not isinstance(text, str) or self.max_token_bytes is None:
+        if not isinstance(text, str) or 4 * len(text) <= context_length - 1:
+            return  # at most context_length - 1 bytes: fits whatever a token stands for (no bound computed)
+        if self.max_token_bytes is None:
             return
         most = self.max_token_bytes_ascii if text.isascii() else self.max_token_bytes  # isascii: O(1)
         fits = (context_length - 1) * most  # the most bytes context_length - 1 tokens can hold

@@ -234,3 +234,70 @@ def test_temp_folders_of_killed_conversions_are_cleaned_but_not_running_ones(tmp
     convert(src, tmp_path / "b", quantize="none", progress=False)
     assert not killed.exists() and running.exists() and other.exists()
     assert not any(p.name.startswith(".b.tmp-") and p != running for p in tmp_path.iterdir())
+
+
+def _hand_bundle(folder, payload: bytes):
+    from edgespec.bundle import file_entry
+
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(payload)
+    entry = file_entry(folder / "model.safetensors")
+    (folder / "manifest.json").write_text(json.dumps(
+        {"format": "edgespec-bundle", "format_version": 1, "files": {"model.safetensors": entry}}))
+    return folder / "model.safetensors"
+
+
+def _counting_hashes(monkeypatch):
+    from edgespec import bundle
+
+    calls = []
+    real = bundle.sha256_file
+    monkeypatch.setattr(bundle, "sha256_file", lambda p, *a: calls.append(p) or real(p, *a))
+    return calls
+
+
+def test_verified_weights_are_not_hashed_again_until_written(tmp_path, monkeypatch):
+    from edgespec import bundle
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(bundle, "RACY_S", 0.0)
+    weights = _hand_bundle(tmp_path / "b", b"w" * 4096)
+    calls = _counting_hashes(monkeypatch)
+    bundle.read_manifest(tmp_path / "b")
+    assert len(calls) == 1 and bundle.verified_record_path(tmp_path / "b").is_file()
+    bundle.read_manifest(tmp_path / "b")
+    assert len(calls) == 1  # recorded: not hashed again
+    with open(weights, "r+b") as f:  # corrupt in place, same size, mtime put back
+        st = os.stat(weights)
+        f.seek(100)
+        f.write(b"x")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ModelLoadError, match="checksum differs"):
+        bundle.read_manifest(tmp_path / "b")
+    assert len(calls) == 2
+
+
+def test_racily_written_weights_are_hashed_every_time(tmp_path, monkeypatch):
+    from edgespec import bundle
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    _hand_bundle(tmp_path / "b", b"w" * 4096)  # written just now: within RACY_S
+    calls = _counting_hashes(monkeypatch)
+    bundle.read_manifest(tmp_path / "b")
+    bundle.read_manifest(tmp_path / "b")
+    assert len(calls) == 2 and not bundle.verified_record_path(tmp_path / "b").exists()
+
+
+def test_a_foreign_file_at_the_record_path_is_left_alone(tmp_path, monkeypatch):
+    from edgespec import bundle
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(bundle, "RACY_S", 0.0)
+    _hand_bundle(tmp_path / "b", b"w" * 4096)
+    record = bundle.verified_record_path(tmp_path / "b")
+    record.parent.mkdir(parents=True)
+    record.write_text("mine")
+    calls = _counting_hashes(monkeypatch)
+    for _ in range(2):
+        bundle.read_manifest(tmp_path / "b")
+    assert len(calls) == 2 and record.read_text() == "mine"

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from edgespec.errors import ContextLengthError
 from edgespec.formats.gguf_tokenizer import _sentencepiece
-from edgespec.tokenizer import Tokenizer, max_token_bytes
+from edgespec.tokenizer import _UNSET, Tokenizer, max_token_bytes
 
 SPACE = "\u2581"
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -253,3 +253,12 @@ def test_long_chat_text_is_encoded_without_holding_the_gil():
     t.join()
     assert ids == tok._tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False).ids
     assert ticks[0] >= 5, ticks
+
+
+def test_a_text_of_at_most_context_bytes_is_passed_without_computing_the_bound():
+    tok = Tokenizer(_byte_level(), {})
+    tok.check_length("hello there", 64)  # 4 * 11 bytes <= 63: fits whatever one token stands for
+    assert tok._max_token_bytes is _UNSET  # not computed (~0.2 s on a real vocabulary, at first use)
+    with pytest.raises(ContextLengthError):
+        tok.check_length("-" * 32 * 64, 64)  # past the bound: computed, refused
+    assert tok._max_token_bytes == 32
