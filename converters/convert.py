@@ -112,6 +112,11 @@ def convert(
         raise ModelLoadError(f"{src}: no such file or folder")
     # Before the work: never over the source, and with force only over what edgespec wrote.
     check_destination(src, out, force)
+    if drafter is None and src.is_dir():  # Gemma 4's assistant beside it, as loading the folder uses it
+        from edgespec.drafters.assistant import is_assistant_folder
+
+        if is_assistant_folder(src / "drafter"):
+            drafter = src / "drafter"
     if drafter is not None:
         check_overlap(drafter, out)  # nor over the drafter's checkpoint
     quantize = quantize or default_quantize(is_gguf(src))
@@ -148,7 +153,7 @@ def convert(
 
             manifest["drafter"] = write_drafter(
                 tmp, drafter, model.args.vocab_size, manifest["vocab_hash"], DTYPES[dtype],
-                tokenizer=tokenizer, progress=progress, **(drafter_options or {}),
+                tokenizer=tokenizer, progress=progress, verifier_args=model.args, **(drafter_options or {}),
             )  # fmt: skip
         with progress_bar(total=None, desc="checksums", unit="file", enable=progress) as bar:
             finish_manifest(tmp, manifest, progress=lambda _: bar.update(1))
@@ -193,6 +198,13 @@ def add_drafter(
     verifier = manifest.get("verifier") or {}
     config = json.loads((bundle / verifier.get("config", "config.json")).read_text())
     vocab_size = int(config.get("vocab_size", -1))
+    from edgespec.models import get_architecture
+
+    try:  # the verifier's args: Gemma 4's assistant is checked against them and its package shaped by them
+        arch = get_architecture(config.get("model_type"))
+        verifier_args = arch.ModelArgs.from_dict(config)
+    except (ModelLoadError, TypeError, ValueError):
+        verifier_args = None
     dtype = DTYPES.get(verifier.get("dtype") or default_dtype(), mx.float32)
     carried = {n: e for n, e in manifest["files"].items() if not _is_drafter_file(n)}
     with atomic_folder(bundle, force=True, label="BUNDLE") as tmp:
@@ -201,7 +213,7 @@ def add_drafter(
         entry = write_drafter(tmp, drafter, vocab_size, manifest["vocab_hash"], dtype,
                               progress=progress,
                               tokenizer=Tokenizer.from_folder(bundle) if (drafter_options or {}).get("calibrate") else None,
-                              verifier_tokenizer=Tokenizer.from_folder(bundle),
+                              verifier_tokenizer=Tokenizer.from_folder(bundle), verifier_args=verifier_args,
                               **(drafter_options or {}))  # fmt: skip
         new = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
         new["drafter"] = entry

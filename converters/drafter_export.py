@@ -47,6 +47,7 @@ def write_drafter(
     tokenizer=None,
     progress: bool = False,
     verifier_tokenizer=None,
+    verifier_args=None,
 ) -> dict[str, Any]:
     """Write the drafter into `folder` (the bundle's temp folder); returns the manifest's `drafter` entry.
 
@@ -59,6 +60,8 @@ def write_drafter(
     answers (coreml "agreement").
     progress: show a bar for the calibration.
     verifier_tokenizer: the verifier's tokenizer for the pairing check (default: `tokenizer`).
+    verifier_args: the verifier's ModelArgs (Gemma 4's assistant is checked against them and
+    its Core ML package shaped by them; without them no package is made for it).
     """
     import mlx.core as mx
     from edgespec.converters.bundle import write_model_files
@@ -84,7 +87,8 @@ def write_drafter(
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):
-        return write_assistant_drafter(folder, Path(src), verifier_vocab, verifier_hash, dtype, coreml, compress)
+        return write_assistant_drafter(folder, Path(src), verifier_vocab, verifier_hash, dtype, coreml, compress,
+                                       verifier_args, context_length, prefill_chunk, progress)
     loaded = load_drafter_source(Path(src))
     model = loaded.model
     vmap = distilled_vocab_map(Path(src), model)
@@ -239,32 +243,39 @@ def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier
     }
 
 
-ASSISTANT_NO_COREML = (
-    "Gemma 4's assistant reads the verifier's keys, values and hidden state at every draft, so it runs "
-    "in MLX beside the verifier; no Core ML package is made for it"
+ASSISTANT_NO_ARGS = (
+    "Gemma 4's assistant package is shaped by the verifier's key/value layers, which were not given; "
+    "no Core ML package was made for it"
 )
 
 
 def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifier_hash: str, dtype, coreml: bool,
-                            compress: str) -> dict[str, Any]:
+                            compress: str, verifier_args=None, context_length: int = 1024, prefill_chunk: int = 64,
+                            progress: bool = False) -> dict[str, Any]:
     """Gemma 4's assistant (a gemma4_assistant checkpoint) goes in as drafter/: its config and its
-    weights in the bundle's dtype, read and checked first (the verifier's fit is checked at load)."""
+    weights in the bundle's dtype, read and checked first (against the verifier's args when
+    given: vocabulary, hidden size, key/value layers), and, unless coreml is False, as
+    drafter.mlpackage (converters/coreml_assistant.py) read with the verifier's keys, values
+    and hidden state as inputs."""
     import mlx.core as mx
     from edgespec.converters.bundle import write_model_files
     from mlx.utils import tree_flatten
 
-    from edgespec.drafters.assistant import load_assistant_model
+    from edgespec.drafters.assistant import check_fit, load_assistant_model
 
     if compress != "none":
-        raise ValueError(f"--drafter-compress applies to Core ML packages; {ASSISTANT_NO_COREML}")
+        raise ValueError("--drafter-compress is not implemented for Gemma 4's assistant package (it is exported "
+                         "in fp16); pass --drafter-compress none")
     model = load_assistant_model(src)
     if model.args.vocab_size != verifier_vocab:
         raise ModelLoadError(f"the assistant's vocabulary has {model.args.vocab_size} tokens, "
                              f"the verifier's {verifier_vocab}")
+    if verifier_args is not None:
+        check_fit(model.args, verifier_args)
     params = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
               for k, v in tree_flatten(model.parameters())}
     entry = write_model_files(folder / "drafter", json.loads((src / "config.json").read_text()), params, None)
-    return {
+    out = {
         "config": "drafter/" + entry["config"],
         "weights": "drafter/" + entry["weights"],
         "num_layers": model.args.num_hidden_layers,
@@ -272,5 +283,30 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
         "source": {"name": src.name},
         "kind": "gemma4_assistant",
         "coreml": None,
-        "coreml_note": ASSISTANT_NO_COREML if coreml else None,
+        "coreml_note": None,
     }
+    if not coreml:
+        return out
+    if verifier_args is None:
+        out["coreml_note"] = ASSISTANT_NO_ARGS
+        return out
+    try:
+        import coremltools  # noqa: F401
+    except ImportError:
+        raise ModelLoadError("exporting the assistant to Core ML needs coremltools (pip install 'edgespec[convert]'); "
+                             "or pass --no-coreml") from None
+    from edgespec.converters.coreml_assistant import export_assistant, function_names
+    from edgespec.progress import progress_bar
+
+    appends = tuple(s for s in sorted({1, 2, 4, 8, prefill_chunk}) if s <= context_length)
+    with progress_bar(total=len(function_names(appends)), desc="exporting assistant to Core ML", unit="function",
+                      enable=progress) as bar:  # fmt: skip
+
+        def step(done: int, total: int, what: str) -> None:
+            bar.n = done
+            bar.set_postfix_str(what, refresh=True)
+
+        out["coreml"] = export_assistant(model, folder / "drafter.mlpackage", verifier_args,
+                                         context_length=context_length, append_tokens=appends,
+                                         vocab_hash=verifier_hash, progress=step)
+    return out

@@ -228,3 +228,32 @@ OPS = {
     "constexpr_blockwise_shift_scale": _blockwise_shift_scale,
     "constexpr_lut_to_dense": _lut_to_dense,
 }
+
+
+# ---- ops of Gemma 4's assistant package (converters/coreml_assistant.py)
+def _gelu(op, get, state, ex):
+    x, mode = _f(get("x")), str(get("mode", "EXACT"))
+    if mode == "TANH_APPROXIMATION":
+        return [0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x**3)))]
+    if mode == "EXACT":
+        from math import erf
+
+        return [(0.5 * x * (1.0 + np.vectorize(erf)(x / np.sqrt(2.0)))).astype(np.float32)]
+    raise MILExecutorError(f"gelu {op.name}: mode {mode} is not supported")
+
+
+def _topk(op, get, state, ex):
+    """Values and indices of the k largest (or smallest) along `axis`; ties keep the lower index."""
+    x, k, axis = _f(get("x")), int(get("k")), int(get("axis", -1))
+    order = np.argsort(x if bool(get("ascending", False)) else -x, axis=axis, kind="stable")
+    idx = np.take(order, np.arange(k), axis=axis)
+    return [np.take_along_axis(x, idx, axis=axis), idx.astype(np.int32)]
+
+
+def _reduce_min(op, get, state, ex):
+    axes = get("axes")
+    axes = None if axes is None else tuple(int(a) for a in np.atleast_1d(axes))
+    return [np.min(_f(get("x")), axis=axes, keepdims=bool(get("keep_dims", False)))]
+
+
+OPS.update({"gelu": _gelu, "topk": _topk, "reduce_min": _reduce_min})

@@ -66,33 +66,43 @@ def load_assistant_model(path: str | Path, dtype=None):
     return model
 
 
+def check_fit(assistant_args, verifier_args) -> dict[str, int]:
+    """Refuse an assistant that cannot draft for this verifier, naming what differs; returns
+    {layer type: the verifier's store layer of that type}."""
+    if not hasattr(verifier_args, "store_layers"):
+        raise ModelLoadError(f"a gemma4_assistant drafts for Gemma 4; the verifier is "
+                             f"{getattr(verifier_args, 'model_type', '?')!r}")
+    t = assistant_args.text
+    if assistant_args.vocab_size != verifier_args.vocab_size:
+        raise ModelLoadError(f"the assistant's vocabulary has {assistant_args.vocab_size} tokens, "
+                             f"the verifier's {verifier_args.vocab_size}")
+    if assistant_args.backbone_hidden_size != verifier_args.hidden_size:
+        raise ModelLoadError(f"the assistant was trained on a verifier of width (hidden size) "
+                             f"{assistant_args.backbone_hidden_size}, this one is {verifier_args.hidden_size}")
+    store = verifier_args.store_layers()
+    for i, kind in enumerate(t.layer_types):
+        j = store.get(kind)
+        if j is None:
+            raise ModelLoadError(f"assistant layer {i} reads {kind} keys; the verifier has no such layer")
+        D, Hk = verifier_args.layer_head_dims[j], verifier_args.layer_kv_heads[j]
+        if t.layer_head_dims[i] != D or t.num_attention_heads % Hk:
+            raise ModelLoadError(f"assistant layer {i} ({kind}) does not fit the verifier's layer {j}: "
+                                 f"head size {t.layer_head_dims[i]} vs {D}, "
+                                 f"{t.num_attention_heads} query heads over {Hk} key/value heads")
+    return {kind: store[kind] for kind in set(t.layer_types)}
+
+
 class AssistantDrafter:
     """Drafter protocol (begin / draft / accept / sync / close) over Gemma 4's assistant."""
 
     reads_verifier = True  # drafts from the verifier's live cache: no pipelining, not in tree/cascade
 
     def __init__(self, assistant, verifier, name: str = "gemma4-assistant"):
-        args, t = verifier.args, assistant.args.text
-        if not hasattr(args, "store_layers"):
-            raise ModelLoadError(f"a gemma4_assistant drafts for Gemma 4; the verifier is {args.model_type!r}")
-        if assistant.args.vocab_size != args.vocab_size:
-            raise ModelLoadError(f"the assistant's vocabulary has {assistant.args.vocab_size} tokens, "
-                                 f"the verifier's {args.vocab_size}")
-        if assistant.args.backbone_hidden_size != args.hidden_size:
-            raise ModelLoadError(f"the assistant was trained on a verifier of width "
-                                 f"{assistant.args.backbone_hidden_size}, this one is {args.hidden_size}")
-        store = args.store_layers()
-        for i, kind in enumerate(t.layer_types):
-            j = store.get(kind)
-            if j is None:
-                raise ModelLoadError(f"assistant layer {i} reads {kind} keys; the verifier has no such layer")
-            if (t.layer_head_dims[i], t.num_attention_heads % args.layer_kv_heads[j]) != (args.layer_head_dims[j], 0):
-                raise ModelLoadError(f"assistant layer {i} ({kind}) does not fit the verifier's layer {j}: "
-                                     f"head size {t.layer_head_dims[i]} vs {args.layer_head_dims[j]}")
+        store = check_fit(assistant.args, verifier.args)
         self.assistant, self.verifier, self.name = assistant, verifier, name
         self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-        self.vocab_size = args.vocab_size
-        self.store = {kind: store[kind] for kind in set(t.layer_types)}
+        self.vocab_size = verifier.args.vocab_size
+        self.store = store
         verifier.keep_hidden = True  # its caches made from now on record the hidden states read here
         self.cache = None
         self.seq: list[int] = []

@@ -201,6 +201,10 @@ class CoreMLDrafter(CommittedSequence):
                 tok.vocab_hash() if tok is not None else None,
                 what="Core ML drafter",
             )
+        if info.get("kind") == "gemma4_assistant":  # Gemma 4's assistant: its own drafter (reads the verifier)
+            from edgespec.drafters.coreml_assistant import CoreMLAssistantDrafter
+
+            return CoreMLAssistantDrafter.load(path, verifier, compute_units, info)
         require_coreml()
         if not info:
             raise ModelLoadError(
