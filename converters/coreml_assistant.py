@@ -129,7 +129,7 @@ def assistant_shape(assistant, verifier_args, context_length: int) -> AssistantS
 
 
 def prepare_weights(assistant, shape: AssistantShape) -> dict[str, np.ndarray]:
-    """float32 numpy weights by MLX name, plus RoPE tables per layer type (D/2, C) and, with
+    """float32 numpy weights by MLX name, plus RoPE tables per layer type (D/2, C + 1) and, with
     ordered embeddings, each token's cluster (V,) int32."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -142,7 +142,8 @@ def prepare_weights(assistant, shape: AssistantShape) -> dict[str, np.ndarray]:
             continue
         rope = layer.self_attn.rope
         inv = 1.0 / np.asarray(rope._freqs, np.float64)  # periods -> inverse; inf (unrotated) -> 0
-        w[f"rope_cos_{t}"], w[f"rope_sin_{t}"] = rope_tables(shape.head_dims[i], shape.context, inv, rope.scale)
+        # C + 1 positions: with every slot in use the query sits at position C
+        w[f"rope_cos_{t}"], w[f"rope_sin_{t}"] = rope_tables(shape.head_dims[i], shape.context + 1, inv, rope.scale)
     if shape.ordered:
         order = w["masked_embedding.token_ordering"].astype(np.int64)  # (V,): rows of the (C, V/C) clusters
         if sorted(order.tolist()) != list(range(shape.vocab)):
