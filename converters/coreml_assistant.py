@@ -171,7 +171,7 @@ def _norm(mb, x, weight: np.ndarray | None, eps: float, axis: int, name: str):
 
 def build_draft(mb, types, shape: AssistantShape, w: dict[str, np.ndarray], opset):
     """The `draft` function: one assistant step (see the module doc)."""
-    E, B, C, H = shape.hidden, shape.backbone, shape.context, shape.n_heads
+    B, C, H = shape.backbone, shape.context, shape.n_heads
     kinds = sorted(shape.kv)
     specs = [mb.TensorSpec(shape=(1, B, 1, 1), dtype=types.fp16), mb.TensorSpec(shape=(1, B, 1, 1), dtype=types.fp16),
              mb.TensorSpec(shape=(1,), dtype=types.int32)]

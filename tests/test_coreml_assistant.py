@@ -131,7 +131,7 @@ def _append(ex, state, kv, start: int, stop: int, S: int) -> None:
     assert ex.run(f"append_{S}", inputs, state)["end"].tolist() == [start + S]
 
 
-@pytest.mark.parametrize("fp16,tol", [(False, 1e-4), (True, 2e-2)])
+@pytest.mark.parametrize("fp16,tol", [(False, 1e-5), (True, 1e-2)])
 def test_draft_steps_match_the_mlx_assistant_over_deltas_and_a_rollback(ordered, fp16, tol):
     """Chained draft steps at several positions, the buffers filled by key/value deltas: a prompt
     in windows, a round's few positions (a padded window), a rollback to an earlier position with
