@@ -21,8 +21,8 @@ from conftest import write_tiny_bundle, write_tiny_hf_folder
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME_DIRS = ("edgespec", "models")
 FORBIDDEN = ("edgespec.converters", "converters", "torch", "transformers", "coremltools")
-# The Core ML drafter runs a .mlpackage on macOS through coremltools' predict: a runtime use.
-ALLOWED = {("edgespec/drafters/coreml.py", "coremltools")}
+# The Core ML drafters (and Gemma 4's assistant package) run on macOS through coremltools' predict: a runtime use.
+ALLOWED = {("edgespec/drafters/coreml.py", "coremltools"), ("edgespec/drafters/coreml_assistant.py", "coremltools")}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
