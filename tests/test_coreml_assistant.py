@@ -316,3 +316,19 @@ def test_convert_refuses_an_assistant_that_does_not_fit(ordered, bad, match):
     with pytest.raises(ModelLoadError, match=match):
         add_drafter(tmp / "bundle", src, progress=False)
     assert "drafter" not in json.loads((tmp / "bundle" / "manifest.json").read_text())
+
+
+def test_convert_takes_the_folders_own_assistant(ordered):
+    """A Gemma 4 folder with its assistant in drafter/ (which loading it drafts with) converts to a
+    bundle carrying that assistant, no --drafter given."""
+    import shutil
+
+    from edgespec.converters.convert import convert
+
+    *_, tmp = ordered
+    shutil.copytree(tmp / "hf", tmp / "hf_own")
+    shutil.copytree(tmp / "assistant", tmp / "hf_own" / "drafter")
+    manifest = convert(tmp / "hf_own", tmp / "own", quantize="none", dtype="float32", progress=False,
+                       drafter_options={"coreml": False})
+    assert manifest["drafter"]["kind"] == "gemma4_assistant" and manifest["drafter"]["coreml"] is None
+    assert (tmp / "own" / "drafter" / "config.json").is_file()
