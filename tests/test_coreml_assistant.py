@@ -286,6 +286,9 @@ def test_convert_writes_the_package_and_speculative_with_it_equals_plain(bundle)
     assert spec.stats.drafted > spec.stats.accepted > 0
     assert spec.stats.accepted_by_position[0] > spec.stats.accepted_by_position[-1]  # a rejection mid-chain
     assert sum(f == "draft" for f, _ in backend.calls) == spec.stats.drafted
+    backend.calls.clear()
+    assert engine.generate(SHORT, max_tokens=24).tokens == plain  # auto, no options: drafts with it too
+    assert any(f == "draft" for f, _ in backend.calls)
 
 
 def _assistant(folder, backbone: int = 64, **text):
