@@ -335,3 +335,18 @@ def test_convert_takes_the_folders_own_assistant(ordered):
                        drafter_options={"coreml": False})
     assert manifest["drafter"]["kind"] == "gemma4_assistant" and manifest["drafter"]["coreml"] is None
     assert (tmp / "own" / "drafter" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"backbone_hidden_size": 48}, "reads hidden states of width 48, the verifier's are 64"),
+    ({"states": {"full_keys": [2, 32, CONTEXT]}}, "full_attention key buffer \\[2, 32, 48\\] does not fit"),
+    ({"vocab_size": 256}, "vocabulary has 256 tokens, the verifier's 320"),
+    ({"kind": None}, "not a gemma4_assistant package"),
+])
+def test_runtime_refuses_a_package_that_does_not_fit(ordered, change, match):
+    from edgespec.drafters.coreml_assistant import CoreMLAssistantDrafter
+    from edgespec.errors import ModelLoadError
+
+    engine, _, _, info, _ = ordered
+    with pytest.raises(ModelLoadError, match=match):
+        CoreMLAssistantDrafter(None, {**info, **change}, engine.model, device="cpu")
