@@ -184,6 +184,7 @@ def add_drafter(
     and again at the swap: replacing it would delete them.
     """
     from edgespec.converters.drafter_export import write_drafter
+    from edgespec.models import get_architecture
 
     from edgespec.bundle import read_manifest
     bundle = Path(bundle).expanduser()
@@ -198,8 +199,6 @@ def add_drafter(
     verifier = manifest.get("verifier") or {}
     config = json.loads((bundle / verifier.get("config", "config.json")).read_text())
     vocab_size = int(config.get("vocab_size", -1))
-    from edgespec.models import get_architecture
-
     try:  # the verifier's args: Gemma 4's assistant is checked against them and its package shaped by them
         arch = get_architecture(config.get("model_type"))
         verifier_args = arch.ModelArgs.from_dict(config)
