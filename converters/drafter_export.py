@@ -296,6 +296,7 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
         raise ModelLoadError("exporting the assistant to Core ML needs coremltools (pip install 'edgespec[convert]'); "
                              "or pass --no-coreml") from None
     from edgespec.converters.coreml_assistant import export_assistant, function_names
+
     from edgespec.progress import progress_bar
 
     appends = tuple(s for s in sorted({1, 2, 4, 8, prefill_chunk}) if s <= context_length)
