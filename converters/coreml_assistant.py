@@ -154,6 +154,16 @@ def prepare_weights(assistant, shape: AssistantShape) -> dict[str, np.ndarray]:
     return w
 
 
+def linear_weights(shape: AssistantShape) -> list[str]:
+    """Names of the weights that compression packs: every 1x1 conv but the head and the centroids."""
+    names = ["pre_projection.weight", "post_projection.weight"]
+    for i in range(len(shape.layer_types)):
+        p = f"model.layers.{i}."
+        names += [p + n + ".weight" for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                              "mlp.down_proj")]
+    return names
+
+
 # ----------------------------------------------------------------------------- program
 def _norm(mb, x, weight: np.ndarray | None, eps: float, axis: int, name: str):
     """RMSNorm over `axis` of an fp16 tensor, the mean of squares in fp32; times `weight`
@@ -313,6 +323,7 @@ def export_assistant(
     context_length: int = 1024,
     append_tokens: tuple[int, ...] = (1, 4, 16, 64),
     vocab_hash: str | None = None,
+    compress: str = "none",
     progress=None,
     force: bool = False,
 ) -> dict[str, Any]:
@@ -323,7 +334,9 @@ def export_assistant(
     refused by name). context_length C: key/value slots; the assistant drafts while the
     committed sequence fits. append_tokens: the positions one `append_S` call writes (a
     round's delta takes the smallest that holds it). progress(done, total, what) is called as
-    each function is built.
+    each function is built. compress: the linear layers (projections, attention, MLP) as
+    converters/coreml_compress.py packs them, by plain rounding (int8, int4, palette4); the
+    embedding/head, centroids and norms stay fp16.
     """
     out = Path(out).expanduser()
     check_replaceable(out, force, label="package")
@@ -333,8 +346,17 @@ def export_assistant(
         raise ValueError(f"need 1 <= context_length ({context_length}) <= {MAX_CONTEXT}")
     if not append_tokens or append_tokens[0] < 1 or append_tokens[-1] > context_length:
         raise ValueError(f"append sizes must be in 1..{context_length}, got {append_tokens}")
+    from edgespec.converters.coreml_export import COMPRESS_CHOICES
+
+    if compress not in COMPRESS_CHOICES:
+        raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
     shape = assistant_shape(assistant, verifier_args, context_length)
     weights = prepare_weights(assistant, shape)
+    if compress != "none":
+        from edgespec.converters.coreml_compress import compress_linear
+
+        for name in linear_weights(shape):  # once: every function refers to the same blobs
+            weights[name] = compress_linear(weights[name], compress)
 
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
@@ -378,7 +400,7 @@ def export_assistant(
             "window": shape.window,
             "backbone_hidden_size": shape.backbone,
             "ordered_embeddings": shape.ordered,
-            "compression": "none",
+            "compression": compress,
             "precision": "float16",
             "deployment_target": "iOS18/macOS15",
             "vocab_size": shape.vocab,

@@ -88,7 +88,7 @@ def write_drafter(
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):
         return write_assistant_drafter(folder, Path(src), verifier_vocab, verifier_hash, dtype, coreml, compress,
-                                       verifier_args, context_length, prefill_chunk, progress)
+                                       verifier_args, context_length, prefill_chunk, progress, calibrate)
     loaded = load_drafter_source(Path(src))
     model = loaded.model
     vmap = distilled_vocab_map(Path(src), model)
@@ -251,7 +251,7 @@ ASSISTANT_NO_ARGS = (
 
 def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifier_hash: str, dtype, coreml: bool,
                             compress: str, verifier_args=None, context_length: int = 1024, prefill_chunk: int = 64,
-                            progress: bool = False) -> dict[str, Any]:
+                            progress: bool = False, calibrate: int = 0) -> dict[str, Any]:
     """Gemma 4's assistant (a gemma4_assistant checkpoint) goes in as drafter/: its config and its
     weights in the bundle's dtype, read and checked first (against the verifier's args when
     given: vocabulary, hidden size, key/value layers), and, unless coreml is False, as
@@ -263,9 +263,9 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
 
     from edgespec.drafters.assistant import check_fit, load_assistant_model
 
-    if compress != "none":
-        raise ValueError("--drafter-compress is not implemented for Gemma 4's assistant package (it is exported "
-                         "in fp16); pass --drafter-compress none")
+    if compress != "none" and calibrate:
+        raise ValueError("--drafter-calibrate is not implemented for Gemma 4's assistant package (its compression "
+                         "is plain rounding); pass --drafter-calibrate 0")
     model = load_assistant_model(src)
     if model.args.vocab_size != verifier_vocab:
         raise ModelLoadError(f"the assistant's vocabulary has {model.args.vocab_size} tokens, "
@@ -309,5 +309,5 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
 
         out["coreml"] = export_assistant(model, folder / "drafter.mlpackage", verifier_args,
                                          context_length=context_length, append_tokens=appends,
-                                         vocab_hash=verifier_hash, progress=step)
+                                         vocab_hash=verifier_hash, compress=compress, progress=step)
     return out

@@ -350,3 +350,56 @@ def test_runtime_refuses_a_package_that_does_not_fit(ordered, change, match):
     engine, _, _, info, _ = ordered
     with pytest.raises(ModelLoadError, match=match):
         CoreMLAssistantDrafter(None, {**info, **change}, engine.model, device="cpu")
+
+
+def test_compressed_package_computes_the_assistant_with_its_decoded_weights(ordered):
+    """--drafter-compress int4: the linear layers are packed (plain rounding) and the package computes
+    the MLX assistant whose linear weights are those packs decoded; the head stays fp16."""
+    from edgespec.converters.coreml_assistant import (
+        assistant_shape,
+        export_assistant,
+        linear_weights,
+    )
+    from edgespec.converters.coreml_compress import compress_linear, decode_packed
+    from edgespec.converters.mil_executor import MILExecutor
+    from mlx.utils import tree_flatten
+
+    from edgespec.drafters.assistant import load_assistant_model
+
+    engine, assistant, _, _, tmp = ordered
+    path = tmp / "int4.mlpackage"
+    info = export_assistant(assistant, path, engine.model.args, context_length=CONTEXT, append_tokens=(16,),
+                            compress="int4")
+    assert info["compression"] == "int4"
+    ex = MILExecutor(path)
+    names = linear_weights(assistant_shape(assistant, engine.model.args, CONTEXT))
+    packed = [op for op in ex.functions["draft"].operations if op.op_type == "constexpr_blockwise_shift_scale"]
+    assert len(packed) == len(names) == 2 + 5 * 2
+    params = dict(tree_flatten(assistant.parameters()))  # fp32, as the export packed them
+    ref = rounded(load_assistant_model(tmp / "assistant"))
+    decoded = {n: mx.array(decode_packed(compress_linear(np.array(params[n]), "int4"))) for n in names}
+    ref.load_weights(list(decoded.items()), strict=False)
+    rng = np.random.default_rng(5)
+    kv = _kv(rng, CONTEXT)
+    state = ex.make_state("draft")
+    _append(ex, state, kv, 0, 16, 16)
+    x = rng.standard_normal((1, 1, 128)).astype(np.float32)
+    want, _ = ref(mx.array(x), {f"{t}_attention": (mx.array(a[:, :, :16]), mx.array(b[:, :, :16]))
+                                for t, (a, b) in kv.items()}, 16)
+    got = ex.run("draft", {"embedding": x[..., :64].reshape(1, 64, 1, 1), "hidden": x[..., 64:].reshape(1, 64, 1, 1),
+                           "position": np.array([16], np.int32)}, state)["logits"]
+    assert rel_err(np.asarray(got, np.float32).reshape(-1), np.array(want).reshape(-1)) < 1e-5
+    dense, _ = rounded(load_assistant_model(tmp / "assistant"))(mx.array(x), {
+        f"{t}_attention": (mx.array(a[:, :, :16]), mx.array(b[:, :, :16])) for t, (a, b) in kv.items()}, 16)
+    assert rel_err(np.array(dense).reshape(-1), np.array(want).reshape(-1)) > 1e-4  # really rounded
+
+
+def test_convert_refuses_calibrating_the_assistant_package(ordered):
+    from edgespec.converters.convert import add_drafter, convert
+
+    *_, tmp = ordered
+    if not (tmp / "bundle").exists():
+        convert(tmp / "hf", tmp / "bundle", quantize="none", dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="--drafter-calibrate is not implemented for Gemma 4's assistant"):
+        add_drafter(tmp / "bundle", tmp / "assistant", progress=False,
+                    drafter_options={"compress": "int4", "calibrate": 200})
