@@ -10,7 +10,30 @@ Gated DeltaNet layers (linear attention) interleaved with gated full attention:
   q and k, RoPE on the first partial_rotary_factor of each head (text positions: the
   multimodal RoPE sections coincide), out * sigmoid(gate) before o_proj.
 Norms are (1 + w) RMSNorms, except the delta rule's gated output norm (w). The vision tower
-and the multi-token-prediction (`mtp.*`) weights of a `qwen3_5` checkpoint are not loaded.
+of a `qwen3_5` checkpoint is not loaded.
+
+Multi-token prediction (`mtp.*` weights, config `mtp_num_hidden_layers`): when the checkpoint
+carries them, `Model.mtp` is an MTPHead, a drafter that ships with the model (used by
+edgespec/drafters/mtp.py). Its definition, as published in vLLM's
+`model_executor/models/qwen3_5_mtp.py` (Qwen3_5MultiTokenPredictor.forward) and
+`qwen3_next_mtp.py`, and SGLang's `qwen3_next_mtp.py`:
+- inputs at position t: the verifier's hidden state h_t as the model returns it, i.e. after
+  its final norm (vLLM's Qwen3NextModel.forward ends with `self.norm`, and its speculative
+  proposer hands that output to the MTP model), and the embedding of x_{t+1} from the shared
+  `embed_tokens` (SGLang: dedicated MTP embeddings are not used by the released checkpoints);
+- e = pre_fc_norm_embedding(embed(x_{t+1})), h = pre_fc_norm_hidden(h_t), both (1 + w)
+  RMSNorms (Qwen3_5RMSNorm = GemmaRMSNorm); x = fc(concat[e, h]) (embedding first; 2H -> H,
+  no bias);
+- `mtp.layers.*`: Qwen3.5 decoder layers of layer_type "full_attention" (gated attention
+  with (1 + w) q/k norms and partial RoPE, the model's MLP), with their own KV cache over
+  the MTP positions; the query for (x_{t+1}, h_t) sits at RoPE position t (vLLM passes the
+  target positions);
+- `mtp.norm` ((1 + w)), then the shared lm_head gives logits for x_{t+2}; drafting further
+  feeds this normed output back as the next step's hidden state (vLLM's proposer, method
+  "mtp"), at position t + 1.
+With several MTP layers vLLM runs layer (step mod n) per draft step; edgespec loads a head
+of one layer (as Qwen3.5 ships it) and skips, with a note naming the field, a head with
+more layers or with `mtp_use_dedicated_embeddings`.
 """
 
 from __future__ import annotations
@@ -36,7 +59,7 @@ from edgespec.recurrent import (
 )
 
 KINDS = ("linear_attention", "full_attention")
-NOTE_SKIPPED = "qwen3_5: vision tower and MTP weights are not loaded (text model only)"
+NOTE_SKIPPED = "qwen3_5: the vision tower is not loaded (text model only); mtp.* weights load as a drafter"
 
 
 @dataclass
@@ -47,6 +70,8 @@ class ModelArgs(BaseArgs):
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     blocks: list[str] | None = None  # per layer: "linear_attention" or "full_attention"
+    mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (loaded when mtp.* weights are present)
+    mtp_use_dedicated_embeddings: bool = False
 
     model_types = ("qwen3_5_text", "qwen3_5")
 
@@ -72,8 +97,6 @@ class ModelArgs(BaseArgs):
         kinds = c.pop("layer_types", None)
         c["blocks"] = kinds if kinds is not None else [
             "linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-        for k in ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"):
-            c.pop(k, None)  # the MTP head is not loaded; the main model's math is unchanged
         return c
 
     def __post_init__(self):
@@ -153,21 +176,123 @@ class DeltaLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h), cache is not None)
 
 
+class MTPHead(nn.Module):
+    """The multi-token-prediction head (see the module docstring): (embedding of x_{t+1}, the
+    verifier's final-norm hidden state at t) -> its own normed hidden state at t, whose
+    projection by the shared head gives logits for x_{t+2}."""
+
+    def __init__(self, args: ModelArgs, make_layer):
+        super().__init__()
+        E, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = OffsetRMSNorm(E, eps=eps)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(E, eps=eps)
+        self.fc = Linear(2 * E, E, bias=False)
+        self.layers = [make_layer(args) for _ in range(args.mtp_num_hidden_layers)]
+        self.norm = OffsetRMSNorm(E, eps=eps)
+
+    def make_cache(self) -> list:
+        return [layer.make_cache() for layer in self.layers]
+
+    def __call__(self, emb: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:
+        """emb (B, T, E) embeddings of x_{t+1}, hidden (B, T, E) states at t -> (B, T, E).
+
+        Entries sit at RoPE positions cache offset, offset + 1, ... (entry t at position t)."""
+        x = mx.concatenate([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        h = self.fc(x)  # (B, T, 2E) -> (B, T, E)
+        mask = "causal" if h.shape[1] > 1 else None
+        for i, layer in enumerate(self.layers):
+            h = layer(h, mask, cache[i] if cache is not None else None, None)
+        return self.norm(h)
+
+
 class Model(BaseModel):
     norm = OffsetRMSNorm
+    keep_hidden = False  # set by an MTP drafter: caches then record the final-norm hidden states
+
+    def attention_layer(self, args: ModelArgs) -> nn.Module:
+        """A gated full-attention layer: the main model's and the MTP head's (a variant with
+        another feed-forward block overrides this once for both)."""
+        return DecoderLayer(args, LayerOptions(qk_norm=True, norm=OffsetRMSNorm, output_gate=True))
 
     def make_layer(self, args: ModelArgs, i: int) -> nn.Module:
         if args.blocks[i] == "linear_attention":
             return DeltaLayer(args)
-        return DecoderLayer(args, LayerOptions(qk_norm=True, norm=OffsetRMSNorm, output_gate=True))
+        return self.attention_layer(args)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        out = {}
+        out, mtp = {}, {}
         for k, v in super().sanitize(weights).items():
-            if k.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
+            if k.startswith(("model.visual.", "visual.")):
+                continue
+            if k.startswith(("mtp.", "model.mtp.")):
+                mtp[k[k.index("mtp.") :]] = v
                 continue
             k = k.replace("model.language_model.", "model.")
             if k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[1] != 1:
                 v = v.swapaxes(1, 2)  # mlx-community folders store (C, K, 1)
             out[k] = v
+        out.update(self._attach_mtp(mtp))
         return out
+
+    def _attach_mtp(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Build the MTP head for the checkpoint's `mtp.*` weights (checked by name and shape);
+        returns the weights to load, none when the head is absent or skipped (with a note)."""
+        if not weights:
+            return {}
+        args = self.args
+        skip = None
+        if args.mtp_num_hidden_layers < 1:
+            skip = "mtp_num_hidden_layers is 0 in config.json"
+        elif args.mtp_num_hidden_layers > 1:
+            skip = f"mtp_num_hidden_layers {args.mtp_num_hidden_layers} (edgespec runs a head of 1 layer)"
+        elif args.mtp_use_dedicated_embeddings:
+            skip = "mtp_use_dedicated_embeddings is set (edgespec's head reads the shared embeddings)"
+        if skip:
+            self.load_note = f"qwen3_5: {len(weights)} mtp.* tensors not loaded: {skip}"
+            return {}
+        from mlx.utils import tree_flatten
+
+        from edgespec.errors import ModelLoadError
+
+        head = MTPHead(args, self.attention_layer)
+        want = {f"mtp.{k}": v.shape for k, v in tree_flatten(head.parameters())}
+        quantized = any(k.endswith(".scales") for k in weights)
+        for name, shape in want.items():
+            got = weights.get(name)
+            if got is None:
+                raise ModelLoadError(f"the checkpoint's MTP head lacks tensor {name} (shape {tuple(shape)})")
+            if not quantized and tuple(got.shape) != tuple(shape):
+                raise ModelLoadError(f"MTP tensor {name} has shape {tuple(got.shape)}, "
+                                     f"the config makes it {tuple(shape)}")
+        extra = sorted(k for k in weights if k not in want and not (quantized and k.endswith((".scales", ".biases"))))
+        if extra:
+            raise ModelLoadError(f"MTP tensor(s) {', '.join(extra[:4])} not part of a Qwen3.5 MTP head")
+        self.mtp = head
+        return weights
+
+    def make_cache(self) -> list:
+        caches = super().make_cache()
+        j = self.hidden_layer
+        if self.keep_hidden and j is not None:
+            from edgespec.models.gemma4 import HiddenKVCache  # noqa: I001 (a KVCache keeping hidden rows)
+
+            caches[j] = HiddenKVCache()
+        return caches
+
+    @property
+    def hidden_layer(self) -> int | None:
+        """The layer whose cache records hidden states for an MTP drafter (the first attention one)."""
+        blocks = self.args.blocks
+        return blocks.index("full_attention") if "full_attention" in blocks else None
+
+    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False,
+                 last_only=False):
+        """As models.base.Model; with an MTP drafter attached (`keep_hidden`), a pass with a
+        cache also records its final-norm hidden states there (rows follow the cache's trims)."""
+        j = self.hidden_layer
+        tap = cache[j] if self.keep_hidden and cache is not None and layer_ids is None and j is not None else None
+        if tap is None or not hasattr(tap, "put_hidden"):
+            return super().__call__(inputs, cache, mask, positions, layer_ids, return_hidden, last_only)
+        logits, h = super().__call__(inputs, cache, mask, positions, None, True, last_only)
+        tap.put_hidden(h)
+        return (logits, h) if return_hidden else logits

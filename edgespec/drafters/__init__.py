@@ -1,6 +1,8 @@
 """Drafters for speculative decoding and how an Engine gets one.
 
-    attach_drafter(engine, None)             # the bundle's own drafter, else a shipped one, else none
+    attach_drafter(engine, None)             # the bundle's own drafter, else the model's MTP head,
+                                             # else a shipped one, else none
+    attach_drafter(engine, "mtp")            # the verifier's multi-token-prediction head (Qwen3.5)
     attach_drafter(engine, "self")           # skip-layer self-speculation (no extra weights)
     attach_drafter(engine, "prompt_lookup")  # n-gram lookup in the prompt
     attach_drafter(engine, "path/to/drafter")
@@ -60,12 +62,16 @@ def load_drafter(engine, spec):
         d = _bundle_drafter(engine)
         if d is not None:
             return d
+        from edgespec.drafters.mtp import MTPDrafter, has_mtp
+
+        if has_mtp(engine.loaded.model):  # a head that ships inside the checkpoint
+            return MTPDrafter.load(engine)
         shipped = shipped_drafter_path(engine)
         if shipped is not None:
             return _model_drafter(shipped, engine)
         return None
     if not isinstance(spec, (str, Path)):
-        raise ValueError(f"drafter must be None, 'none', 'self', 'prompt_lookup' or a path, got {spec!r}")
+        raise ValueError(f"drafter must be None, 'none', 'self', 'prompt_lookup', 'mtp' or a path, got {spec!r}")
     s = str(spec)
     if s == "none":
         return None
@@ -73,6 +79,10 @@ def load_drafter(engine, spec):
         from edgespec.drafters.self_spec import self_drafter
 
         return self_drafter(engine)
+    if s == "mtp":
+        from edgespec.drafters.mtp import MTPDrafter
+
+        return MTPDrafter.load(engine)
     if s == "prompt_lookup":
         from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -81,7 +91,8 @@ def load_drafter(engine, spec):
     if not path.exists():
         from edgespec.errors import ModelLoadError
 
-        raise ModelLoadError(f"drafter {s!r}: no such file or folder (valid: none, self, prompt_lookup, or a path)")
+        raise ModelLoadError(f"drafter {s!r}: no such file or folder (valid: none, self, prompt_lookup, mtp, "
+                             "or a path)")
     if path.suffix == ".mlpackage":
         from edgespec.drafters.coreml import CoreMLDrafter
 
