@@ -52,7 +52,8 @@ def add_arguments(p) -> None:
         default=None,
         metavar="DRAFTER_SRC",
         help="also bundle a drafter (HF folder, GGUF, bundle or MLX folder with the verifier's vocabulary): "
-        "OUT/drafter/ in MLX and OUT/drafter.mlpackage for the Neural Engine",
+        "OUT/drafter/ in MLX and OUT/drafter.mlpackage for the Neural Engine; 'mtp': export the source's "
+        "own MTP head (Qwen3.5 mtp.* weights) to OUT/drafter.mlpackage",
     )
     p.add_argument(
         "--drafter-compress",

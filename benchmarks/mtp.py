@@ -102,7 +102,7 @@ def main(argv=None) -> None:
         for c in vcache:
             c.trim(1)
 
-    head, hcache = model.mtp, drafter.cache
+    head, hcache = model.mtp, drafter.head.cache
     g = mx.zeros((1, 1, a.hidden), dtype=model.model.embed_tokens.weight.dtype)
 
     def mtp_step():

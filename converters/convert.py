@@ -105,7 +105,9 @@ def convert(
 
     drafter: optional drafter checkpoint (HF folder, GGUF, bundle or MLX folder) written to
     drafter/ and, unless drafter_options["coreml"] is False, drafter.mlpackage (see
-    converters/drafter_export.write_drafter for the other options).
+    converters/drafter_export.write_drafter for the other options); "mtp": the source's own
+    MTP head (kept in model.safetensors in any case) exported to drafter.mlpackage
+    (converters/mtp_export.py).
     """
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if not src.exists():
@@ -117,7 +119,8 @@ def convert(
 
         if is_assistant_folder(src / "drafter"):
             drafter = src / "drafter"
-    if drafter is not None:
+    mtp = drafter is not None and str(drafter) == "mtp"  # the source's own MTP head (Qwen3.5)
+    if drafter is not None and not mtp:
         check_overlap(drafter, out)  # nor over the drafter's checkpoint
     quantize = quantize or default_quantize(is_gguf(src))
     if quantize not in QUANTIZE_CHOICES:
@@ -148,7 +151,11 @@ def convert(
         }
         if requant is not None:
             manifest["quantization"] = requant
-        if drafter is not None:
+        if mtp:
+            from edgespec.converters.mtp_export import write_mtp_drafter
+
+            manifest["drafter"] = write_mtp_drafter(tmp, model, manifest["vocab_hash"], **(drafter_options or {}))
+        elif drafter is not None:
             from edgespec.converters.drafter_export import write_drafter
 
             manifest["drafter"] = write_drafter(

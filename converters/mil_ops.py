@@ -223,6 +223,7 @@ OPS = {
     "matmul": _matmul,
     "softmax": _softmax,
     "silu": lambda op, get, s, ex: [_f(get("x")) / (1.0 + np.exp(-_f(get("x"))))],
+    "sigmoid": lambda op, get, s, ex: [0.5 * (1.0 + np.tanh(0.5 * _f(get("x"))))],  # the MTP head's output gate
     "read_state": _read_state,
     "coreml_update_state": _update_state,
     "constexpr_blockwise_shift_scale": _blockwise_shift_scale,

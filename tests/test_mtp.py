@@ -203,7 +203,7 @@ def check_head_cache_is_the_committed_paths(engine):
     _, h = model(mx.array([seq[: fed + 1]]), return_hidden=True)
     cache = model.mtp.make_cache()
     model.mtp(model.embed(mx.array([seq[1 : fed + 1]])), h[:, :fed], cache)
-    keys, vals = drafter.cache[0].state
+    keys, vals = drafter.head.cache[0].state
     np.testing.assert_allclose(np.array(keys[..., :fed, :]), np.array(cache[0].state[0]), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(vals[..., :fed, :]), np.array(cache[0].state[1]), rtol=1e-4, atol=1e-5)
     steps.close()
@@ -283,3 +283,111 @@ def test_a_head_with_unsupported_settings_is_skipped_with_a_note(tmp_path):
     engine = load(tmp_path)
     assert getattr(engine.model, "mtp", None) is None and engine.drafter is None
     assert "mtp_use_dedicated_embeddings" in engine.model.load_note
+
+
+# ---------------------------------------------------------------- Core ML export
+
+
+class ExecutorMTPBackend:
+    """CoreMLHead backend running the package with the numpy MIL executor (the Mac runs Core ML)."""
+
+    def __init__(self, path, fp16: bool):
+        from edgespec.converters.mil_executor import MILExecutor
+
+        self.executor = MILExecutor(path, fp16=fp16)
+        self.calls: list[tuple[str, int]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.executor.make_state()
+
+    def call(self, function, ids, hidden, position):
+        from edgespec.drafters.mtp import package_hidden, package_rows
+
+        self.calls.append((function, position))
+        out = self.executor.run(function, {"input_ids": ids, "hidden": package_hidden(hidden),
+                                           "position": np.array([position], np.int32)}, self.state)
+        return package_rows(out["logits"]), package_rows(out["hidden_out"])
+
+
+@pytest.fixture(scope="module")
+def mtp_bundle(folder, tmp_path_factory):
+    """`edgespec convert SRC OUT --drafter mtp`: the head exported to OUT/drafter.mlpackage."""
+    pytest.importorskip("coremltools")
+    from edgespec.converters.convert import convert
+
+    path, _ = folder
+    out = tmp_path_factory.mktemp("mtp_bundle") / "bundle"
+    convert(path, out, quantize="none", dtype="float32", progress=False, drafter="mtp",
+            drafter_options={"context_length": 64, "prefill_chunk": 8})
+    return out
+
+
+def test_exported_head_matches_its_mlx_forward_in_the_mil_executor(folder, mtp_bundle):
+    from coreml_support import ALLOWED_OPS, rel_err
+
+    from edgespec.drafters.mtp import CoreMLHead
+
+    manifest = json.loads((mtp_bundle / "manifest.json").read_text())
+    info = manifest["drafter"]["coreml"]
+    assert manifest["drafter"]["kind"] == "mtp" and info["kind"] == "mtp"
+    assert info["functions"] == ["prefill", "decode", "decode_2", "decode_3", "decode_4", "decode_5"]
+    path, _ = folder
+    model = load(path, drafter="none").model
+    ids = PROMPT[:20]
+    _, h = model(mx.array([ids]), return_hidden=True)
+    want_h = model.mtp(model.embed(mx.array([ids[1:]])), h[:, :-1])
+    want = np.array(model.project(want_h)[0])[7:]  # the prefill chunk's last entry, then one per entry
+    package = mtp_bundle / "drafter.mlpackage"
+    for fp16, tol in ((False, 3e-3), (True, 1e-2)):
+        backend = ExecutorMTPBackend(package, fp16)
+        ops = {op.op_type for f in backend.executor.functions.values() for op in f.operations}
+        assert ops <= ALLOWED_OPS | {"sigmoid"}, ops - ALLOWED_OPS
+        head = CoreMLHead(backend, info)
+        head.reset()
+        rows = np.array(h[0, :-1])
+        got = [np.array(head.feed(ids[1:9], mx.array(rows[None, :8]))[0])]  # prefill (T = 8)
+        hid = []
+        for j in range(8, 19):  # one entry at a time (decode)
+            lg, g = head.feed(ids[j + 1 : j + 2], mx.array(rows[None, j : j + 1]))
+            got.append(np.array(lg))
+            hid.append(np.array(g)[0, 0])
+        got = np.stack(got)
+        assert rel_err(got, want) < tol, (fp16, rel_err(got, want))
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+        assert rel_err(np.stack(hid), np.array(want_h[0, 8:])) < tol
+        assert [c[0] for c in backend.calls] == ["prefill"] + ["decode"] * 11
+        # K-entry decodes and a rollback: the same rows as the one-at-a-time run
+        head.trim_to(10)
+        lg, _ = head.feed(ids[11:16], mx.array(rows[None, 10:15]))  # one decode_5 call at position 10
+        assert backend.calls[-1] == ("decode_5", 10)
+        assert rel_err(np.array(lg)[None], got[7:8]) < tol
+
+
+def test_speculative_with_the_exported_head_equals_plain(folder, mtp_bundle):
+    """The drafter over the package (MIL executor standing in for Core ML): greedy output
+    identical to plain with drafts rejected, and its drafts those of the MLX head."""
+    from edgespec.drafters.mtp import CoreMLHead, MLXHead, MTPDrafter
+
+    info = json.loads((mtp_bundle / "manifest.json").read_text())["drafter"]["coreml"]
+    engine = load(mtp_bundle)
+    assert isinstance(engine.drafter, MTPDrafter) and isinstance(engine.drafter.head, MLXHead)  # no Core ML here
+    ref = engine.generate(PROMPT[:9], max_tokens=24, mode="plain").tokens
+    mlx_run = engine.generate(PROMPT[:9], max_tokens=24, mode="speculative", draft_tokens=3)
+    backend = ExecutorMTPBackend(mtp_bundle / "drafter.mlpackage", fp16=False)
+    engine.drafter = MTPDrafter(engine.model, head=CoreMLHead(backend, info))
+    spec = engine.generate(PROMPT[:9], max_tokens=24, mode="speculative", draft_tokens=3)
+    assert spec.tokens == ref and spec.stats.drafted > spec.stats.accepted > 0
+    assert spec.stats.accepted_by_position == mlx_run.stats.accepted_by_position
+    assert any(fn.startswith("decode_") for fn, _ in backend.calls)  # a round's entries in one call
+
+
+@pytest.mark.macos
+def test_the_bundle_drafts_with_core_ml_on_a_mac(mtp_bundle):
+    from edgespec.drafters.mtp import CoreMLHead, MTPDrafter
+
+    engine = load(mtp_bundle)
+    assert isinstance(engine.drafter, MTPDrafter) and isinstance(engine.drafter.head, CoreMLHead)
+    ref = engine.generate(PROMPT[:9], max_tokens=24, mode="plain").tokens
+    assert engine.generate(PROMPT[:9], max_tokens=24, mode="speculative", draft_tokens=3).tokens == ref
+    assert engine.generate(PROMPT[:9], max_tokens=24).tokens == ref

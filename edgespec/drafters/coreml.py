@@ -210,6 +210,10 @@ class CoreMLDrafter(CommittedSequence):
             raise ModelLoadError(
                 f"{path}: no edgespec export info in the package; re-export it with `edgespec convert`"
             )
+        if info.get("kind") == "mtp":  # Qwen3.5's MTP head: drafts from the verifier's hidden states
+            from edgespec.drafters.mtp import MTPDrafter
+
+            return MTPDrafter.from_package(path, verifier, info, compute_units)
         vocab_map = package_vocab_map(path, info)
         backend = CoreMLBackend(path, list(info["functions"]), compute_units)
         return cls(

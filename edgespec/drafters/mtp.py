@@ -17,11 +17,21 @@ verifier's true states replace them. So a partially accepted chain rolls back ex
 It drafts in the modes that keep the verifier's cache of the committed tokens (speculative,
 auto/adaptive); tree and cascade refuse it by name (`reads_verifier`), and pipelined drafting
 is off with it.
+
+The head runs in MLX (`MLXHead`, the verifier's own `mtp` module) or from its Core ML package
+(`CoreMLHead`: `edgespec convert SRC OUT --drafter mtp` writes drafter.mlpackage, see
+converters/mtp_export.py; a fixed KV buffer where rolling back is passing a smaller position),
+through a backend object (`call(function, ids, hidden, position) -> (logits, hidden)`), so the
+same logic runs on a Mac against Core ML and here against the numpy MIL executor (tests).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import mlx.core as mx
+import numpy as np
 
 from edgespec.drafters.base import Draft, common_prefix
 from edgespec.errors import ModelLoadError
@@ -32,23 +42,117 @@ def has_mtp(model) -> bool:
     return getattr(model, "mtp", None) is not None
 
 
+class MLXHead:
+    """The head in MLX with its KV cache (entries at positions 0..offset-1)."""
+
+    def __init__(self, verifier):
+        self.verifier, self.head = verifier, verifier.mtp
+        self.cache: list = []
+        self.context = None  # no fixed buffer
+
+    def reset(self) -> None:
+        self.cache = self.head.make_cache()
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset if self.cache else 0
+
+    def trim_to(self, n: int) -> None:
+        for c in self.cache:
+            c.trim(c.offset - n)
+
+    def feed(self, ids: list[int] | mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """Entries (ids[i], hidden[:, i]) appended -> (logits (V,) after the last, its state (1, 1, E))."""
+        ids = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
+        emb = self.verifier.embed(ids.reshape(1, -1))
+        g = self.head(emb, hidden.astype(emb.dtype), self.cache)[:, -1:]
+        return self.verifier.project(g)[0, -1], g
+
+
+class CoreMLHead:
+    """The head's Core ML package (converters/mtp_export.py) through a backend; a fixed buffer of
+    `context` slots where rolling back is only lowering `offset` (stale slots are masked)."""
+
+    def __init__(self, backend, info: dict[str, Any]):
+        self.backend = backend
+        self.context = int(info["context_length"])
+        self.chunk = int(info["prefill_chunk"])
+        self.multi = sorted(int(k) for k in info.get("decode_tokens", [1]) if int(k) > 1)
+        self.offset = 0
+
+    def reset(self) -> None:
+        self.backend.reset()
+        self.offset = 0
+
+    def trim_to(self, n: int) -> None:
+        self.offset = min(self.offset, n)
+
+    def feed(self, ids: list[int] | mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        ids = np.array(ids.tolist() if isinstance(ids, mx.array) else ids, np.int32).reshape(-1)
+        rows = np.array(hidden.astype(mx.float32)).reshape(len(ids), -1)  # (T, E)
+        if self.offset + len(ids) > self.context:
+            raise ValueError(f"{self.offset + len(ids)} entries exceed the MTP package's context of {self.context}")
+        i, logits, g = 0, None, None
+        while i < len(ids):  # whole prefill chunks, then the biggest K-entry decodes
+            left = len(ids) - i
+            k = self.chunk if left >= self.chunk else max([k for k in self.multi if k <= left], default=1)
+            fn = "prefill" if k == self.chunk and left >= self.chunk else ("decode" if k == 1 else f"decode_{k}")
+            logits, g = self.backend.call(fn, ids[None, i : i + k], rows[i : i + k], self.offset)
+            self.offset += k
+            i += k
+        return mx.array(logits[-1]), mx.array(g[-1:])[None]
+
+
+class CoreMLMTPBackend:
+    """Runs the MTP package's functions with Core ML, sharing one state (macOS 15+ only)."""
+
+    def __init__(self, path: Path, functions: list[str], compute_units: str):
+        import coremltools as ct
+
+        cu = getattr(ct.ComputeUnit, compute_units)
+        self.models = {f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions}
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.models["decode"].make_state()
+
+    def call(self, function: str, ids: np.ndarray, hidden: np.ndarray, position: int):
+        """ids (1, T), hidden (T, E) -> (logits (T_out, V), hidden (T_out, E)) float32."""
+        out = self.models[function].predict(
+            {"input_ids": ids.astype(np.int32), "hidden": package_hidden(hidden),
+             "position": np.array([position], np.int32)}, state=self.state)
+        return package_rows(out["logits"]), package_rows(out["hidden_out"])
+
+
+def package_hidden(rows: np.ndarray) -> np.ndarray:
+    """(T, E) rows -> the package's channels-first (1, E, 1, T) fp16 input."""
+    return np.ascontiguousarray(rows.T[None, :, None, :]).astype(np.float16)
+
+
+def package_rows(x: np.ndarray) -> np.ndarray:
+    """A package output (1, C, 1, T) -> (T, C) float32."""
+    x = np.asarray(x, np.float32)
+    return x.reshape(x.shape[1], x.shape[3]).T
+
+
 class MTPDrafter:
     """Drafter protocol (begin / draft / accept / sync / close) over the verifier's MTP head."""
 
     reads_verifier = True  # drafts from the verifier's live cache: no pipelining, not in tree/cascade
 
-    def __init__(self, verifier, name: str = "mtp"):
-        if not has_mtp(verifier):
+    def __init__(self, verifier, name: str = "mtp", head=None, device: str | None = None):
+        """head: an MLXHead (default: the verifier's own MTP module) or a CoreMLHead."""
+        if head is None and not has_mtp(verifier):
             raise ModelLoadError(f"the verifier ({verifier.args.model_type}) carries no MTP head (mtp.* weights)")
         if getattr(verifier, "hidden_layer", None) is None:
             raise ModelLoadError("the MTP drafter reads hidden states recorded in an attention layer's cache; "
-                                 "this verifier has no full-attention layer")
-        self.verifier, self.head, self.name = verifier, verifier.mtp, name
-        self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+                                 f"this verifier ({verifier.args.model_type}) records none")
+        self.verifier, self.name = verifier, name
+        self.head = head if head is not None else MLXHead(verifier)
+        self.device = device or ("gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu")
         self.vocab_size = verifier.args.vocab_size
         verifier.keep_hidden = True  # its caches made from now on record the hidden states read here
         self.vcache = None  # the verifier's cache of the generation this drafter serves
-        self.cache: list = []  # the head's own KV cache
         self.seq: list[int] = []
         self.fed = 0  # head entries built from the verifier's states on the committed path
         self._last_draft: list[int] = []
@@ -71,16 +175,10 @@ class MTPDrafter:
     def begin(self, prompt: list[int]) -> None:
         if not prompt:
             raise ValueError("the drafter needs a non-empty prompt")
-        self.cache = self.head.make_cache()
+        self.head.reset()
         self.seq = list(prompt)
         self.fed = 0
         self._last_draft = []
-
-    def _step(self, toks: list[int] | mx.array, hidden: mx.array) -> mx.array:
-        """Entries (toks[i], hidden[:, i]) appended to the head's cache -> its output rows (1, T, E)."""
-        ids = toks if isinstance(toks, mx.array) else mx.array(toks, dtype=mx.int32)
-        emb = self.verifier.embed(ids.reshape(1, -1))
-        return self.head(emb, hidden.astype(emb.dtype), self.cache)
 
     def draft(self, k: int, sampler) -> Draft:
         n = len(self.seq)
@@ -89,23 +187,22 @@ class MTPDrafter:
             return Draft([], None)
         # Re-feed at least the last entry: its output is where the draft starts.
         fed = min(self.fed, n - 2)
+        if self.head.context is not None:  # a fixed buffer: entries up to position n + k - 3
+            k = min(k, self.head.context - n + 2)
         rows = self._hidden_rows(fed, n - 1)
-        if rows is None:  # no verifier states (a pass that does not record them): no draft
+        if rows is None or k < 1:  # no verifier states (a pass that does not record them): no draft
             return Draft([], None)
-        drop = self.cache[0].offset - fed if self.cache else 0
-        if drop > 0:
-            for c in self.cache:
-                c.trim(drop)
-        g = self._step(self.seq[fed + 1 : n], rows)[:, -1:]  # entries (x_{j+1}, h_j), j = fed..n-2
+        self.head.trim_to(fed)  # drop the entries made from guesses
+        logits, g = self.head.feed(self.seq[fed + 1 : n], rows)  # entries (x_{j+1}, h_j), j = fed..n-2
         self.fed = n - 1
         toks, lps = [], []
         for i in range(k):
-            lp = sampler.logprobs(self.verifier.project(g)[0, -1])  # the shared head: x_{n+i}
+            lp = sampler.logprobs(logits)  # the shared head's logits for x_{n+i}
             t = sampler.sample(lp)
             toks.append(t)
             lps.append(lp)
             if i + 1 < k:
-                g = self._step(t.reshape(1).astype(mx.int32), g)  # (draft, the head's own state)
+                logits, g = self.head.feed(t.reshape(1).astype(mx.int32), g)  # (draft, the head's own state)
         q = mx.stack(lps)
         toks = mx.stack(toks)
         mx.eval(toks, q)
@@ -127,10 +224,21 @@ class MTPDrafter:
 
     def close(self) -> None:
         self.vcache = None
-        self.cache = []
 
     @classmethod
     def load(cls, verifier) -> MTPDrafter:
         """For an Engine (or LoadedModel, or model) whose verifier carries an MTP head."""
         loaded = getattr(verifier, "loaded", verifier)
         return cls(getattr(loaded, "model", loaded))
+
+    @classmethod
+    def from_package(cls, path: Path, verifier, info: dict[str, Any], compute_units: str) -> MTPDrafter:
+        """The head's Core ML package (Core ML checked available by the caller, drafters.coreml)."""
+        loaded = getattr(verifier, "loaded", verifier)
+        model = loaded.model
+        if int(info.get("hidden_size", -1)) != model.args.hidden_size:
+            raise ModelLoadError(f"{path}: the MTP package reads hidden states of width {info.get('hidden_size')}, "
+                                 f"the verifier's are {model.args.hidden_size}")
+        head = CoreMLHead(CoreMLMTPBackend(path, list(info["functions"]), compute_units), info)
+        device = "ane" if "NE" in compute_units or compute_units == "ALL" else "cpu"
+        return cls(model, name=f"mtp-coreml:{path.name}", head=head, device=device)
