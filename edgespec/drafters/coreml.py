@@ -90,6 +90,20 @@ class CoreMLBackend:
         return logits_rows(out["logits"])
 
 
+class CoreMLHiddenBackend(CoreMLBackend):
+    """A package whose functions also take and return a hidden state: Qwen3.5's MTP head
+    (converters/mtp_export.py; drafters/mtp.CoreMLHead drives it)."""
+
+    def call(self, function: str, ids: np.ndarray, hidden: np.ndarray, position: int):
+        """ids (1, T), hidden (T, E) -> (logits (T_out, V), hidden (T_out, E)) float32."""
+        from edgespec.drafters.mtp import package_hidden, package_rows
+
+        out = self.models[function].predict(
+            {"input_ids": ids.astype(np.int32), "hidden": package_hidden(hidden),
+             "position": np.array([position], np.int32)}, state=self.state)
+        return package_rows(out["logits"]), package_rows(out["hidden_out"])
+
+
 def logits_rows(logits: np.ndarray) -> np.ndarray:
     """Package output (1, V, 1, T) (channels-first) -> (T, V) float32."""
     lg = np.asarray(logits, dtype=np.float32)

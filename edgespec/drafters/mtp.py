@@ -103,27 +103,6 @@ class CoreMLHead:
         return mx.array(logits[-1]), mx.array(g[-1:])[None]
 
 
-class CoreMLMTPBackend:
-    """Runs the MTP package's functions with Core ML, sharing one state (macOS 15+ only)."""
-
-    def __init__(self, path: Path, functions: list[str], compute_units: str):
-        import coremltools as ct
-
-        cu = getattr(ct.ComputeUnit, compute_units)
-        self.models = {f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions}
-        self.reset()
-
-    def reset(self) -> None:
-        self.state = self.models["decode"].make_state()
-
-    def call(self, function: str, ids: np.ndarray, hidden: np.ndarray, position: int):
-        """ids (1, T), hidden (T, E) -> (logits (T_out, V), hidden (T_out, E)) float32."""
-        out = self.models[function].predict(
-            {"input_ids": ids.astype(np.int32), "hidden": package_hidden(hidden),
-             "position": np.array([position], np.int32)}, state=self.state)
-        return package_rows(out["logits"]), package_rows(out["hidden_out"])
-
-
 def package_hidden(rows: np.ndarray) -> np.ndarray:
     """(T, E) rows -> the package's channels-first (1, E, 1, T) fp16 input."""
     return np.ascontiguousarray(rows.T[None, :, None, :]).astype(np.float16)
@@ -239,6 +218,8 @@ class MTPDrafter:
         if int(info.get("hidden_size", -1)) != model.args.hidden_size:
             raise ModelLoadError(f"{path}: the MTP package reads hidden states of width {info.get('hidden_size')}, "
                                  f"the verifier's are {model.args.hidden_size}")
-        head = CoreMLHead(CoreMLMTPBackend(path, list(info["functions"]), compute_units), info)
+        from edgespec.drafters.coreml import CoreMLHiddenBackend
+
+        head = CoreMLHead(CoreMLHiddenBackend(path, list(info["functions"]), compute_units), info)
         device = "ane" if "NE" in compute_units or compute_units == "ALL" else "cpu"
         return cls(model, name=f"mtp-coreml:{path.name}", head=head, device=device)
