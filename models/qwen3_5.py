@@ -254,6 +254,7 @@ class Model(BaseModel):
 
         from edgespec.errors import ModelLoadError
 
+        weights = self.mtp_weights(weights)
         head = MTPHead(args, self.attention_layer)
         want = {f"mtp.{k}": v.shape for k, v in tree_flatten(head.parameters())}
         quantized = any(k.endswith(".scales") for k in weights)
@@ -268,6 +269,11 @@ class Model(BaseModel):
         if extra:
             raise ModelLoadError(f"MTP tensor(s) {', '.join(extra[:4])} not part of a Qwen3.5 MTP head")
         self.mtp = head
+        return weights
+
+    def mtp_weights(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The checkpoint's `mtp.*` tensors -> the head's names (a variant whose layers store
+        their tensors differently, e.g. stacked experts, maps the MTP layer's here too)."""
         return weights
 
     def make_cache(self) -> list:
