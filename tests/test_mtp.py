@@ -252,15 +252,18 @@ def test_speculative_sampling_with_the_head_matches_the_exact_law(tmp_path):
 # ---------------------------------------------------------------- checkpoints without a (usable) head
 
 
-def test_a_checkpoint_without_mtp_weights_works_as_before(tmp_path):
-    mtp_checkpoint(tmp_path, mtp=False)
+def test_a_checkpoint_without_mtp_weights_works_as_before(folder, tmp_path):
+    """The same main weights without mtp.safetensors (config still declaring a head): no head,
+    no drafter, no hidden states recorded, and the same output as the folder with the head."""
+    mtp_checkpoint(tmp_path, mtp=False)  # the fixture's seed: the same main model
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))  # declared, absent
     engine = load(tmp_path)
     assert getattr(engine.model, "mtp", None) is None and engine.drafter is None
     assert not engine.model.keep_hidden
-    out = engine.generate(PROMPT[:9], max_tokens=12)
-    assert len(out.tokens) == 12
+    out = engine.generate(PROMPT[:9], max_tokens=24)
+    with_head = load(folder[0])
+    assert out.tokens == with_head.generate(PROMPT[:9], max_tokens=24, mode="plain").tokens
     with pytest.raises(ModelLoadError, match="no MTP head"):
         load(tmp_path, drafter="mtp")
 
