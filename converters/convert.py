@@ -107,7 +107,7 @@ def convert(
     drafter/ and, unless drafter_options["coreml"] is False, drafter.mlpackage (see
     converters/drafter_export.write_drafter for the other options); "mtp": the source's own
     MTP head (kept in model.safetensors in any case) exported to drafter.mlpackage
-    (converters/mtp_export.py).
+    (converters/mtp_export.py, through write_drafter).
     """
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if not src.exists():
@@ -151,11 +151,7 @@ def convert(
         }
         if requant is not None:
             manifest["quantization"] = requant
-        if mtp:
-            from edgespec.converters.mtp_export import write_mtp_drafter
-
-            manifest["drafter"] = write_mtp_drafter(tmp, model, manifest["vocab_hash"], **(drafter_options or {}))
-        elif drafter is not None:
+        if drafter is not None:
             from edgespec.converters.drafter_export import write_drafter
 
             manifest["drafter"] = write_drafter(

@@ -81,6 +81,11 @@ def write_drafter(
         raise ValueError(f"--drafter-calibrate must be >= 0 steps, got {calibrate}")
     if calibrate and tokenizer is None:
         raise ValueError("--drafter-calibrate needs the verifier's tokenizer to encode calibration text")
+    if str(src) == "mtp":  # the verifier's own MTP head (Qwen3.5), read back from the bundle being written
+        from edgespec.converters.mtp_export import write_mtp_drafter
+
+        return write_mtp_drafter(folder, verifier_hash, coreml=coreml, compress=compress,
+                                 context_length=context_length, prefill_chunk=prefill_chunk)
     from edgespec.drafters.assistant import is_assistant_folder
     from edgespec.drafters.feature import is_feature_folder
 

@@ -299,10 +299,14 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
     return info
 
 
-def write_mtp_drafter(folder: Path, model, vocab_hash: str, coreml: bool = True, compress: str = "none",
-                      context_length: int = 1024, prefill_chunk: int = 64, **_ignored) -> dict[str, Any]:
-    """The manifest's `drafter` entry for a bundle whose verifier carries its MTP head (the head's
-    weights are the verifier's own, in model.safetensors); with `coreml`, drafter.mlpackage too."""
+def write_mtp_drafter(folder: Path, vocab_hash: str, coreml: bool = True, compress: str = "none",
+                      context_length: int = 1024, prefill_chunk: int = 64) -> dict[str, Any]:
+    """The manifest's `drafter` entry for the bundle being written in `folder` (its verifier files
+    already there) whose verifier carries its MTP head (the head's weights are the verifier's own,
+    in model.safetensors); with `coreml`, drafter.mlpackage too."""
+    from edgespec.loader import load_model_folder
+
+    model = load_model_folder(folder)
     if getattr(model, "mtp", None) is None:
         raise ModelLoadError(f"--drafter mtp: the source ({model.args.model_type}) carries no MTP head "
                              "(mtp.* weights)")

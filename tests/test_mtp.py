@@ -394,3 +394,18 @@ def test_the_bundle_drafts_with_core_ml_on_a_mac(mtp_bundle):
     ref = engine.generate(PROMPT[:9], max_tokens=24, mode="plain").tokens
     assert engine.generate(PROMPT[:9], max_tokens=24, mode="speculative", draft_tokens=3).tokens == ref
     assert engine.generate(PROMPT[:9], max_tokens=24).tokens == ref
+
+
+def test_add_drafter_mtp_to_an_existing_bundle(folder, tmp_path):
+    """`edgespec convert BUNDLE --add-drafter mtp` (here without the Core ML package): the entry
+    names the head; a source without one is refused by name."""
+    from edgespec.converters.convert import add_drafter, convert
+
+    path, _ = folder
+    convert(path, tmp_path / "b", quantize="none", dtype="float32", progress=False)
+    manifest = add_drafter(tmp_path / "b", "mtp", progress=False, drafter_options={"coreml": False})
+    assert manifest["drafter"]["kind"] == "mtp" and manifest["drafter"]["coreml"] is None
+    mtp_checkpoint(tmp_path / "plain", mtp=False)
+    with pytest.raises(ModelLoadError, match="no MTP head"):
+        convert(tmp_path / "plain", tmp_path / "c", quantize="none", dtype="float32", progress=False,
+                drafter="mtp", drafter_options={"coreml": False})
