@@ -18,9 +18,10 @@ edgespec/drafters/mtp.py). Its definition, as published in vLLM's
 `model_executor/models/qwen3_5_mtp.py` (Qwen3_5MultiTokenPredictor.forward) and
 `qwen3_next_mtp.py`, and SGLang's `qwen3_next_mtp.py`:
 - inputs at position t: the verifier's hidden state h_t as the model returns it, i.e. after
-  its final norm (vLLM's Qwen3NextModel.forward ends with `self.norm`, and its speculative
-  proposer hands that output to the MTP model), and the embedding of x_{t+1} from the shared
-  `embed_tokens` (SGLang: dedicated MTP embeddings are not used by the released checkpoints);
+  its final norm (vLLM's Qwen3NextForCausalLM.compute_logits applies lm_head straight to the
+  states its forward returns, and its speculative proposer hands those same states to the MTP
+  model), and the embedding of x_{t+1} from the shared `embed_tokens` (SGLang's
+  qwen3_next_mtp uses the target model's embeddings, the checkpoint providing no dedicated ones);
 - e = pre_fc_norm_embedding(embed(x_{t+1})), h = pre_fc_norm_hidden(h_t), both (1 + w)
   RMSNorms (Qwen3_5RMSNorm = GemmaRMSNorm); x = fc(concat[e, h]) (embedding first; 2H -> H,
   no bias);
