@@ -24,6 +24,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from edgespec.kernels.delta import DK_MAX, delta_rule_metal
+from edgespec.kernels.spec import on_metal
+
 LOG_LIMIT = 160  # positions logged before the log restarts at a snapshot
 STRIDE = 32  # positions between kept snapshots (states at pass starts; free: arrays are immutable)
 SNAPSHOTS = 2  # snapshots kept: the log restarts STRIDE..2 STRIDE positions back
@@ -270,6 +273,22 @@ def delta_recurrent(q, k, v, g, beta, S, parents: list[int] | None = None):
     return mx.stack(outs, axis=1), final
 
 
+def delta_rule(q, k, v, g, beta, S, parents: list[int] | None = None):
+    """The recurrent form's dispatcher: q, k (B, T, Hk, Dk) with Hk dividing v's Hv heads (value
+    head h reads key head h // (Hv / Hk)), v (B, T, Hv, Dv), g, beta (B, T, Hv), S (B, Hv, Dk, Dv)
+    -> (outputs (B, T, Hv, Dv) float32, state after the last position). On an Apple GPU the
+    Metal kernel (edgespec.kernels.delta), elsewhere `delta_recurrent`, the MLX reference."""
+    H, Hk = v.shape[2], k.shape[2]
+    if H % Hk or q.shape[2] != Hk:
+        raise ValueError(f"gated delta rule: q and k need the same number of heads, dividing v's {H}; "
+                         f"got {q.shape[2]} and {Hk}")
+    if on_metal() and k.shape[-1] <= DK_MAX:
+        return delta_rule_metal(q, k, v, g, beta, S, parents)
+    if Hk != H:
+        q, k = mx.repeat(q, H // Hk, axis=2), mx.repeat(k, H // Hk, axis=2)
+    return delta_recurrent(q, k, v, g, beta, S, parents)
+
+
 def unit_lower_inverse(L: mx.array) -> mx.array:
     """(I + L)^-1 for strictly lower triangular L (..., C, C): L is nilpotent, so the inverse is
     the finite series sum_j (-L)^j = (I - L)(I + L^2)(I + L^4)... (log2 C matrix products,
@@ -327,6 +346,8 @@ class DeltaCache(StateCache):
         conv, S = state
         x, k, v, g, beta = inputs
         conv = mx.concatenate([conv.astype(x.dtype), x], axis=1)[:, -conv.shape[1]:]
+        if on_metal() and k.shape[-1] <= DK_MAX:  # the kernel the passes ran: bit for bit their state
+            return conv, delta_rule_metal(k, k, v, g, beta, S)[1]
         for t in range(k.shape[1]):
             S = delta_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
         return conv, S

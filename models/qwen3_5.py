@@ -54,7 +54,7 @@ from edgespec.recurrent import (
     DeltaCache,
     conv_windows,
     delta_chunked,
-    delta_recurrent,
+    delta_rule,
     depthwise,
     tree_parents,
 )
@@ -154,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         if parents is None and T > RECURRENT_MAX:
             out, S = delta_chunked(q, k, v, g, beta, state[1])
         else:
-            out, S = delta_recurrent(q, k, v, g, beta, state[1], parents)
+            out, S = delta_rule(q, k, v, g, beta, state[1], parents)
         if cache is not None:
             cache.write((qkv, k, v, g, beta), (last, S), parents, state)
         out = self.norm(out.astype(x.dtype)) * nn.silu(z.astype(mx.float32)).astype(x.dtype)

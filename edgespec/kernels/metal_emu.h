@@ -5,7 +5,8 @@
 // Covered: address-space qualifiers (device, constant, thread, threadgroup) as no-ops,
 // the [[kernel]] / [[buffer(i)]] / [[thread_position_in_grid]] attributes (ignored by
 // g++ with -Wno-attributes), uint / uint2 / uint3 / int2 / int3 vector types with
-// .x .y .z members, and metal::min / max / clamp / abs.
+// .x .y .z members, metal::min / max / clamp / abs, and the float functions exp, tanh,
+// sqrt, rsqrt that the delta-rule and expert kernels use.
 // Not covered (the kernels must not use them): threadgroup memory shared between
 // threads, barriers, simdgroup functions, atomics, half / bfloat types, vector math.
 // The emulator runs grid threads one after another, so a kernel whose threads read
@@ -25,10 +26,14 @@ struct int3 { int x, y, z; };
 
 namespace metal {
 using std::abs;
+using std::exp;
+using std::sqrt;
+using std::tanh;
 using std::max;
 using std::min;
 template <typename T>
 inline T clamp(T x, T lo, T hi) { return std::min(std::max(x, lo), hi); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 }  // namespace metal
 using namespace metal;
 
