@@ -15,6 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgespec.kernels.activation import gated_activation
+from edgespec.kernels.experts import expert_glu_metal, kernel_applies
+from edgespec.kernels.spec import on_metal
 
 SORT_MIN = 64  # (token, expert) pairs from which SwitchGLU sorts them by expert
 
@@ -35,6 +37,10 @@ class SwitchLinear(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         """x (..., 1 or k, 1, in), indices (..., k) -> (..., k, 1, out)."""
         return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def kernel_params(self) -> dict:
+        """The weights as edgespec.kernels.experts takes them."""
+        return {"weight": self["weight"]}
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      **_) -> QuantizedSwitchLinear:
@@ -63,6 +69,10 @@ class QuantizedSwitchLinear(nn.Module):
             q.biases = rest[0]
         return q
 
+    def kernel_params(self) -> dict:
+        return {"weight": self["weight"], "scales": self["scales"], "biases": self.get("biases"),
+                "group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
                              transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
@@ -85,7 +95,15 @@ class SwitchGLU(nn.Module):
         From SORT_MIN (token, expert) pairs on (prompt chunks, verification rounds) the pairs
         are sorted by expert first, so each expert's rows are multiplied together
         (benchmarks/moe_gather.py: 25-30% faster from 16 tokens on the CPU); a decoding step's
-        few pairs go as they are. Each row's product is the same either way."""
+        few pairs go as they are. Each row's product is the same either way. On an Apple GPU,
+        up to edgespec.kernels.experts.MAX_TOKENS tokens (decoding steps, verify passes) go
+        through its fused kernels (gate and up read once, the activation in registers)."""
+        if on_metal():
+            projs = [p.kernel_params() for p in (self.gate_proj, self.up_proj, self.down_proj)]
+            if kernel_applies(indices, *projs, self._act):  # a few tokens: the fused kernels
+                k, E = indices.shape[-1], x.shape[-1]
+                y = expert_glu_metal(x.reshape(-1, E), indices.reshape(-1, k), *projs, self._act)
+                return y.reshape(*indices.shape, E)
         if indices.size < SORT_MIN:
             x = x[..., None, None, :]  # (..., 1, 1, E): one row, shared by the k experts
             h = gated_activation(self._act, self.gate_proj(x, indices), self.up_proj(x, indices))

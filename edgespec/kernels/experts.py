@@ -1,0 +1,238 @@
+"""The mixture-of-experts MLP of a decoding step or a verify pass (few tokens) on Metal.
+
+For N tokens, each routed to k of X experts (indices (N, k)), SwitchGLU computes per token
+and chosen expert e: y = W_down[e] (act(W_gate[e] x) * W_up[e] x). MLX runs it as three
+`gather_mm` (or `gather_qmm`) calls and an element-wise activation, so the gate and up
+outputs each go to memory, are read back for the activation, whose result goes to memory
+again. With few tokens every product is a matrix-vector product bound by reading the k
+experts' weight rows; the two kernels here read each row once and keep the rest in
+registers:
+
+- EXPERT_GATE_UP, grid (F, k, N): one thread per (expert-width feature f, slot j, token n)
+  reads row f of the gate and up weights of expert indices[n, j] against x[n], and writes
+  act(gate) * up: h (N, k, F) float32 (gate and up never hit memory);
+- EXPERT_DOWN, grid (E, k, N): one thread per (hidden feature, slot, token) reads row e of
+  the down weights against h[n, j]: y (N, k, E).
+
+Each has a 4-bit variant (`*_Q4`) on MLX's affine quantization (groups of `group` inputs,
+w = scale * q + bias, eight 4-bit q per uint32, low bits first) that dequantizes as it reads,
+using sum_i x_i (s q_i + b) = s (x . q) + b sum_i x_i per group.
+
+Activations: 0 SiLU (g / (1 + e^-g)), 1 GELU's tanh approximation (gelu_pytorch_tanh).
+A token's result depends on its own row only (no reduction across tokens or threads), so a
+decoding step and a verify pass compute the same numbers for the same token: speculation
+stays exact where both take the kernel (SwitchGLU takes it for up to MAX_TOKENS tokens).
+
+The threads of one expert row read it serially; on a GPU, neighbouring threads read
+neighbouring rows (cache lines shared over the loop, not coalesced per load). Its speed on
+Apple GPUs is unmeasured (no Mac here): the tests check the numbers only.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from edgespec.kernels.spec import KernelSpec, metal
+
+MAX_TOKENS = 16  # SwitchGLU takes the kernels on Metal for up to this many tokens
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+_ACT = """
+    float a;
+    if (act == 0) {
+        a = gsum / (1.0f + exp(-gsum));
+    } else {
+        float c = clamp(0.7978845608028654f * (gsum + 0.044715f * gsum * gsum * gsum), -20.0f, 20.0f);
+        a = 0.5f * gsum * (1.0f + tanh(c));
+    }
+    h[((size_t(n) * size_t(K) + size_t(j)) * size_t(F)) + size_t(f)] = a * usum;
+"""
+
+_HEAD = """
+    uint f = thread_position_in_grid.x;
+    uint j = thread_position_in_grid.y;
+    uint n = thread_position_in_grid.z;
+    int N = dims[0];
+    int K = dims[1];
+    int E = dims[2];
+    int F = dims[3];
+    int act = dims[4];
+    if (int(f) >= F || int(j) >= K || int(n) >= N) {
+        return;
+    }
+    size_t e = size_t(indices[size_t(n) * size_t(K) + size_t(j)]);
+    size_t xb = size_t(n) * size_t(E);  // token n's row of x
+"""
+
+# dims = [N, k, E, F, act]
+EXPERT_GATE_UP = KernelSpec(
+    name="edgespec_expert_gate_up",
+    inputs=("x", "indices", "w_gate", "w_up", "dims"),
+    outputs=("h",),
+    source=_HEAD
+    + """
+    size_t row = (e * size_t(F) + size_t(f)) * size_t(E);
+    float gsum = 0.0f;
+    float usum = 0.0f;
+    for (int i = 0; i < E; ++i) {
+        float xi = float(x[xb + size_t(i)]);
+        gsum += xi * float(w_gate[row + size_t(i)]);
+        usum += xi * float(w_up[row + size_t(i)]);
+    }
+"""
+    + _ACT,
+)
+
+# dims = [N, k, E, F]
+EXPERT_DOWN = KernelSpec(
+    name="edgespec_expert_down",
+    inputs=("h", "indices", "w_down", "dims"),
+    outputs=("y",),
+    source="""
+    uint d = thread_position_in_grid.x;
+    uint j = thread_position_in_grid.y;
+    uint n = thread_position_in_grid.z;
+    int N = dims[0];
+    int K = dims[1];
+    int E = dims[2];
+    int F = dims[3];
+    if (int(d) >= E || int(j) >= K || int(n) >= N) {
+        return;
+    }
+    size_t nj = size_t(n) * size_t(K) + size_t(j);
+    size_t row = (size_t(indices[nj]) * size_t(E) + size_t(d)) * size_t(F);
+    size_t hb = nj * size_t(F);  // h's row of (token, slot)
+    float acc = 0.0f;
+    for (int i = 0; i < F; ++i) {
+        acc += h[hb + size_t(i)] * float(w_down[row + size_t(i)]);
+    }
+    y[nj * size_t(E) + size_t(d)] = acc;
+""",
+)
+
+# 4-bit affine: a row of `cols` inputs is cols / 8 uint32 words and cols / group scales and
+# biases. Adds to `acc` the row's product with a vector, `vec` + "i]" its i-th entry.
+def _q4_dot(acc: str, w: str, scales: str, biases: str, vec: str, cols: str, row: str) -> str:
+    return f"""
+    for (int grp = 0; grp < {cols} / G; ++grp) {{
+        float s = float({scales}[{row} * size_t({cols} / G) + size_t(grp)]);
+        float bias = float({biases}[{row} * size_t({cols} / G) + size_t(grp)]);
+        float qdot = 0.0f;
+        float total = 0.0f;
+        for (int wd = 0; wd < G / 8; ++wd) {{
+            int i0 = grp * G + wd * 8;
+            uint word = {w}[{row} * size_t({cols} / 8) + size_t(i0 / 8)];
+            for (int b = 0; b < 8; ++b) {{
+                float xi = float({vec}size_t(i0 + b)]);
+                qdot += xi * float((word >> (4 * b)) & 15u);
+                total += xi;
+            }}
+        }}
+        {acc} += s * qdot + bias * total;
+    }}
+"""
+
+
+# dims = [N, k, E, F, act, group]
+EXPERT_GATE_UP_Q4 = KernelSpec(
+    name="edgespec_expert_gate_up_q4",
+    inputs=("x", "indices", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up", "dims"),
+    outputs=("h",),
+    source=_HEAD
+    + """
+    int G = dims[5];
+    size_t row = e * size_t(F) + size_t(f);
+    float gsum = 0.0f;
+    float usum = 0.0f;
+"""
+    + _q4_dot("gsum", "w_gate", "s_gate", "b_gate", "x[xb + ", "E", "row")
+    + _q4_dot("usum", "w_up", "s_up", "b_up", "x[xb + ", "E", "row")
+    + _ACT,
+)
+
+# dims = [N, k, E, F, group]
+EXPERT_DOWN_Q4 = KernelSpec(
+    name="edgespec_expert_down_q4",
+    inputs=("h", "indices", "w_down", "s_down", "b_down", "dims"),
+    outputs=("y",),
+    source="""
+    uint d = thread_position_in_grid.x;
+    uint j = thread_position_in_grid.y;
+    uint n = thread_position_in_grid.z;
+    int N = dims[0];
+    int K = dims[1];
+    int E = dims[2];
+    int F = dims[3];
+    int G = dims[4];
+    if (int(d) >= E || int(j) >= K || int(n) >= N) {
+        return;
+    }
+    size_t nj = size_t(n) * size_t(K) + size_t(j);
+    size_t row = size_t(indices[nj]) * size_t(E) + size_t(d);
+    size_t hb = nj * size_t(F);  // h's row of (token, slot)
+    float acc = 0.0f;
+"""
+    + _q4_dot("acc", "w_down", "s_down", "b_down", "h[hb + ", "F", "row")
+    + """
+    y[nj * size_t(E) + size_t(d)] = acc;
+""",
+)
+
+
+def expert_glu_reference(x, indices, gate, up, down, activation: str) -> mx.array:
+    """MLX's composition (SwitchGLU's unsorted path): x (N, E), indices (N, k), each projection
+    a dict with `weight` (X, out, in) and, quantized, `scales`, `biases`, `group_size`, `bits`
+    -> (N, k, E)."""
+    xs = x[:, None, None, :]  # (N, 1, 1, E): one row shared by the k experts
+
+    def proj(p, h):
+        if "scales" in p:
+            return mx.gather_qmm(h, p["weight"], p["scales"], p["biases"], rhs_indices=indices, transpose=True,
+                                 group_size=p["group_size"], bits=p["bits"])
+        return mx.gather_mm(h, p["weight"].swapaxes(-1, -2), rhs_indices=indices)
+
+    act = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}[activation]
+    return proj(down, act(proj(gate, xs)) * proj(up, xs))[:, :, 0]
+
+
+def kernel_applies(indices, gate, up, down, activation: str) -> bool:
+    """Whether the kernels compute this call (a few tokens; dense or 4-bit affine weights)."""
+    N = indices.size // indices.shape[-1] if indices.ndim else 0
+    if activation not in ACTIVATIONS or not 0 < N <= MAX_TOKENS:
+        return False
+    quant = ["scales" in p for p in (gate, up, down)]
+    if not any(quant):
+        return True
+    return all(quant) and all(p.get("bits") == 4 and p.get("mode", "affine") == "affine" and p.get("biases") is not None
+                              and p["group_size"] % 8 == 0 for p in (gate, up, down))
+
+
+def launch_args(x, indices, gate, up, down, activation: str):
+    """Per kernel: (spec, inputs, grid, output shapes, output dtypes). The same inputs in the same
+    order go to Metal and to the C++ emulation; arrays are whatever library `x` comes from."""
+    lib = mx if isinstance(x, mx.array) else np
+    N, K = indices.shape
+    E, F = x.shape[-1], gate["weight"].shape[1]
+    act = ACTIVATIONS[activation]
+    idx = indices.astype(lib.int32)
+    if "scales" in gate:
+        G = gate["group_size"]
+        up_args = [x, idx, *(p[n] for p in (gate, up) for n in ("weight", "scales", "biases"))]
+        first = (EXPERT_GATE_UP_Q4, up_args + [lib.array([N, K, E, F, act, G], dtype=lib.int32)])
+        second = (EXPERT_DOWN_Q4, [idx, down["weight"], down["scales"], down["biases"],
+                                   lib.array([N, K, E, F, G], dtype=lib.int32)])
+    else:
+        first = (EXPERT_GATE_UP, [x, idx, gate["weight"], up["weight"], lib.array([N, K, E, F, act], dtype=lib.int32)])
+        second = (EXPERT_DOWN, [idx, down["weight"], lib.array([N, K, E, F], dtype=lib.int32)])
+    return [(*first, (F, K, N), (N, K, F)), (*second, (E, K, N), (N, K, E))]
+
+
+def expert_glu_metal(x, indices, gate, up, down, activation: str) -> mx.array:
+    (s1, in1, grid1, shape1), (s2, in2, grid2, shape2) = launch_args(x, indices, gate, up, down, activation)
+    (h,) = metal(s1)(inputs=in1, grid=grid1, threadgroup=(min(grid1[0], 64), 1, 1), output_shapes=[shape1],
+                     output_dtypes=[mx.float32])
+    (y,) = metal(s2)(inputs=[h, *in2], grid=grid2, threadgroup=(min(grid2[0], 64), 1, 1), output_shapes=[shape2],
+                     output_dtypes=[x.dtype])
+    return y
