@@ -32,6 +32,7 @@ STRIDE = 32  # positions between kept snapshots (states at pass starts; free: ar
 SNAPSHOTS = 2  # snapshots kept: the log restarts STRIDE..2 STRIDE positions back
 CHUNK = 64  # chunk length of the chunked gated delta rule (prefill)
 RECURRENT_MAX = 32  # passes up to this long (decode, verify) step the recurrence per position
+CPU_NATIVE = False  # the CPU device runs the recurrence natively (edgespec.kernels.cpu_delta; see delta_rule)
 
 
 class StateCache:
@@ -273,17 +274,27 @@ def delta_recurrent(q, k, v, g, beta, S, parents: list[int] | None = None):
     return mx.stack(outs, axis=1), final
 
 
-def delta_rule(q, k, v, g, beta, S, parents: list[int] | None = None):
+def delta_rule(q, k, v, g, beta, S, parents: list[int] | None = None, inference: bool = False):
     """The recurrent form's dispatcher: q, k (B, T, Hk, Dk) with Hk dividing v's Hv heads (value
     head h reads key head h // (Hv / Hk)), v (B, T, Hv, Dv), g, beta (B, T, Hv), S (B, Hv, Dk, Dv)
-    -> (outputs (B, T, Hv, Dv) float32, state after the last position). On an Apple GPU the
-    Metal kernel (edgespec.kernels.delta), elsewhere `delta_recurrent`, the MLX reference."""
+    -> (outputs (B, T, Hv, Dv) float32, state after the last position).
+
+    With `inference` (a call with a cache: no gradient needed), the Metal kernel on an Apple GPU
+    (edgespec.kernels.delta) and, where CPU_NATIVE is set, the native loop on the CPU device
+    (edgespec.kernels.cpu_delta); elsewhere `delta_recurrent`, the MLX reference. Every pass of
+    a model (decoding steps, verify passes, rollback recomputation) takes the same one, so
+    their states agree bit for bit."""
     H, Hk = v.shape[2], k.shape[2]
     if H % Hk or q.shape[2] != Hk:
         raise ValueError(f"gated delta rule: q and k need the same number of heads, dividing v's {H}; "
                          f"got {q.shape[2]} and {Hk}")
-    if on_metal() and k.shape[-1] <= DK_MAX:
+    if inference and on_metal() and k.shape[-1] <= DK_MAX:
         return delta_rule_metal(q, k, v, g, beta, S, parents)
+    if inference and CPU_NATIVE and mx.default_device() == mx.cpu:
+        from edgespec.kernels.cpu_delta import delta_rule_cpu, kernel
+
+        if kernel() is not None:
+            return delta_rule_cpu(q, k, v, g, beta, S, parents)
     if Hk != H:
         q, k = mx.repeat(q, H // Hk, axis=2), mx.repeat(k, H // Hk, axis=2)
     return delta_recurrent(q, k, v, g, beta, S, parents)
@@ -346,8 +357,8 @@ class DeltaCache(StateCache):
         conv, S = state
         x, k, v, g, beta = inputs
         conv = mx.concatenate([conv.astype(x.dtype), x], axis=1)[:, -conv.shape[1]:]
-        if on_metal() and k.shape[-1] <= DK_MAX:  # the kernel the passes ran: bit for bit their state
-            return conv, delta_rule_metal(k, k, v, g, beta, S)[1]
+        if (on_metal() and k.shape[-1] <= DK_MAX) or CPU_NATIVE:  # what the passes ran: bit for bit their state
+            return conv, delta_rule(k, k, v, g, beta, S, inference=True)[1]
         for t in range(k.shape[1]):
             S = delta_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
         return conv, S

@@ -154,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         if parents is None and T > RECURRENT_MAX:
             out, S = delta_chunked(q, k, v, g, beta, state[1])
         else:
-            out, S = delta_rule(q, k, v, g, beta, state[1], parents)
+            out, S = delta_rule(q, k, v, g, beta, state[1], parents, inference=cache is not None)
         if cache is not None:
             cache.write((qkv, k, v, g, beta), (last, S), parents, state)
         out = self.norm(out.astype(x.dtype)) * nn.silu(z.astype(mx.float32)).astype(x.dtype)
