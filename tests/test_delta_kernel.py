@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgespec.kernels import emulate
-from edgespec.kernels.delta import DELTA_RULE, emulator_inputs, tree_slots
+from edgespec.kernels.delta import DELTA_RULE, delta_spec, emulator_inputs, tree_slots
 from edgespec.recurrent import RECURRENT_MAX, delta_recurrent, delta_rule
 
 F32, I32 = np.float32, np.int32
@@ -18,9 +18,18 @@ F32, I32 = np.float32, np.int32
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
+    """The emulated kernel, compiled with the column size delta_rule_metal would pick for Dk."""
     if emulate.compiler() is None:
         pytest.skip("no C++ compiler to emulate Metal kernels")
-    return emulate.EmulatedKernel(DELTA_RULE, [F32] * 6 + [I32] * 3, [F32] * 3, tmp_path_factory.mktemp("delta"))
+    folder, built = tmp_path_factory.mktemp("delta"), {}
+
+    def run(ins, grid, shapes, init):
+        spec = delta_spec(int(ins[1].shape[-1]))
+        if spec not in built:
+            built[spec] = emulate.EmulatedKernel(spec, [F32] * 6 + [I32] * 3, [F32] * 3, folder)
+        return built[spec](ins, grid, shapes, init=init)
+
+    return run
 
 
 def inputs(B, T, Hk, H, Dk, Dv, seed=0):
@@ -115,6 +124,13 @@ def test_a_pass_equals_its_positions_one_by_one_bit_for_bit(kernel):
         o, S = emulated(kernel, *[x[:, t : t + 1] for x in a[:5]], S)
         np.testing.assert_array_equal(o[:, 0], out[:, t])
     np.testing.assert_array_equal(S, state)
+
+
+def test_the_column_size_follows_the_key_head_size():
+    assert delta_spec(128).header == "#define EDGESPEC_DK_MAX 128\n" and delta_spec(100) == delta_spec(128)
+    assert delta_spec(8).source == DELTA_RULE.source and "EDGESPEC_DK_MAX 32" in delta_spec(8).header
+    with pytest.raises(ValueError, match="key head size 300"):
+        delta_spec(300)
 
 
 def test_scratch_holds_only_branch_points():

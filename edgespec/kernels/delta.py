@@ -23,12 +23,15 @@ h // (Hv / Hk), the grouping of Qwen3.5's `mx.repeat(..., Hv // Hk, axis=2)`).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 
 from edgespec.kernels.spec import KernelSpec, metal
 
-DK_MAX = 256  # the per-thread column lives in a private array of this many floats
+DK_MAX = 256  # the per-thread column lives in a private array of up to this many floats
 
 # Grid (Dv, Hv, B). dims = [B, T, Hv, Hk, Dk, Dv, slots].
 DELTA_RULE = KernelSpec(
@@ -100,6 +103,17 @@ DELTA_RULE = KernelSpec(
 )
 
 
+@functools.cache
+def delta_spec(dk: int) -> KernelSpec:
+    """DELTA_RULE with its private column sized for key heads of `dk` (rounded up to a multiple
+    of 32): a 256-float array where 128 are used would spill registers for nothing. The source
+    is the same string; only the header's size differs."""
+    if not 0 < dk <= DK_MAX:
+        raise ValueError(f"gated delta rule kernel: key head size {dk} is not in 1..{DK_MAX}")
+    size = -(-dk // 32) * 32
+    return replace(DELTA_RULE, name=f"{DELTA_RULE.name}_{size}", header=f"#define EDGESPEC_DK_MAX {size}\n")
+
+
 def tree_slots(parents: list[int] | None, T: int) -> tuple[list[int], list[int], int]:
     """(parents as a list, each position's scratch slot or -1, the slot count) for a pass of T.
 
@@ -122,7 +136,7 @@ def delta_rule_metal(q, k, v, g, beta, S, parents: list[int] | None = None):
     par, slots, n = tree_slots(parents, T)
     dims = mx.array([B, T, H, Hk, Dk, Dv, n], dtype=mx.int32)
     f32 = [a.astype(mx.float32) for a in (q, k, v, g, beta, S)]
-    out, state, _ = metal(DELTA_RULE)(
+    out, state, _ = metal(delta_spec(Dk))(
         inputs=[*f32, mx.array(par, dtype=mx.int32), mx.array(slots, dtype=mx.int32), dims],
         grid=(Dv, H, B),
         threadgroup=(min(Dv, 64), 1, 1),
