@@ -163,3 +163,46 @@ def test_metal_kernel_equals_reference(parents):
     want_out, want_state = reference(*a, parents=parents)
     np.testing.assert_allclose(np.array(out), want_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(state), want_state, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the native CPU loop (off by default)
+
+
+@pytest.fixture(scope="module")
+def native():
+    from edgespec.kernels.cpu_delta import delta_rule_cpu, kernel
+
+    if kernel() is None:
+        pytest.skip("no C compiler for the native gated delta rule")
+    return delta_rule_cpu
+
+
+@pytest.mark.parametrize("parents", [None, [-1, 0, 1, 0, 3, -1, 5]])
+def test_native_cpu_loop_equals_reference(native, parents):
+    a = inputs(2, 7, 2, 4, 32, 16, seed=11)
+    out, state = native(*(mx.array(x) for x in a), parents=parents)
+    want_out, want_state = reference(*a, parents=parents)
+    np.testing.assert_allclose(np.array(out), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(state), want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_native_pass_equals_its_steps_bit_for_bit_and_training_keeps_mlx(native, monkeypatch):
+    import edgespec.kernels.cpu_delta as cd
+    import edgespec.recurrent as rec
+
+    a = [mx.array(x) for x in inputs(1, 5, 2, 4, 64, 64, seed=4)]
+    monkeypatch.setattr(cd, "PARALLEL_MIN", 1)  # the heads split over threads for the whole pass
+    out, state = native(*a)
+    monkeypatch.setattr(cd, "PARALLEL_MIN", 1 << 62)  # one thread for the steps
+    S = a[5]
+    for t in range(5):
+        o, S = native(*[x[:, t : t + 1] for x in a[:5]], S)
+        assert mx.array_equal(o[:, 0], out[:, t])
+    assert mx.array_equal(S, state)
+    monkeypatch.setattr(rec, "CPU_NATIVE", True)
+    calls = []
+    monkeypatch.setattr("edgespec.kernels.cpu_delta.delta_rule_cpu", lambda *x, **kw: calls.append(1) or native(*x, **kw))
+    rec.delta_rule(*a, inference=True)
+    assert calls == [1]
+    grad = mx.grad(lambda v: rec.delta_rule(a[0], a[1], v, *a[3:])[0].sum())(a[2])  # no cache: MLX, differentiable
+    assert calls == [1] and float(mx.abs(grad).max()) > 0
