@@ -18,13 +18,16 @@ emulation runs GPU threads one after another, its speed means nothing).
    Two shapes: Qwen3.5's (16 key heads, 32 value heads, 128 x 128 states) and the small
    random model of benchmarks/recurrent.py (4 / 8 heads, 64 x 64).
 2. With --model: plain decoding and speculative decoding (oracle drafts wrong half the time,
-   K = 4) of benchmarks/recurrent.py's random hybrid Qwen3.5, recurrent.CPU_NATIVE off vs on.
+   K = 4) of benchmarks/recurrent.py's random hybrid Qwen3.5, recurrent.CPU_NATIVE off vs on,
+   and plain decoding with MLX's loop behind the evaluation the native path forces per layer.
 3. MoE experts (SwitchGLU, Qwen3-30B-A3B's shape / 4): gather_mm (what the CPU runs) vs the
    straightforward compositions of benchmarks/moe_gather.py (weights gathered per token; a
    loop over the chosen experts), N = 1, 4, 16 tokens.
 
 Median ms of --reps calls (the first dropped), the kinds alternated call by call so a load
 spike hits them alike. The machine is shared: read the ratios, not the absolute figures.
+Figures measured here, and what they decided: docs/lookahead.md ("The gated delta rule and
+the MoE experts").
 """
 
 from __future__ import annotations
@@ -165,9 +168,22 @@ def bench_model(reps: int) -> None:
         q = (lo + hi) / 2
         lo, hi = (q, hi) if sum(q**j for j in range(1, K + 1)) / K < 0.5 else (lo, q)
     p_wrong = 1 - q
+    loop = rec.delta_recurrent
+
+    def synced(*args, **kw):  # MLX's loop after the evaluation the native path forces
+        mx.eval(args[:6])
+        return loop(*args, **kw)
+
+    def plain_synced():
+        rec.delta_recurrent = synced
+        try:
+            return plain(False)()
+        finally:
+            rec.delta_recurrent = loop
+
     plain(False)()
     truth = prompt + outputs[("plain", False)]
-    fns = [plain(False), plain(True), spec(False, truth, p_wrong), spec(True, truth, p_wrong)]
+    fns = [plain(False), plain(True), spec(False, truth, p_wrong), spec(True, truth, p_wrong), plain_synced]
     times = rb.side_by_side(fns, reps)
     rec.CPU_NATIVE = False
     same = all(outputs[(m, n)] == outputs[("plain", n)] for m in ("spec",) for n in (False, True))
@@ -176,6 +192,8 @@ def bench_model(reps: int) -> None:
     print(f"   plain      : {tokens / times[0]:6.1f} / {tokens / times[1]:6.1f} tok/s = {times[0] / times[1]:.2f}x")
     print(f"   speculative: {tokens / times[2]:6.1f} / {tokens / times[3]:6.1f} tok/s = {times[2] / times[3]:.2f}x "
           f"(K={K}, drafts wrong with p={p_wrong:.2f}: about half accepted); speculative == plain in each: {same}")
+    print(f"   plain, MLX's loop after a forced evaluation of its inputs (the native path's sync): "
+          f"{tokens / times[4]:6.1f} tok/s = {times[0] / times[4]:.2f}x")
 
 
 def bench_moe(reps: int) -> None:
