@@ -234,5 +234,5 @@ def expert_glu_metal(x, indices, gate, up, down, activation: str) -> mx.array:
     (h,) = metal(s1)(inputs=in1, grid=grid1, threadgroup=(min(grid1[0], 64), 1, 1), output_shapes=[shape1],
                      output_dtypes=[mx.float32])
     (y,) = metal(s2)(inputs=[h, *in2], grid=grid2, threadgroup=(min(grid2[0], 64), 1, 1), output_shapes=[shape2],
-                     output_dtypes=[x.dtype])
-    return y
+                     output_dtypes=[mx.float32])  # float32 out: the source needs no half/bfloat type names
+    return y if x.dtype == mx.float32 else y.astype(x.dtype)
