@@ -22,7 +22,8 @@ emulation runs GPU threads one after another, its speed means nothing).
    and plain decoding with MLX's loop behind the evaluation the native path forces per layer.
 3. MoE experts (SwitchGLU, Qwen3-30B-A3B's shape / 4): gather_mm (what the CPU runs) vs the
    straightforward compositions of benchmarks/moe_gather.py (weights gathered per token; a
-   loop over the chosen experts), N = 1, 4, 16 tokens.
+   loop over the chosen experts), N = 1, 4, 16 tokens; and where a sparse block's time goes
+   (router, gate+up, activation, down, weighted sum), each part evaluated on its own.
 
 Median ms of --reps calls (the first dropped), the kinds alternated call by call so a load
 spike hits them alike. The machine is shared: read the ratios, not the absolute figures.
@@ -234,6 +235,38 @@ def bench_moe(reps: int) -> None:
               f"{med['loop']:>7.2f} ({med['loop'] / g:4.1f}x) {err:>8.1e}")
 
 
+def bench_moe_parts(reps: int) -> None:
+    """Where a sparse MoE block's time goes for a few tokens (each part evaluated on its own)."""
+    import mlx.nn as nn
+    from edgespec.models.experts import SwitchGLU, top_k
+
+    E, F, X, K = 512, 192, 32, 8
+    mx.random.seed(1)
+    layer = SwitchGLU(E, F, X, "silu")
+    router = nn.Linear(E, X, bias=False)
+    mx.eval(layer.parameters(), router.parameters())
+    print("   the MoE block's parts, median ms: router (linear, softmax, top-k) | gate+up gather_mm | "
+          "SiLU(gate)*up | down gather_mm | weighted sum")
+    for N in (1, 4, 16):
+        x = mx.random.normal((N, E))
+        w, idx = top_k(mx.softmax(router(x), axis=-1), K)
+        xs = x[:, None, None, :]
+        g, u = layer.gate_proj(xs, idx), layer.up_proj(xs, idx)
+        h = nn.silu(g) * u
+        y = layer.down_proj(h, idx)[:, :, 0]
+        mx.eval(w, idx, g, u, h, y)
+        parts = {
+            "router": lambda x=x: top_k(mx.softmax(router(x), axis=-1), K),
+            "gate+up": lambda xs=xs, idx=idx: (layer.gate_proj(xs, idx), layer.up_proj(xs, idx)),
+            "act": lambda g=g, u=u: nn.silu(g) * u,
+            "down": lambda h=h, idx=idx: layer.down_proj(h, idx),
+            "sum": lambda y=y, w=w: (y * w[..., None]).sum(axis=-2),
+        }
+        med = medians(parts, reps)
+        total = sum(med.values())
+        print(f"{N:>4} " + " | ".join(f"{k} {v:.3f} ({v / total:.0%})" for k, v in med.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=9)
@@ -244,6 +277,7 @@ def main() -> None:
     if a.model:
         bench_model(max(3, a.reps // 3))
     bench_moe(a.reps)
+    bench_moe_parts(a.reps)
 
 
 if __name__ == "__main__":
