@@ -89,12 +89,17 @@ def qwen35(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen3moe(tmp_path_factory):
+def qwen3moe_folder(tmp_path_factory):
     from test_arch_moe_gemma4 import checkpoint
 
     folder = tmp_path_factory.mktemp("qwen3_moe")
     checkpoint(folder, "qwen3_moe")
-    return edgespec.load(folder, drafter="none", progress=False, history="off")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3moe(qwen3moe_folder):
+    return edgespec.load(qwen3moe_folder, drafter="none", progress=False, history="off")
 
 
 def test_qwen3_5_decodes_through_the_kernel_like_mlx(qwen35, metal):
@@ -178,3 +183,19 @@ def test_qwen3_moe_through_the_expert_kernels_decodes_like_gather_mm(qwen3moe, m
     finally:
         qwen3moe.drafter = None
     assert res.tokens == want and res.stats.drafted > res.stats.accepted > 0
+
+
+def test_qwen3_moe_with_4bit_experts_through_the_kernels_matches_gather_qmm(qwen3moe_folder, metal):
+    import mlx.nn as nn
+    from edgespec.models.experts import QuantizedSwitchLinear, SwitchLinear
+
+    model = edgespec.load(qwen3moe_folder, drafter="none", progress=False, history="off").model
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+    assert any(isinstance(m, QuantizedSwitchLinear) for _, m in model.named_modules())
+    x = mx.array([PROMPT[:6]])
+    metal.on(False)
+    want = model(x, model.make_cache())
+    metal.on(True)
+    got = model(x, model.make_cache())
+    assert metal.calls and all(c == ("experts", 6) for c in metal.calls)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
