@@ -1,5 +1,5 @@
 """The MoE experts' Metal kernels (edgespec.kernels.experts), their exact source compiled as C++,
-against MLX's gathered matmuls (SwitchGLU's path): dense float32 and 4-bit affine weights."""
+against MLX's gathered matmuls (SwitchGLU's path): dense float32 and 2/4/8-bit affine weights."""
 
 from __future__ import annotations
 
@@ -85,9 +85,9 @@ def test_dense_matches_the_definition(run):
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 4, 64, 64), (5, 4, 8, 128, 192)], ids=lambda s: "N{}k{}X{}E{}F{}".format(*s))
-@pytest.mark.parametrize("group", [32, 64])
-def test_4bit_emulated_equals_gather_qmm(run, shape, group):
-    x, idx, p = layer(*shape, seed=group, bits=4, group=group)
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (2, 64), (8, 32)])
+def test_quantized_emulated_equals_gather_qmm(run, shape, bits, group):
+    x, idx, p = layer(*shape, seed=group + bits, bits=bits, group=group)
     got = run(x, idx, p["gate"], p["up"], p["down"], "silu")
     want = np.array(expert_glu_reference(*as_mx(x, idx, p), "silu"))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -109,7 +109,10 @@ def test_the_kernels_apply_to_few_tokens_and_known_formats():
     assert kernel_applies(idx, *dense, "silu") and kernel_applies(idx, *q, "gelu_pytorch_tanh")
     assert not kernel_applies(np.zeros((MAX_TOKENS + 1, 2), np.int32), *dense, "silu")  # a prompt chunk
     assert not kernel_applies(idx, *dense, "gelu")  # erf: not in Metal's library
-    assert not kernel_applies(idx, *[dict(v, bits=8) for v in q], "silu")
+    assert kernel_applies(idx, *[dict(v, bits=8) for v in q], "silu")
+    assert not kernel_applies(idx, *[dict(v, bits=3) for v in q], "silu")  # 3-bit values straddle words
+    assert not kernel_applies(idx, *[dict(v, mode="mxfp4") for v in q], "silu")
+    assert not kernel_applies(idx, q[0], q[1], dict(q[2], bits=8), "silu")  # widths differ
     assert not kernel_applies(idx, q[0], *dense[1:], "silu")  # mixed formats
 
 
@@ -117,7 +120,7 @@ def test_the_kernels_apply_to_few_tokens_and_known_formats():
 def test_metal_switch_glu_equals_gather_mm():
     from edgespec.kernels.experts import expert_glu_metal
 
-    for bits in (None, 4):
+    for bits in (None, 4, 8):
         x, idx, p = layer(4, 2, 8, 128, 64, bits=bits, group=64)
         args = as_mx(x, idx, p)
         np.testing.assert_allclose(np.array(expert_glu_metal(*args, "silu")),

@@ -14,9 +14,9 @@ registers:
 - EXPERT_DOWN, grid (E, k, N): one thread per (hidden feature, slot, token) reads row e of
   the down weights against h[n, j]: y (N, k, E).
 
-Each has a 4-bit variant (`*_Q4`) on MLX's affine quantization (groups of `group` inputs,
-w = scale * q + bias, eight 4-bit q per uint32, low bits first) that dequantizes as it reads,
-using sum_i x_i (s q_i + b) = s (x . q) + b sum_i x_i per group.
+Each has a quantized variant (`*_Q`) on MLX's affine quantization at 2, 4 or 8 bits (groups
+of `group` inputs, w = scale * q + bias, 32 / bits values q per uint32, low bits first) that
+dequantizes as it reads, using sum_i x_i (s q_i + b) = s (x . q) + b sum_i x_i per group.
 
 Activations: 0 SiLU (g / (1 + e^-g)), 1 GELU's tanh approximation (gelu_pytorch_tanh).
 A token's result depends on its own row only (no reduction across tokens or threads), so a
@@ -38,6 +38,7 @@ from edgespec.kernels.spec import KernelSpec, metal
 
 MAX_TOKENS = 16  # SwitchGLU takes the kernels on Metal for up to this many tokens
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+QUANT_BITS = (2, 4, 8)  # affine widths whose values do not straddle uint32 words
 
 _ACT = """
     float a;
@@ -112,21 +113,22 @@ EXPERT_DOWN = KernelSpec(
 """,
 )
 
-# 4-bit affine: a row of `cols` inputs is cols / 8 uint32 words and cols / group scales and
-# biases. Adds to `acc` the row's product with a vector, `vec` + "i]" its i-th entry.
-def _q4_dot(acc: str, w: str, scales: str, biases: str, vec: str, cols: str, row: str) -> str:
+# Affine 2-, 4- or 8-bit: a row of `cols` inputs is cols * bits / 32 uint32 words (PER = 32 / bits
+# values each, low bits first) and cols / G scales and biases. Adds to `acc` the row's product
+# with a vector, `vec` + "i]" its i-th entry.
+def _quant_dot(acc: str, w: str, scales: str, biases: str, vec: str, cols: str, row: str) -> str:
     return f"""
     for (int grp = 0; grp < {cols} / G; ++grp) {{
         float s = float({scales}[{row} * size_t({cols} / G) + size_t(grp)]);
         float bias = float({biases}[{row} * size_t({cols} / G) + size_t(grp)]);
         float qdot = 0.0f;
         float total = 0.0f;
-        for (int wd = 0; wd < G / 8; ++wd) {{
-            int i0 = grp * G + wd * 8;
-            uint word = {w}[{row} * size_t({cols} / 8) + size_t(i0 / 8)];
-            for (int b = 0; b < 8; ++b) {{
+        for (int wd = 0; wd < G / PER; ++wd) {{
+            int i0 = grp * G + wd * PER;
+            uint word = {w}[{row} * size_t({cols} / PER) + size_t(i0 / PER)];
+            for (int b = 0; b < PER; ++b) {{
                 float xi = float({vec}size_t(i0 + b)]);
-                qdot += xi * float((word >> (4 * b)) & 15u);
+                qdot += xi * float((word >> (BITS * b)) & MASK);
                 total += xi;
             }}
         }}
@@ -135,26 +137,29 @@ def _q4_dot(acc: str, w: str, scales: str, biases: str, vec: str, cols: str, row
 """
 
 
-# dims = [N, k, E, F, act, group]
-EXPERT_GATE_UP_Q4 = KernelSpec(
-    name="edgespec_expert_gate_up_q4",
+# dims = [N, k, E, F, act, group, bits]
+EXPERT_GATE_UP_Q = KernelSpec(
+    name="edgespec_expert_gate_up_q",
     inputs=("x", "indices", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up", "dims"),
     outputs=("h",),
     source=_HEAD
     + """
     int G = dims[5];
+    int BITS = dims[6];
+    int PER = 32 / BITS;
+    uint MASK = (1u << BITS) - 1u;
     size_t row = e * size_t(F) + size_t(f);
     float gsum = 0.0f;
     float usum = 0.0f;
 """
-    + _q4_dot("gsum", "w_gate", "s_gate", "b_gate", "x[xb + ", "E", "row")
-    + _q4_dot("usum", "w_up", "s_up", "b_up", "x[xb + ", "E", "row")
+    + _quant_dot("gsum", "w_gate", "s_gate", "b_gate", "x[xb + ", "E", "row")
+    + _quant_dot("usum", "w_up", "s_up", "b_up", "x[xb + ", "E", "row")
     + _ACT,
 )
 
-# dims = [N, k, E, F, group]
-EXPERT_DOWN_Q4 = KernelSpec(
-    name="edgespec_expert_down_q4",
+# dims = [N, k, E, F, group, bits]
+EXPERT_DOWN_Q = KernelSpec(
+    name="edgespec_expert_down_q",
     inputs=("h", "indices", "w_down", "s_down", "b_down", "dims"),
     outputs=("y",),
     source="""
@@ -166,6 +171,9 @@ EXPERT_DOWN_Q4 = KernelSpec(
     int E = dims[2];
     int F = dims[3];
     int G = dims[4];
+    int BITS = dims[5];
+    int PER = 32 / BITS;
+    uint MASK = (1u << BITS) - 1u;
     if (int(d) >= E || int(j) >= K || int(n) >= N) {
         return;
     }
@@ -174,7 +182,7 @@ EXPERT_DOWN_Q4 = KernelSpec(
     size_t hb = nj * size_t(F);  // h's row of (token, slot)
     float acc = 0.0f;
 """
-    + _q4_dot("acc", "w_down", "s_down", "b_down", "h[hb + ", "F", "row")
+    + _quant_dot("acc", "w_down", "s_down", "b_down", "h[hb + ", "F", "row")
     + """
     y[nj * size_t(E) + size_t(d)] = acc;
 """,
@@ -198,15 +206,17 @@ def expert_glu_reference(x, indices, gate, up, down, activation: str) -> mx.arra
 
 
 def kernel_applies(indices, gate, up, down, activation: str) -> bool:
-    """Whether the kernels compute this call (a few tokens; dense or 4-bit affine weights)."""
+    """Whether the kernels compute this call (a few tokens; dense, or affine 2/4/8-bit weights alike)."""
     N = indices.size // indices.shape[-1] if indices.ndim else 0
     if activation not in ACTIVATIONS or not 0 < N <= MAX_TOKENS:
         return False
     quant = ["scales" in p for p in (gate, up, down)]
     if not any(quant):
         return True
-    return all(quant) and all(p.get("bits") == 4 and p.get("mode", "affine") == "affine" and p.get("biases") is not None
-                              and p["group_size"] % 8 == 0 for p in (gate, up, down))
+    return all(quant) and all(p.get("bits") in QUANT_BITS and p.get("mode", "affine") == "affine"
+                              and p.get("biases") is not None and p["group_size"] % (32 // p["bits"]) == 0
+                              and p["bits"] == gate["bits"] and p["group_size"] == gate["group_size"]
+                              for p in (gate, up, down))
 
 
 def launch_args(x, indices, gate, up, down, activation: str):
@@ -218,11 +228,11 @@ def launch_args(x, indices, gate, up, down, activation: str):
     act = ACTIVATIONS[activation]
     idx = indices.astype(lib.int32)
     if "scales" in gate:
-        G = gate["group_size"]
+        G, bits = gate["group_size"], gate["bits"]
         up_args = [x, idx, *(p[n] for p in (gate, up) for n in ("weight", "scales", "biases"))]
-        first = (EXPERT_GATE_UP_Q4, up_args + [lib.array([N, K, E, F, act, G], dtype=lib.int32)])
-        second = (EXPERT_DOWN_Q4, [idx, down["weight"], down["scales"], down["biases"],
-                                   lib.array([N, K, E, F, G], dtype=lib.int32)])
+        first = (EXPERT_GATE_UP_Q, up_args + [lib.array([N, K, E, F, act, G, bits], dtype=lib.int32)])
+        second = (EXPERT_DOWN_Q, [idx, down["weight"], down["scales"], down["biases"],
+                                  lib.array([N, K, E, F, G, bits], dtype=lib.int32)])
     else:
         first = (EXPERT_GATE_UP, [x, idx, gate["weight"], up["weight"], lib.array([N, K, E, F, act], dtype=lib.int32)])
         second = (EXPERT_DOWN, [idx, down["weight"], lib.array([N, K, E, F], dtype=lib.int32)])
