@@ -4,7 +4,8 @@
 its inputs, runs the C loop on their buffers (heads split over one thread per core; ctypes
 drops the GIL) and wraps the results. The library is built with the system's C compiler on
 first use into `$EDGESPEC_HOME/kernels/` (named by a hash of the source, flags and CPU) and
-checked against the MLX reference before use; None where it cannot be built.
+checked against the MLX reference before use: `kernel()` is None where it cannot be built
+or fails the check.
 
 benchmarks/kernels_new.py measures it against MLX's composition (edgespec.recurrent.delta_recurrent).
 """
@@ -60,8 +61,10 @@ def build(home: Path | None = None) -> Path:
 
 @functools.cache
 def kernel():
-    """The C function, checked against delta_recurrent on a small tree pass; None where unavailable."""
+    """The C function, checked against delta_recurrent on a small tree pass with grouped heads;
+    None where it cannot be built or loaded or gives other numbers."""
     from edgespec.kernels.native import NativeBuildError
+    from edgespec.recurrent import delta_recurrent
 
     try:
         fn = ctypes.CDLL(str(build())).edgespec_delta_rule
@@ -69,29 +72,33 @@ def kernel():
         return None
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_void_p] * 4
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal((1, 5, 2, 16)).astype(np.float32) * 0.25 for _ in range(2))
+    v = rng.standard_normal((1, 5, 4, 8)).astype(np.float32)
+    g, beta = -rng.uniform(0.1, 1, (1, 5, 4)).astype(np.float32), rng.uniform(0, 1, (1, 5, 4)).astype(np.float32)
+    S = rng.standard_normal((1, 4, 16, 8)).astype(np.float32)
+    parents = [-1, 0, 0, 2, -1]
+    out, state = _call(fn, q, k, v, g, beta, S, parents, workers=1)
+    want = delta_recurrent(*(mx.array(np.repeat(a, 2, axis=2)) for a in (q, k)),
+                           *(mx.array(a) for a in (v, g, beta, S)), parents=parents)
+    if not all(np.allclose(a, np.array(b), rtol=1e-5, atol=1e-5) for a, b in zip((out, state), want, strict=True)):
+        return None
     return fn
 
 
-def delta_rule_cpu(q, k, v, g, beta, S, parents: list[int] | None = None):
-    """As edgespec.recurrent.delta_rule, through cpu_delta.c (raises RuntimeError where it is unavailable)."""
-    from edgespec.kernels.attention import _pool, _workers
+def _call(fn, qn, kn, vn, gn, bn, sn, parents, workers: int):
+    """The C loop on contiguous float32 numpy arrays -> (out, state) as numpy arrays."""
+    from edgespec.kernels.attention import _pool
     from edgespec.kernels.delta import tree_slots
 
-    fn = kernel()
-    if fn is None:
-        raise RuntimeError("the native gated delta rule cannot be built here (no C compiler?)")
-    B, T, H, Dv = v.shape
-    Hk, Dk = k.shape[2], k.shape[3]
+    B, T, H, Dv = vn.shape
+    Hk, Dk = kn.shape[2], kn.shape[3]
     par, _, _ = tree_slots(parents, T)
-    arrs = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (q, k, v, g, beta, S)]
-    mx.eval(arrs)
-    qn, kn, vn, gn, bn, sn = (np.ascontiguousarray(a) for a in arrs)
     pn = np.array(par, np.int32)
     out = np.empty((B, T, H, Dv), np.float32)
     state = np.empty((B, H, Dk, Dv), np.float32)
     tree = parents is not None and any(p != t - 1 for t, p in enumerate(par))
-    # Small passes on one thread: handing work to the pool costs about 0.05 ms.
-    workers = min(_workers(), B * H) if T * B * H * Dk * Dv >= PARALLEL_MIN else 1
+    workers = min(workers, B * H)
     cuts = np.linspace(0, B * H, workers + 1).astype(int)
 
     def run(i: int) -> None:
@@ -105,4 +112,21 @@ def delta_rule_cpu(q, k, v, g, beta, S, parents: list[int] | None = None):
         run(0)
     else:
         list(_pool().map(run, range(workers)))
+    return out, state
+
+
+def delta_rule_cpu(q, k, v, g, beta, S, parents: list[int] | None = None):
+    """As edgespec.recurrent.delta_rule, through cpu_delta.c (raises RuntimeError where it is unavailable)."""
+    from edgespec.kernels.attention import _workers
+
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError("the native gated delta rule is unavailable here (no C compiler, or it failed its check)")
+    B, T, H, Dv = v.shape
+    Dk = k.shape[3]
+    arrs = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (q, k, v, g, beta, S)]
+    mx.eval(arrs)
+    # Small passes on one thread: handing work to the pool costs about 0.05 ms.
+    workers = _workers() if T * B * H * Dk * Dv >= PARALLEL_MIN else 1
+    out, state = _call(fn, *(np.ascontiguousarray(a) for a in arrs), parents, workers)
     return mx.array(out), mx.array(state)
