@@ -260,18 +260,20 @@ def delta_recurrent(q, k, v, g, beta, S, parents: list[int] | None = None):
     -> outputs (B, T, H, Dv), state after the last position. A tree runs each node from its
     parent's state."""
     T = q.shape[1]
-    states, outs, cur = [], [], S
+    # A tree keeps only the states some later node branches from (a node whose parent is the
+    # position before it continues from `cur`): the rest are freed as the chain goes on.
+    kept = set() if parents is None else {p for t, p in enumerate(parents) if p >= 0 and p != t - 1}
+    states, outs, cur = {}, [], S
     for t in range(T):
-        if parents is None:
+        if parents is None or parents[t] == t - 1:
             prev = cur
         else:
             prev = S if parents[t] < 0 else states[parents[t]]
         cur = delta_step(prev, k[:, t], v[:, t], g[:, t], beta[:, t])
         outs.append((q[:, t, :, None, :] @ cur)[:, :, 0, :])
-        if parents is not None:
-            states.append(cur)
-    final = cur
-    return mx.stack(outs, axis=1), final
+        if t in kept:
+            states[t] = cur
+    return mx.stack(outs, axis=1), cur
 
 
 def delta_rule(q, k, v, g, beta, S, parents: list[int] | None = None, inference: bool = False):
