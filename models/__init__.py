@@ -30,6 +30,8 @@ ARCHITECTURES: dict[str, str] = {
     "lfm2": "lfm2",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_5_moe": "qwen3_5_moe",
 }
 
 # model_type values that only draft for another model (edgespec.drafters)

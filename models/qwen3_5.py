@@ -79,10 +79,11 @@ class ModelArgs(BaseArgs):
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
         c = dict(config)
-        if c.get("model_type") == "qwen3_5":  # the multimodal wrapper: its text model
+        wrapper = cls.model_types[-1]  # qwen3_5 / qwen3_5_moe: the multimodal wrapper, read as its text model
+        if c.get("model_type") == wrapper and "text_config" in c:
             text = dict(c.get("text_config") or {})
             text["tie_word_embeddings"] = c.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-            c = {**text, "model_type": "qwen3_5"}
+            c = {**text, "model_type": wrapper}
         rp = c.get("rope_parameters")
         if isinstance(rp, dict):  # text positions: the multimodal sections all coincide
             c["rope_parameters"] = {k: v for k, v in rp.items() if k not in ("mrope_section", "mrope_interleaved")}
@@ -162,10 +163,10 @@ class GatedDeltaNet(nn.Module):
 
 
 class DeltaLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, mlp=MLP):
         super().__init__()
         self.linear_attn = GatedDeltaNet(args)
-        self.mlp = MLP(args)
+        self.mlp = mlp(args)
         self.input_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -206,32 +207,56 @@ class MTPHead(nn.Module):
         return self.norm(h)
 
 
+# The norms mlx-lm's qwen3_5 / qwen3_next `sanitize` stores as 1 + w (1-D weights whose names
+# end so); the gated output norm of the delta rule (linear_attn.norm, applied as w) is left alone.
+MLX_SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                     ".q_norm.weight", ".k_norm.weight")
+
+
+def mlx_lm_converted(weights: dict[str, mx.array]) -> bool:
+    """True for weights written by mlx-lm (an mlx-community folder): its sanitize moves each
+    conv1d weight from Hugging Face's (C, 1, K) to MLX's (C, K, 1), and in the same pass stores
+    the (1 + w) norms above as 1 + w so that a plain RMSNorm applies (and drops mtp.*). The conv
+    layout tells the two apart (with a kernel of width 1 both read (C, 1, 1): taken as Hugging
+    Face's)."""
+    return any(k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[1] != 1 and v.shape[2] == 1
+               for k, v in weights.items())
+
+
 class Model(BaseModel):
     norm = OffsetRMSNorm
     keep_hidden = False  # set by an MTP drafter: caches then record the final-norm hidden states
+    feed_forward: Any = MLP  # (args) -> every layer's feed-forward (Qwen3.5-MoE: the sparse block)
 
     def attention_layer(self, args: ModelArgs) -> nn.Module:
-        """A gated full-attention layer: the main model's and the MTP head's (a variant with
-        another feed-forward block overrides this once for both)."""
-        return DecoderLayer(args, LayerOptions(qk_norm=True, norm=OffsetRMSNorm, output_gate=True))
+        """A gated full-attention layer: the main model's and the MTP head's (with the variant's
+        feed-forward block)."""
+        return DecoderLayer(args, LayerOptions(qk_norm=True, norm=OffsetRMSNorm, output_gate=True,
+                                               mlp=self.feed_forward))
 
     def make_layer(self, args: ModelArgs, i: int) -> nn.Module:
         if args.blocks[i] == "linear_attention":
-            return DeltaLayer(args)
+            return DeltaLayer(args, self.feed_forward)
         return self.attention_layer(args)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        shifted = mlx_lm_converted(weights)
         out, mtp = {}, {}
-        for k, v in super().sanitize(weights).items():
-            if k.startswith(("model.visual.", "visual.")):
+        for k, v in weights.items():
+            if k.startswith(("model.visual.", "visual.", "vision_tower.")):
                 continue
             if k.startswith(("mtp.", "model.mtp.")):
                 mtp[k[k.index("mtp.") :]] = v
                 continue
             k = k.replace("model.language_model.", "model.")
+            if k.startswith("language_model."):  # mlx-lm's multimodal wrapper: language_model.model...
+                k = k[len("language_model.") :]
             if k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[1] != 1:
                 v = v.swapaxes(1, 2)  # mlx-community folders store (C, K, 1)
+            elif shifted and v.ndim == 1 and k.endswith(MLX_SHIFTED_NORMS):
+                v = v - 1.0  # back to the w of (1 + w)
             out[k] = v
+        out = super().sanitize(out)
         out.update(self._attach_mtp(mtp))
         return out
 

@@ -1,0 +1,162 @@
+"""Qwen3.5-MoE (the Qwen3.5 hybrid with sparse blocks and a gated shared expert) against
+transformers, and speculation on it through tests/test_recurrent.py's checks (every decoding
+mode equals plain with drafts rejected mid-chain; recurrent states after rollbacks equal
+plain decoding's)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import test_recurrent as rec
+from test_recurrent import PROMPT, V
+
+from edgespec.generate import prefill
+from edgespec.recurrent import CHUNK
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# 8 experts, 3 active; shared expert of another width; both layer kinds interleaved
+TEXT = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=12, linear_conv_kernel_dim=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            rope_parameters={"rope_type": "default", "rope_theta": 30000.0, "partial_rotary_factor": 0.5},
+            initializer_range=0.3, eos_token_id=0, bos_token_id=1, pad_token_id=0)
+assert len(PROMPT) > CHUNK and len(PROMPT) > TEXT["linear_conv_kernel_dim"]
+
+
+def randomised(model):
+    """Norms, dt_bias and A_log away from their constant init (a missed 1 + w would show)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.rand_like(p) * 2 - 1)
+            elif p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def moe_checkpoint(folder, seed: int = 1, **overrides):
+    from test_architectures import vocab_tokenizer
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3_5MoeTextConfig(**{**TEXT, **overrides})
+    model = randomised(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model.save_pretrained(folder)
+    vocab_tokenizer(V).save(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    import edgespec
+
+    folder = tmp_path_factory.mktemp("qwen3_5_moe")
+    ref = moe_checkpoint(folder)
+    return "qwen3_5_moe_text", folder, ref, edgespec.load(folder, drafter="none", progress=False, history="off")
+
+
+def test_matches_transformers_from_folder_and_bundle(moe, tmp_path):
+    """Last-token logits after an 80-token prompt (longer than the conv width and the delta
+    rule's chunk) within 1e-4 relative, also prefilled in chunks of 30; 32 greedy tokens
+    identical to transformers; from the HF folder and the converted bundle."""
+    from edgespec.converters.convert import convert
+    from edgespec.models.experts import SwitchGLU
+    from edgespec.models.qwen3_5_moe import SharedExpertMoE
+    from test_architectures import assert_close, hf_greedy, hf_last_logits
+
+    import edgespec
+
+    _, folder, ref, _ = moe
+    want_logits = hf_last_logits(ref, PROMPT)
+    want_tokens = hf_greedy(ref, PROMPT[:20], 32)
+    assert len(set(want_tokens)) > 3
+    convert(folder, tmp_path / "bundle", quantize="none", dtype="float32", progress=False)
+    for path in (folder, tmp_path / "bundle"):
+        engine = edgespec.load(path, drafter="none", progress=False, history="off")
+        model = engine.model
+        assert model.args.model_type == "qwen3_5_moe_text"
+        assert all(isinstance(layer.mlp, SharedExpertMoE) for layer in model.layers)
+        assert isinstance(model.layers[0].mlp.switch_mlp, SwitchGLU)
+        assert model.layers[0].mlp.switch_mlp.gate_proj.weight.shape == (8, 32, 64)
+        assert_close(np.array(model(mx.array([PROMPT]))[0, -1]), want_logits)
+        assert_close(np.array(prefill(model, model.make_cache(), PROMPT, chunk=30)), want_logits)
+        assert engine.generate(PROMPT[:20], max_tokens=32, mode="plain").tokens == want_tokens, path.name
+
+
+def test_shared_expert_and_routing_matter(moe):
+    """The shared expert's gate and an unchosen expert: zeroing the gate's weight halves the
+    shared expert's share (sigmoid(0)); zeroing an expert no token picked changes nothing."""
+    _, _, _, engine = moe
+    block = engine.model.layers[1].mlp
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(0))
+    before = np.array(block(x))
+    probs = np.array(mx.softmax(block.gate(x), axis=-1))[0, 0]
+    unused = int(np.argsort(probs)[0])
+    w = block.switch_mlp.down_proj.weight
+    block.switch_mlp.down_proj.weight = mx.where((mx.arange(8) == unused)[:, None, None], 0.0, w)
+    np.testing.assert_array_equal(np.array(block(x)), before)
+    block.switch_mlp.down_proj.weight = w
+    gate = block.shared_expert_gate.weight
+    share = np.array(mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x))
+    block.shared_expert_gate.weight = mx.zeros_like(gate)
+    try:
+        np.testing.assert_allclose(np.array(block(x)), before - share + 0.5 * np.array(block.shared_expert(x)),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        block.shared_expert_gate.weight = gate
+
+
+def test_multimodal_folder_loads_its_text_model(tmp_path):
+    """A `qwen3_5_moe` folder (text_config nested, weights under model.language_model, a
+    vision tower) gives the text model's logits."""
+    from test_architectures import vocab_tokenizer
+
+    import edgespec
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
+    text = transformers.Qwen3_5MoeTextConfig(**TEXT)
+    torch.manual_seed(4)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision)
+    full = randomised(transformers.Qwen3_5MoeForConditionalGeneration(cfg))
+    full.save_pretrained(tmp_path / "mm")
+    vocab_tokenizer(V).save(tmp_path / "mm")
+    with torch.no_grad():
+        want = full(input_ids=torch.tensor([PROMPT])).logits[0, -1].numpy()
+    model = edgespec.load(tmp_path / "mm", drafter="none", progress=False, history="off").model
+    assert model.args.model_type == "qwen3_5_moe"
+    got = np.array(model(mx.array([PROMPT]))[0, -1])
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
+
+
+def test_config_fields_that_would_change_the_math_are_refused():
+    from edgespec.models import model_from_config
+
+    base = transformers.Qwen3_5MoeTextConfig(**TEXT).to_dict()
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        model_from_config({**base, "decoder_sparse_step": 2})
+    with pytest.raises(ValueError, match="intermediate_size"):
+        model_from_config({**base, "intermediate_size": 96})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        model_from_config({**base, "num_experts_per_tok": 9})
+    model = model_from_config({**base, "shared_expert_intermediate_size": 0})  # no shared expert
+    assert "shared_expert" not in model.layers[0].mlp
+
+
+# ---------------------------------------------------------------- speculation (test_recurrent's checks)
+
+
+def test_every_mode_greedy_equals_plain_with_mid_chain_rejections(moe):
+    rec.test_every_mode_greedy_equals_plain_with_mid_chain_rejections(moe)
+
+
+def test_speculative_state_after_rejections_equals_plain(moe):
+    rec.test_speculative_state_after_rejections_equals_plain(moe)
+
+
+def test_rollback_and_tree_branches_restore_plain_states(moe):
+    rec.test_rollback_and_tree_branches_restore_plain_states(moe)
