@@ -48,21 +48,18 @@ def _dense_params(model) -> dict[str, np.ndarray]:
     from mlx.utils import tree_flatten
 
     out: dict[str, np.ndarray] = {}
+    dequantized = set()
     for path, m in model.named_modules():
         if hasattr(m, "scales"):  # QuantizedLinear / QuantizedEmbedding
             w = mx.dequantize(m.weight, m.scales, getattr(m, "biases", None), m.group_size, m.bits)
             out[f"{path}.weight"] = np.array(w.astype(mx.float32))
             if "bias" in m:
                 out[f"{path}.bias"] = np.array(m.bias.astype(mx.float32))
+            dequantized.add(path)
     for name, v in tree_flatten(model.parameters()):
-        stem = name.rsplit(".", 1)[0]
-        if f"{stem}.weight" in out and name.rsplit(".", 1)[1] in (
-            "weight",
-            "scales",
-            "biases",
-            "bias",
-        ):
-            continue
+        stem, kind = name.rsplit(".", 1)
+        if stem in dequantized and kind in ("weight", "scales", "biases", "bias"):
+            continue  # written above (a dense module's bias, e.g. Qwen2's q/k/v, is kept below)
         out[name] = np.array(v.astype(mx.float32))
     return out
 

@@ -159,6 +159,7 @@ class ModelArgs:
 
     model_types = ("llama",)  # class-level: the model_type values this class reads
     activations = ("silu",)
+    gated_windows = ()  # model_types whose window applies only with use_sliding_window (gated_window)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -226,7 +227,13 @@ class ModelArgs:
         return cls(**known, extra={k: v for k, v in cfg.items() if k not in names})
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "extra"}
+        """The config these args read back from (a bundle's drafter/, calibration, distillation)."""
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        if self.model_type in self.gated_windows:
+            # gated_window read use_sliding_window and dropped it: without it the window
+            # (and layer_types) would be switched off when this dict is read again
+            out["use_sliding_window"] = self.sliding_window is not None
+        return out
 
     def window(self, i: int) -> int | None:
         """Sliding window of layer i (None = full attention)."""

@@ -24,6 +24,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2")
 
 class ModelArgs(BaseArgs):
     model_types = SUPPORTED_MODEL_TYPES
+    gated_windows = ("qwen2",)
 
     @classmethod
     def translate(cls, config: dict[str, Any]) -> dict[str, Any]:

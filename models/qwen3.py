@@ -12,6 +12,7 @@ from edgespec.models.base import ModelArgs as BaseArgs
 
 class ModelArgs(BaseArgs):
     model_types = ("qwen3",)
+    gated_windows = ("qwen3",)
 
     @classmethod
     def translate(cls, config: dict[str, Any]) -> dict[str, Any]:

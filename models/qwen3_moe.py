@@ -31,6 +31,7 @@ class ModelArgs(BaseArgs):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     model_types = ("qwen3_moe",)
+    gated_windows = ("qwen3_moe",)
 
     @classmethod
     def translate(cls, config: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ class ModelArgs(BaseArgs):
     no_rope_layers: list[int] | None = None  # 1 = RoPE, 0 = NoPE, per layer
 
     model_types = ("smollm3",)
+    gated_windows = ("smollm3",)
 
     @classmethod
     def translate(cls, config: dict[str, Any]) -> dict[str, Any]:

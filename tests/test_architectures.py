@@ -371,3 +371,26 @@ def test_mlx_community_quantized_folder_matches_mlx_lm(tmp_path, arch):
     assert model.layers[0].mlp.up_proj.bits == 4 and model.layers[0].mlp.down_proj.bits == 8
     assert not hasattr(model.model.embed_tokens, "scales")
     assert_close(np.array(model(mx.array([PROMPT]))[0, -1]), want, rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_windowed_model_written_from_its_args_keeps_its_windows(tmp_path, arch):
+    """A model saved from its parsed args (ModelArgs.to_dict: a bundle's drafter/, distillation)
+    keeps `use_sliding_window`: the drafter written into a bundle has the HF folder's logits
+    after a prompt longer than its window (8), and they differ from unwindowed ones."""
+    from edgespec.converters.convert import convert
+
+    from edgespec.loader import load_model_folder
+
+    window = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    ref = hf_checkpoint(tmp_path / "hf", arch, seed=2, **window)
+    convert(tmp_path / "hf", tmp_path / "bundle", quantize="none", dtype="float32", progress=False,
+            drafter=tmp_path / "hf", drafter_options={"coreml": False})
+    drafter = load_model_folder(tmp_path / "bundle" / "drafter")
+    assert drafter.args.layer_types == ["full_attention"] + ["sliding_attention"] * 2
+    got = np.array(drafter(mx.array([PROMPT]))[0, -1])
+    assert_close(got, hf_last_logits(ref, PROMPT))
+    unwindowed = load_model_folder(tmp_path / "bundle" / "drafter")
+    for layer in unwindowed.layers:
+        layer.self_attn.window = None
+    assert not np.allclose(np.array(unwindowed(mx.array([PROMPT]))[0, -1]), got, rtol=1e-3, atol=1e-4)

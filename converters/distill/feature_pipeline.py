@@ -31,6 +31,7 @@ def feature_config(verifier_args: ModelArgs, layers: int) -> dict:
     if layers < 1:
         raise ValueError(f"--layers must be >= 1, got {layers}")
     cfg = dict(verifier_args.to_dict())
+    cfg.pop("use_sliding_window", None)  # a Qwen verifier's; llama reads no such field
     cfg.update(num_hidden_layers=layers, model_type="llama")
     return cfg
 

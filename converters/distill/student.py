@@ -29,6 +29,7 @@ def student_config(verifier_args: ModelArgs, layers: int, vocab_n: int, hidden: 
             kv -= 1
         cfg.update(hidden_size=hidden, intermediate_size=int(hidden * v.intermediate_size / v.hidden_size),
                    num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
+    cfg.pop("use_sliding_window", None)  # a Qwen verifier's; llama reads no such field
     cfg["model_type"] = "llama"
     return cfg
 
