@@ -160,3 +160,70 @@ def test_speculative_state_after_rejections_equals_plain(moe):
 
 def test_rollback_and_tree_branches_restore_plain_states(moe):
     rec.test_rollback_and_tree_branches_restore_plain_states(moe)
+
+
+# ---------------------------------------------------------------- mlx-community folders
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_mlx_community_folder_matches_hf_folder_and_mlx_lm(tmp_path, arch):
+    """A folder written by mlx-lm's own converter from a multimodal Qwen3.5(-MoE) checkpoint
+    (its sanitize: conv1d to (C, K, 1), the (1 + w) norms stored as 1 + w, vision and mtp
+    dropped, experts stacked) loads with the HF folder's logits and mlx-lm's forward's; its
+    bundle too (written in edgespec's convention, read back without a second shift)."""
+    import json
+
+    from edgespec.converters.convert import convert
+    from edgespec.models.qwen3_5 import mlx_lm_converted
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.convert import convert as mlx_lm_convert
+    from safetensors.numpy import load_file
+    from test_architectures import assert_close, vocab_tokenizer
+
+    import edgespec
+
+    kinds = ["linear_attention", "full_attention"] * 2  # as full_attention_interval=2 gives (mlx-lm reads that)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
+    if arch == "qwen3_5":
+        text = rec.ARCHS["qwen3_5_text"](V, 0.3).to_dict()
+        cls, config_cls = transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5Config
+    else:
+        text = transformers.Qwen3_5MoeTextConfig(**TEXT).to_dict()
+        cls, config_cls = transformers.Qwen3_5MoeForConditionalGeneration, transformers.Qwen3_5MoeConfig
+    text["layer_types"] = kinds
+    torch.manual_seed(6)
+    full = randomised(cls(config_cls(text_config=text, vision_config=vision)))
+    full.save_pretrained(tmp_path / "hf")
+    vocab_tokenizer(V).save(tmp_path / "hf")
+    if arch == "qwen3_5_moe":
+        fuse_experts(tmp_path / "hf" / "model.safetensors", TEXT["num_experts"])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["text_config"]["full_attention_interval"] = 2
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    mlx_lm_convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), dtype="float32")
+    stored = {k: mx.array(v) for f in (tmp_path / "mlx").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert mlx_lm_converted(stored)  # mlx-lm's layout, told apart by its conv1d weights
+    theirs, _ = mlx_lm_load(str(tmp_path / "mlx"))
+    want = np.array(theirs(mx.array([PROMPT]))[0, -1])
+    with torch.no_grad():
+        assert_close(want, full(input_ids=torch.tensor([PROMPT])).logits[0, -1].numpy())
+    convert(tmp_path / "mlx", tmp_path / "bundle", quantize="none", dtype="float32", progress=False)
+    for path in (tmp_path / "hf", tmp_path / "mlx", tmp_path / "bundle"):
+        model = edgespec.load(path, drafter="none", progress=False, history="off").model
+        assert_close(np.array(model(mx.array([PROMPT]))[0, -1]), want)
+
+
+def fuse_experts(path, experts: int):
+    """Rewrite per-expert tensors (transformers' save_pretrained) in the fused layout the
+    published Qwen3.5-MoE checkpoints use, which mlx-lm's converter reads:
+    `mlp.experts.gate_up_proj` (experts, 2F, E) and `mlp.experts.down_proj` (experts, E, F)."""
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(path)
+    for prefix in sorted({k.split(".experts.")[0] for k in w if ".experts.0.gate_proj" in k}):
+        parts = {p: np.stack([w.pop(f"{prefix}.experts.{e}.{p}.weight") for e in range(experts)])
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+        w[f"{prefix}.experts.gate_up_proj"] = np.concatenate([parts["gate_proj"], parts["up_proj"]], axis=1)
+        w[f"{prefix}.experts.down_proj"] = parts["down_proj"]
+    save_file(w, path, metadata={"format": "pt"})
