@@ -207,3 +207,43 @@ def test_cli_distributed_bad_hostfile(bundles, tmp_path):
                           ("local:0", "local:N with N in 1..64")]:
         r = _cli("generate", "--model", str(bundles[0]), "--prompt", "x", "--distributed", spec)
         assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- the newer architectures -----------------------------------------------------------
+
+MOE_CASES = [dict(prompt=PROMPTS[0] * 3, max_tokens=16, mode=m) for m in ("plain", "prompt_lookup", "lookahead")]
+MOE_CASES.append(dict(prompt=PROMPTS[1], max_tokens=16, mode="plain", temperature=0.8, seed=7))
+
+
+def _converted(tmp_path, arch: str) -> Path:
+    from edgespec.converters.convert import convert
+    from test_arch_moe_gemma4 import checkpoint
+
+    checkpoint(tmp_path / arch, arch, seed=1)
+    convert(tmp_path / arch, tmp_path / f"{arch}-bundle", quantize="none", dtype="float32", progress=False)
+    return tmp_path / f"{arch}-bundle"
+
+
+def test_qwen3_moe_pipeline_equals_single_process(tmp_path):
+    """Qwen3-MoE (sparse and dense layers, every layer windowed) split over 2 ranks by layers:
+    greedy (plain, prompt lookup, lookahead) and seeded sampled output equal one process's."""
+    pytest.importorskip("transformers")
+    bundle = _converted(tmp_path, "qwen3_moe")
+    engine = edgespec.load(bundle, drafter="none", history="off", progress=False)
+    want = [engine.generate(**c).tokens for c in MOE_CASES]
+    cases = tmp_path / "moe_cases.json"
+    cases.write_text(json.dumps(MOE_CASES))
+    result, memory = run_group(2, "pipeline", (bundle, "none"), cases)
+    assert result["results"] == want
+    assert sorted(memory) == [0, 1] and all(m["weights"] < model_bytes(bundle) for m in memory.values())
+
+
+def test_moe_tensor_split_and_gemma4_are_refused_by_name(tmp_path):
+    pytest.importorskip("transformers")
+    moe = _converted(tmp_path, "qwen3_moe")
+    with pytest.raises(DistributedError, match="mixture-of-experts.*'qwen3_moe'.*pipeline"):
+        load_shard(moe, "tensor", 0, 2)
+    gemma = _converted(tmp_path, "gemma4_text")
+    for split in ("pipeline", "tensor"):
+        with pytest.raises(DistributedError, match="'gemma4_text'.*per-layer inputs.*shared keys"):
+            load_shard(gemma, split, 0, 2)

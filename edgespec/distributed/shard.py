@@ -154,6 +154,26 @@ def tensor_config(config: dict[str, Any], size: int) -> dict[str, Any]:
     return out
 
 
+def refuse_unsplittable(model: nn.Module, model_type: str | None, mode: str) -> None:
+    """DistributedError naming the architecture and why, for models neither split can run."""
+    from edgespec.models.experts import SwitchGLU
+
+    if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
+        # the mirrored caches forward K/V operations only; a recurrent state is not split or mirrored
+        raise DistributedError(f"distributed verifiers run attention layers only; {model_type!r} has "
+                               "recurrent (convolution / linear-attention) layers: run it on one machine")
+    if not getattr(model, "layerwise", True):
+        # Gemma 4: each layer reads per-layer inputs computed from the token ids at the model's
+        # top, and its last num_kv_shared_layers read keys and values computed by earlier layers
+        # in the same pass; both splits call the layers one by one with hidden states only.
+        raise DistributedError(f"distributed verifiers call the layers one by one; {model_type!r} layers also read "
+                               "the pass's per-layer inputs and earlier layers' shared keys and values, which "
+                               "neither split forwards: run it on one machine")
+    if mode == "tensor" and any(isinstance(m, SwitchGLU) for _, m in model.named_modules()):
+        raise DistributedError(f"tensor split does not shard mixture-of-experts layers ({model_type!r}: experts "
+                               "stacked per layer, a router per token); use --distributed-split pipeline")
+
+
 def load_shard(folder: Path, mode: str, rank: int, size: int):
     """(local model, plan, full config) for this rank, holding only its weights."""
     from mlx.utils import tree_flatten
@@ -169,15 +189,14 @@ def load_shard(folder: Path, mode: str, rank: int, size: int):
         weights = mx.load(str(folder / "model.safetensors"))  # lazy: nothing read yet
     except Exception as e:  # mlx raises RuntimeError/ValueError on bad files
         raise DistributedError(f"{folder}/model.safetensors: not readable ({e})") from None
-    local_config = tensor_config(config, size) if mode == "tensor" else config
     try:
-        model = model_from_config(local_config)  # parameters stay lazy until loaded over
+        model = model_from_config(config)  # parameters stay lazy until loaded over
+        refuse_unsplittable(model, config.get("model_type"), mode)
+        local_config = tensor_config(config, size) if mode == "tensor" else config
+        if mode == "tensor":
+            model = model_from_config(local_config)
     except (TypeError, ValueError) as e:
         raise DistributedError(f"{folder}/config.json: {e}") from None
-    if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
-        # the mirrored caches forward K/V operations only; a recurrent state is not split or mirrored
-        raise DistributedError(f"distributed verifiers run attention layers only; {config.get('model_type')!r} has "
-                               "recurrent (convolution / linear-attention) layers: run it on one machine")
     apply_quantization(model, config.get("quantization"))
     prefixes = layer_prefixes(model)
     n = len(prefixes)
