@@ -93,7 +93,11 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
         out[name] = w
     if arch == "phi3":  # fused in the HF checkpoint already (qkv_proj, gate_up_proj): kept as is
         pass
-    if arch == "qwen3moe":  # one (experts, out, in) tensor per projection and layer (ffn_gate_exps ...)
+    if arch in ("qwen35", "qwen35moe"):
+        out = qwen35_tensors(config, out)
+    if arch == "lfm2":  # the convolution as a 2-D (C, K) tensor
+        out = {k: (w[:, 0] if k.endswith("conv.conv.weight") else w) for k, w in out.items()}
+    if arch in ("qwen3moe", "qwen35moe"):  # one (experts, out, in) tensor per projection and layer (ffn_gate_exps ...)
         n = config.get("num_experts") or config["num_local_experts"]
         for i in range(config["num_hidden_layers"]):
             pre = f"model.layers.{i}.mlp.experts"
@@ -111,6 +115,83 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
     return out
 
 
+def tile_v_heads(a: np.ndarray, axis: int, k_heads: int, per_k: int, dim: int) -> np.ndarray:
+    """llama.cpp's value-head reorder along `axis`: grouped by key head (k0v0 k0v1 k1v0 ...) ->
+    tiled (k0v0 k1v0 k0v1 ...)."""
+    a = np.moveaxis(a, axis, 0)
+    rest = a.shape[1:]
+    a = a.reshape(k_heads, per_k, dim, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.moveaxis(a, 0, axis)
+
+
+def qwen35_tensors(config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Qwen3.5 (dense or MoE) as llama.cpp's converter writes it: value heads tiled where there
+    are fewer key heads, A_log as -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed to
+    (C, K), every norm but the delta rule's stored as 1 + w, mtp.* dropped."""
+    Hk, Hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    r, Dk, Dv = Hv // Hk, config["linear_key_head_dim"], config["linear_value_head_dim"]
+    qk = 2 * Hk * Dk
+    out = {}
+    for name, w in weights.items():
+        if name.startswith("mtp."):
+            continue
+        if ".linear_attn." in name and Hk != Hv:
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                w = np.concatenate([w[:qk], tile_v_heads(w[qk:], 0, Hk, r, Dv)])
+            elif name.endswith("in_proj_z.weight"):
+                w = tile_v_heads(w, 0, Hk, r, Dv)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+                w = tile_v_heads(w, 0, Hk, r, 1)
+            elif name.endswith("out_proj.weight"):
+                w = tile_v_heads(w, 1, Hk, r, Dv)
+        if name.endswith("A_log"):
+            w = -np.exp(w)
+        elif name.endswith("dt_bias"):
+            name = name.replace("dt_bias", "dt_proj.bias")
+        elif name.endswith("conv1d.weight"):
+            w = w[:, 0]
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            w = w + 1.0
+        out[name] = w
+    return out
+
+
+def llama_cpp_config(arch: str, config: dict) -> tuple[dict, dict]:
+    """(config as write_gguf reads it, the architecture's own GGUF keys) as llama.cpp's converter
+    writes them for `arch`."""
+    config, kv = dict(config), {}
+    if arch in ("qwen35", "qwen35moe"):
+        head_dim = config["head_dim"]
+        partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)
+        kinds = config["layer_types"]
+        every = kinds.index("full_attention") + 1
+        assert kinds == ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                         for i in range(len(kinds))], "GGUF stores the layer kinds as an interval"
+        kv = {"ssm.conv_kernel": config["linear_conv_kernel_dim"], "ssm.state_size": config["linear_key_head_dim"],
+              "ssm.group_count": config["linear_num_key_heads"],
+              "ssm.time_step_rank": config["linear_num_value_heads"],
+              "ssm.inner_size": config["linear_value_head_dim"] * config["linear_num_value_heads"],
+              "full_attention_interval": every, "rope.dimension_count": int(head_dim * partial)}
+        if arch == "qwen35moe":
+            kv.update({"expert_count": config["num_experts"], "expert_used_count": config["num_experts_per_tok"],
+                       "expert_feed_forward_length": config["moe_intermediate_size"],
+                       "expert_shared_feed_forward_length": config["shared_expert_intermediate_size"]})
+    if arch == "lfm2":
+        F = config["intermediate_size"]
+        if config.get("block_auto_adjust_ff_dim", True):
+            F = int(2 * F / 3)
+            if config.get("block_ffn_dim_multiplier") is not None:
+                F = int(config["block_ffn_dim_multiplier"] * F)
+            m = config["block_multiple_of"]
+            F = m * ((F + m - 1) // m)
+        config["intermediate_size"] = F
+        config["num_key_value_heads"] = [config["num_key_value_heads"] if t != "conv" else 0
+                                         for t in config["layer_types"]]
+        config["rms_norm_eps"] = config["norm_eps"]
+        kv = {"shortconv.l_cache": config["conv_L_cache"]}
+    return config, {f"{arch}.{k}": v for k, v in kv.items()}
+
+
 def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarray], tok: dict,
                types: dict[str, int] | None = None, default_type=Q.F32, extra_kv: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
@@ -121,12 +202,14 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
     w = gguf.GGUFWriter(str(path), arch)
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads  # a list: per layer (lfm2)
     w.add_block_count(n_layers)
     w.add_context_length(config.get("max_position_embeddings", 512))
     w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
+    if config.get("intermediate_size") is not None:  # none where every layer is MoE (qwen35moe)
+        w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(config.get("num_key_value_heads", heads))
+    w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     rope = config.get("rope_parameters") or {}  # transformers v5 moved rope_theta in here
     rope = rope.get("full_attention", rope)  # Gemma 3: per layer type; GGUF holds the global one
@@ -164,6 +247,8 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, f"gguf has no name for {name} in {arch}"
         qtype = (types or {}).get(name, default_type if arr.ndim == 2 else Q.F32)
+        if qtype not in (Q.F32, Q.F16) and arr.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            qtype = Q.F32  # rows of no whole number of blocks stay unquantized, as llama.cpp leaves them
         if qtype == Q.F32:
             w.add_tensor(gname, arr.astype(np.float32))
         elif qtype == Q.F16:

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny_tokenizer
-from gguf_support import gpt2_tokenizer_meta, llama_cpp_tensors, write_gguf
+from gguf_support import gpt2_tokenizer_meta, llama_cpp_config, llama_cpp_tensors, write_gguf
 
 from edgespec.formats.gguf_arch import ARCHS
 from edgespec.loader import load_gguf, load_hf_folder
@@ -21,6 +21,8 @@ BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=50000.0,
             initializer_range=0.1)
 
+QWEN35 = dict(head_dim=16, num_hidden_layers=4, full_attention_interval=2, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3)
 # GGUF architecture -> (transformers config class, its extra settings, extra GGUF metadata)
 CASES = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False), {}),
@@ -46,6 +48,13 @@ CASES = {
                                         norm_topk_prob=True, tie_word_embeddings=False),
                  {"qwen3moe.expert_count": 8, "qwen3moe.expert_used_count": 2,
                   "qwen3moe.expert_feed_forward_length": 32}),
+    # Qwen3.5: delta-rule and gated-attention layers (every 2nd), 2 key heads for 4 value heads
+    # (llama.cpp reorders the value heads); its metadata from gguf_support.llama_cpp_config
+    "qwen35": ("Qwen3_5TextConfig", dict(QWEN35, tie_word_embeddings=False), {}),
+    "qwen35moe": ("Qwen3_5MoeTextConfig", dict(QWEN35, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=48, tie_word_embeddings=True), {}),
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                conv_L_cache=3, block_multiple_of=16, pad_token_id=0), {}),
 }
 
 
@@ -54,12 +63,15 @@ GGUF_ARCH = {"mistral": "llama"}  # case -> the GGUF architecture llama.cpp writ
 
 def _hf_checkpoint(arch: str, folder, with_model: bool = False):
     cls_name, extra, _ = CASES[arch]
-    cfg = getattr(transformers, cls_name)(**{**BASE, **extra})
+    kw = {**BASE, **extra}
+    if cls_name == "Qwen3_5MoeTextConfig":
+        kw.pop("intermediate_size")  # no dense MLP
+    cfg = getattr(transformers, cls_name)(**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # norms away from their init so a missed 1+w would show
+    with torch.no_grad():  # norms (and dt_bias) away from their init so a missed 1+w (or reorder) would show
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     make_tiny_tokenizer(64).save(folder)
@@ -70,8 +82,9 @@ def _hf_checkpoint(arch: str, folder, with_model: bool = False):
 
 def _write(tmp_path, arch: str, config, weights, **kw):
     g = GGUF_ARCH.get(arch, arch)
+    config, kv = llama_cpp_config(g, config)
     return write_gguf(tmp_path / f"{arch}.gguf", g, config, llama_cpp_tensors(g, config, weights),
-                      gpt2_tokenizer_meta(V), extra_kv=CASES[arch][2], **kw)
+                      gpt2_tokenizer_meta(V), extra_kv={**kv, **CASES[arch][2]}, **kw)
 
 
 @pytest.mark.parametrize("arch", list(CASES))
@@ -223,4 +236,33 @@ def test_phi3_longrope_from_its_factor_tensors(tmp_path):
     ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100, 3, 12, 200, 5]])
     positions = mx.array([0, 1, 2, 3, 4, 5, 30, 31, 50, 51, 62, 63])
     a, b = np.array(gg.model(ids, positions=positions)), np.array(hf.model(ids, positions=positions))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+
+
+def test_qwen35moe_kept_quantized_and_mtp_blocks_skipped(tmp_path):
+    """qwen35moe with Q8_0 tensors: kept quantized (attention and shared-expert projections
+    8-bit; the delta rule's tensors, whose columns llama.cpp reordered, read dense) gives the
+    logits of the same GGUF dequantized. A qwen35 GGUF carrying an MTP block after its layers
+    (nextn_predict_layers) loads its layers only, with the HF folder's logits."""
+    from gguf_support import Q
+
+    config, weights = _hf_checkpoint("qwen35moe", tmp_path / "hf")
+    path = _write(tmp_path, "qwen35moe", config, weights, default_type=Q.Q8_0)
+    dense, kept = load_gguf(path), load_gguf(path, keep_quantized=True)
+    assert kept.model.layers[1].self_attn.o_proj.bits == 8
+    assert kept.model.layers[0].mlp.shared_expert.gate_proj.bits == 8
+    assert "scales" not in kept.model.layers[0].linear_attn.out_proj
+    ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100]])
+    a, b = np.array(kept.model(ids)), np.array(dense.model(ids))
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+    config, weights = _hf_checkpoint("qwen35", tmp_path / "hf35")
+    cfg, kv = llama_cpp_config("qwen35", config)
+    mtp = {"blk.4.nextn.eh_proj.weight": np.ones((64, 128), np.float32), "blk.4.attn_norm.weight": np.ones(64)}
+    path = write_gguf(tmp_path / "mtp.gguf", "qwen35", {**cfg, "num_hidden_layers": 5},
+                      llama_cpp_tensors("qwen35", cfg, weights), gpt2_tokenizer_meta(V),
+                      extra_kv={**kv, "qwen35.nextn_predict_layers": 1}, extra_tensors=mtp)
+    gg, hf = load_gguf(path), load_hf_folder(tmp_path / "hf35")
+    assert gg.model.args.num_hidden_layers == 4
+    a, b = np.array(gg.model(ids)), np.array(hf.model(ids))
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()

@@ -16,7 +16,16 @@ import numpy as np
 
 from edgespec.errors import ModelLoadError
 from edgespec.formats import gguf_quants as quants
-from edgespec.formats.gguf_arch import ARCHS, arch_config, arch_of, hf_name, is_norm
+from edgespec.formats.gguf_arch import (
+    ARCHS,
+    arch_config,
+    arch_of,
+    block_of,
+    dense_only,
+    hf_name,
+    is_norm,
+    undo_values,
+)
 from edgespec.formats.gguf_file import GGUFFile
 from edgespec.formats.gguf_tokenizer import build_tokenizer
 
@@ -64,10 +73,9 @@ def read_config(reader, path: Path) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model_type": model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(g("block_count")),
-        "intermediate_size": int(g("feed_forward_length")),
+        # MTP layers (Qwen3.5's) are appended as extra blocks: not part of the model's stack
+        "num_hidden_layers": int(g("block_count")) - int(g("nextn_predict_layers", 0)),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(g("attention.head_count_kv", n_heads)),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 4096)),
@@ -75,6 +83,11 @@ def read_config(reader, path: Path) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "head_dim": int(g("attention.key_length", hidden // n_heads)),
     }
+    ff, kv = g("feed_forward_length"), g("attention.head_count_kv", n_heads)
+    if ff is not None:  # absent where every layer is a mixture of experts (qwen35moe)
+        cfg["intermediate_size"] = int(ff)
+    if not isinstance(kv, list):  # a list: per layer (lfm2, read in arch_config)
+        cfg["num_key_value_heads"] = int(kv)
     stype = g("rope.scaling.type")
     if stype == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "type": "linear", "factor": float(g("rope.scaling.factor"))}
@@ -172,6 +185,11 @@ def read_weights(reader, config: dict[str, Any], keep_quantized: bool, progress=
             if progress is not None:
                 progress(1)
             continue
+        block = block_of(t.name)
+        if block is not None and block >= config["num_hidden_layers"]:  # MTP blocks (not loaded)
+            if progress is not None:
+                progress(1)
+            continue
         name = hf_name(t.name, arch)
         module, _, kind = name.rpartition(".")
         tname = t.tensor_type.name
@@ -180,7 +198,8 @@ def read_weights(reader, config: dict[str, Any], keep_quantized: bool, progress=
                                  f"(supported: {', '.join(quants.SUPPORTED)})")
         n_heads = next((h for p, h in heads.items() if module.endswith(p)), None) if permute else None
         fix = (lambda a, n=n_heads: unpermute_rows(a, n)) if n_heads else (lambda a: a)  # noqa: E731
-        quantized = keep_quantized and kind == "weight" and len(t.shape) == 2 and tname not in quants.DENSE
+        quantized = (keep_quantized and kind == "weight" and len(t.shape) == 2 and tname not in quants.DENSE
+                     and not dense_only(arch, name))
         native = native_quantized(t) if quantized else None
         if native is not None:
             parts, bits = native
@@ -192,9 +211,9 @@ def read_weights(reader, config: dict[str, Any], keep_quantized: bool, progress=
             quants.summary_entry(report, tname, "requantized", bits, err)
         else:
             arr = dequantized(t)
-            if norm_plus_one and is_norm(name):
+            if norm_plus_one and is_norm(name, arch):
                 arr = arr - np.float32(1.0)  # stored as 1 + w (see gguf_arch)
-            weights[name] = fix(arr)
+            weights[name] = undo_values(arch, name, fix(arr), config)
             quants.summary_entry(report, tname, "dense", None, None)
             parts = None
         if parts is not None:

@@ -7,7 +7,16 @@ Hugging Face checkpoint:
 - gemma, gemma2, gemma3: RMSNorm weights stored as 1 + w (HF Gemma computes
   x * (1 + w); llama.cpp's norm computes x * w) -> 1 subtracted;
 - phi3: QKV and gate/up stay fused (attn_qkv, ffn_up = [gate; up]) as in HF's Phi-3;
-- qwen3moe: experts stacked per layer (ffn_gate_exps ...), read as models/qwen3_moe's switch_mlp.
+- qwen3moe: experts stacked per layer (ffn_gate_exps ...), read as models/qwen3_moe's switch_mlp;
+- qwen35, qwen35moe (Qwen3.5, llama.cpp's Qwen3_5TextModel / Qwen3_5MoeTextModel): the (1 + w)
+  norms stored as 1 + w (not the delta rule's gated norm, ssm_norm); A_log stored as
+  -exp(A_log) (ssm_a); dt_bias named ssm_dt.bias; conv1d weights squeezed to (C, K); and,
+  where there are fewer key heads than value heads, the value heads reordered from grouped by
+  key head (HF: k0v0 k0v1 k1v0 k1v1) to tiled (k0v0 k1v0 k0v1 k1v1) in every tensor that has
+  them (in_proj_qkv's v rows, in_proj_z, in_proj_a/b, A_log, dt_bias, the conv's v channels,
+  out_proj's columns); MTP layers (nextn_predict_layers) appended as extra blocks, skipped;
+- lfm2: the short convolution's weight squeezed to (C, K); key/value heads per layer (0 on
+  convolution layers), which is how the layer kinds are told.
 """
 
 from __future__ import annotations
@@ -41,6 +50,48 @@ _MOE = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+_QWEN35 = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    **_QK_NORM,
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn.A_log",  # leaf: no .weight
+    "ssm_dt": "linear_attn.dt_bias",  # ssm_dt.bias -> the leaf dt_bias
+}
+_QWEN35_DENSE = {**_QWEN35, "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+LEAVES = {"ssm_a", "ssm_dt"}  # GGUF parts whose HF name is a bare parameter (A_log, dt_bias)
+_LFM2 = {
+    "attn_norm": "operator_norm",
+    "ffn_norm": "ffn_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+}
 _PHI3 = {
     "attn_norm": "input_layernorm",
     "attn_qkv": "self_attn.qkv_proj",
@@ -62,8 +113,12 @@ ARCHS: dict[str, tuple[str, dict[str, str], bool, bool]] = {
     # llama.cpp converts SmolLM3 as Llama (Q/K permuted) and hard-codes its NoPE layers
     # as every 4th, which is also edgespec.models.smollm3's default interval.
     "smollm3": ("smollm3", _LLAMA, True, False),
+    "qwen35": ("qwen3_5_text", _QWEN35_DENSE, False, True),
+    "qwen35moe": ("qwen3_5_moe_text", {**_QWEN35, **_MOE, **_SHARED_EXPERT}, False, True),
+    "lfm2": ("lfm2", _LFM2, False, False),
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_OF = {"lfm2": {"token_embd_norm": "model.embedding_norm"}}  # LFM2's final norm, named so in HF
 
 
 def arch_of(arch: str | None, path) -> tuple[str, dict[str, str], bool, bool]:
@@ -78,18 +133,82 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` for `arch`."""
     layer_map = ARCHS.get(arch, ARCHS["llama"])[1]
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
+    if kind not in ("weight", "bias"):  # a bare parameter (blk.N.ssm_a)
+        base, kind = gguf_name, ""
+    top = {**_TOP, **_TOP_OF.get(arch, {})}
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        if part not in layer_map:
+        if part not in layer_map or kind == ("weight" if part in LEAVES else ""):
             raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch}")
+        if part in LEAVES:
+            return f"model.layers.{idx}.{layer_map[part]}"
         return f"model.layers.{idx}.{layer_map[part]}.{kind}"
-    if base not in _TOP:
+    if base not in top:
         raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch}")
-    return f"{_TOP[base]}.{kind}"
+    return f"{top[base]}.{kind}"
 
 
-def is_norm(hf: str) -> bool:
+def is_norm(hf: str, arch: str = "llama") -> bool:
+    """Norm weights llama.cpp stored as 1 + w for architectures that apply (1 + w)."""
+    if arch in ("qwen35", "qwen35moe") and hf.endswith("linear_attn.norm.weight"):
+        return False  # the delta rule's gated output norm applies w
     return hf.endswith(("norm.weight", "layernorm.weight"))
+
+
+def block_of(gguf_name: str) -> int | None:
+    return int(gguf_name.split(".")[1]) if gguf_name.startswith("blk.") else None
+
+
+def dense_only(arch: str, hf: str) -> bool:
+    """Tensors read dense even when quantized ones are kept: their transform moves columns
+    (the value-head reorder of out_proj) or reshapes them (convolution weights)."""
+    if arch in ("qwen35", "qwen35moe"):
+        return ".linear_attn." in hf
+    return arch == "lfm2" and hf.endswith("conv.conv.weight")
+
+
+def _untile_v_heads(a, axis: int, k_heads: int, per_k: int, dim: int):
+    """Inverse of llama.cpp's value-head reorder along `axis`: (per_k, k_heads, dim) tiled ->
+    (k_heads, per_k, dim) grouped by key head, as Hugging Face stores them."""
+    import numpy as np
+
+    a = np.moveaxis(a, axis, 0)
+    rest = a.shape[1:]
+    a = a.reshape(per_k, k_heads, dim, *rest).swapaxes(0, 1).reshape(per_k * k_heads * dim, *rest)
+    return np.moveaxis(a, 0, axis)
+
+
+def undo_values(arch: str, hf: str, a, cfg: dict[str, Any]):
+    """A dense GGUF tensor (HF name `hf`) -> the HF tensor: the value transforms llama.cpp applied."""
+    import numpy as np
+
+    if arch == "lfm2" and hf.endswith("conv.conv.weight"):
+        return a.reshape(a.shape[0], 1, -1)  # (C, K) -> HF's (C, 1, K)
+    if arch not in ("qwen35", "qwen35moe"):
+        return a
+    if hf.endswith("mlp.shared_expert_gate.weight"):
+        return a.reshape(1, -1)
+    if ".linear_attn." not in hf:
+        return a
+    if hf.endswith("A_log"):
+        a = np.log(-a.astype(np.float64)).astype(np.float32)  # stored as -exp(A_log)
+    if hf.endswith("conv1d.weight"):
+        a = a.reshape(a.shape[0], -1)
+    Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if Hk != Hv:
+        r, Dk, Dv = Hv // Hk, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        qk = 2 * Hk * Dk
+        if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q and k rows stay; v rows reordered
+            a = np.concatenate([a[:qk], _untile_v_heads(a[qk:], 0, Hk, r, Dv)])
+        elif hf.endswith("in_proj_z.weight"):
+            a = _untile_v_heads(a, 0, Hk, r, Dv)
+        elif hf.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            a = _untile_v_heads(a, 0, Hk, r, 1)
+        elif hf.endswith("out_proj.weight"):
+            a = _untile_v_heads(a, 1, Hk, r, Dv)
+    if hf.endswith("conv1d.weight"):
+        a = a[:, None, :]  # (C, K) -> HF's (C, 1, K)
+    return a
 
 
 def arch_config(arch: str, g, cfg: dict[str, Any]) -> None:
@@ -119,6 +238,16 @@ def arch_config(arch: str, g, cfg: dict[str, Any]) -> None:
         cfg["moe_intermediate_size"] = int(g("expert_feed_forward_length"))
         cfg["norm_topk_prob"] = bool(g("expert_weights_norm", True))
         cfg["decoder_sparse_step"], cfg["mlp_only_layers"] = 1, []
+    if arch in ("qwen35", "qwen35moe"):
+        _qwen35_config(arch, g, cfg)
+    if arch == "lfm2":
+        kv = g("attention.head_count_kv")
+        kinds = kv if isinstance(kv, list) else [kv] * cfg["num_hidden_layers"]
+        cfg["layer_types"] = ["full_attention" if int(h) else "conv" for h in kinds]
+        cfg["num_key_value_heads"] = max(int(h) for h in kinds) or cfg["num_attention_heads"]
+        cfg["conv_L_cache"] = int(g("shortconv.l_cache"))
+        cfg["norm_eps"] = cfg.pop("rms_norm_eps")
+        cfg["block_auto_adjust_ff_dim"] = False  # the stored width is the adjusted one
     if arch == "phi3":
         window = g("attention.sliding_window")
         if window is not None:
@@ -126,3 +255,25 @@ def arch_config(arch: str, g, cfg: dict[str, Any]) -> None:
         rot = g("rope.dimension_count")
         if rot is not None and int(rot) != cfg["head_dim"]:
             cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
+
+
+def _qwen35_config(arch: str, g, cfg: dict[str, Any]) -> None:
+    """Qwen3.5's Gated DeltaNet sizes from the ssm.* keys, the layer kinds from the full-attention
+    interval, the rotary fraction from the rotated dims; the MoE sizes for qwen35moe."""
+    Hv, Hk = int(g("ssm.time_step_rank")), int(g("ssm.group_count"))
+    cfg.update(linear_conv_kernel_dim=int(g("ssm.conv_kernel")), linear_key_head_dim=int(g("ssm.state_size")),
+               linear_num_key_heads=Hk, linear_num_value_heads=Hv,
+               linear_value_head_dim=int(g("ssm.inner_size")) // Hv)
+    every = int(g("full_attention_interval", 4))
+    cfg["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                          for i in range(cfg["num_hidden_layers"])]
+    rot = g("rope.dimension_count")
+    if rot is not None:
+        cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
+    if arch == "qwen35moe":
+        cfg["num_experts"] = int(g("expert_count"))
+        cfg["num_experts_per_tok"] = int(g("expert_used_count"))
+        cfg["moe_intermediate_size"] = int(g("expert_feed_forward_length"))
+        cfg["shared_expert_intermediate_size"] = int(g("expert_shared_feed_forward_length", 0))
+        cfg["norm_topk_prob"] = bool(g("expert_weights_norm", True))
+        cfg.pop("intermediate_size", None)
