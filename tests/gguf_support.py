@@ -95,6 +95,8 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
         pass
     if arch in ("qwen35", "qwen35moe"):
         out = qwen35_tensors(config, out)
+    if arch == "gemma4":
+        out = gemma4_tensors(config, out)
     if arch == "lfm2":  # the convolution as a 2-D (C, K) tensor
         out = {k: (w[:, 0] if k.endswith("conv.conv.weight") else w) for k, w in out.items()}
     if arch in ("qwen3moe", "qwen35moe"):  # one (experts, out, in) tensor per projection and layer (ffn_gate_exps ...)
@@ -156,6 +158,27 @@ def qwen35_tensors(config: dict, weights: dict[str, np.ndarray]) -> dict[str, np
     return out
 
 
+def gemma4_tensors(config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Gemma 4 as llama.cpp's converter writes it: norms as they are (applied as w), the layer
+    scalar and the fused experts under `.weight` names, the router's scale and the per-expert
+    scales as `.scale` tensors of ffn_gate_inp / ffn_down_exps (GGUF names here), and the
+    full layers' proportional RoPE as rope_freqs (1 on the rotated pairs, 1e30 after)."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
+            name += ".weight"
+        elif name.endswith(("router.scale", "router.per_expert_scale")):
+            i = name.split(".")[2]
+            name = f"blk.{i}.ffn_gate_inp.scale" if name.endswith("router.scale") else f"blk.{i}.ffn_down_exps.scale"
+        out[name] = w
+    full = config["rope_parameters"]["full_attention"]
+    if full.get("rope_type") == "proportional":
+        rotated = int(config["global_head_dim"] * full["partial_rotary_factor"] / 2)
+        out["rope_freqs.weight"] = np.array([1.0] * rotated + [1e30] * (config["global_head_dim"] // 2 - rotated),
+                                            np.float32)
+    return out
+
+
 def llama_cpp_config(arch: str, config: dict) -> tuple[dict, dict]:
     """(config as write_gguf reads it, the architecture's own GGUF keys) as llama.cpp's converter
     writes them for `arch`."""
@@ -176,6 +199,33 @@ def llama_cpp_config(arch: str, config: dict) -> tuple[dict, dict]:
             kv.update({"expert_count": config["num_experts"], "expert_used_count": config["num_experts_per_tok"],
                        "expert_feed_forward_length": config["moe_intermediate_size"],
                        "expert_shared_feed_forward_length": config["shared_expert_intermediate_size"]})
+    if arch == "gemma4":
+        kinds, n = config["layer_types"], config["num_hidden_layers"]
+        swa = [t == "sliding_attention" for t in kinds]
+        first_shared = n - config["num_kv_shared_layers"]
+        full, local = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
+        swa_dim = config["head_dim"]
+        # transformers 5 writes the full layers' sizes as per_layer_config (the published configs:
+        # global_head_dim, num_global_key_value_heads, which llama.cpp's converter reads)
+        per = {int(k): v for k, v in (config.get("per_layer_config") or {}).items()}
+        config.setdefault("global_head_dim", next(v["head_dim"] for v in per.values()))
+        config["head_dim"] = config["global_head_dim"]  # key_length: the full layers'
+        config["num_key_value_heads"] = [per.get(i, {}).get("num_key_value_heads", config["num_key_value_heads"])
+                                         for i in range(n)]
+        if config.get("use_double_wide_mlp"):
+            F = config["intermediate_size"]
+            config["intermediate_size"] = [F if i < first_shared else 2 * F for i in range(n)]
+        config["rope_theta"] = full["rope_theta"]
+        kv = {"attention.key_length_swa": swa_dim, "attention.value_length_swa": swa_dim,
+              "rope.dimension_count_swa": swa_dim, "rope.freq_base_swa": float(local["rope_theta"]), "rope.dimension_count": config["global_head_dim"],
+              "attention.sliding_window": config["sliding_window"], "attention.sliding_window_pattern": swa,
+              "attention.shared_kv_layers": config["num_kv_shared_layers"],
+              "embedding_length_per_layer_input": config.get("hidden_size_per_layer_input") or 0}
+        if config.get("final_logit_softcapping"):
+            kv["final_logit_softcapping"] = float(config["final_logit_softcapping"])
+        if config.get("enable_moe_block"):
+            kv.update({"expert_count": config["num_experts"], "expert_used_count": config["top_k_experts"],
+                       "expert_feed_forward_length": config["moe_intermediate_size"]})
     if arch == "lfm2":
         F = config["intermediate_size"]
         if config.get("block_auto_adjust_ff_dim", True):
@@ -218,7 +268,9 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
     w.add_value_length(head_dim)
     w.add_vocab_size(config["vocab_size"])
     for key, value in (extra_kv or {}).items():
-        if isinstance(value, bool):
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
             w.add_bool(key, value)
         elif isinstance(value, int):
             w.add_uint32(key, value)
@@ -244,7 +296,8 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
     if tok.get("chat_template"):
         w.add_chat_template(tok["chat_template"])
     for name, arr in weights.items():
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        literal = name.startswith("blk.") or name == "rope_freqs.weight"  # already a GGUF name
+        gname = name if literal else names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, f"gguf has no name for {name} in {arch}"
         qtype = (types or {}).get(name, default_type if arr.ndim == 2 else Q.F32)
         if qtype not in (Q.F32, Q.F16) and arr.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:

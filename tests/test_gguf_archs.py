@@ -53,6 +53,16 @@ CASES = {
     "qwen35": ("Qwen3_5TextConfig", dict(QWEN35, tie_word_embeddings=False), {}),
     "qwen35moe": ("Qwen3_5MoeTextConfig", dict(QWEN35, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                                shared_expert_intermediate_size=48, tie_word_embeddings=True), {}),
+    # sliding (head 16, 2 KV heads) and full (head 32, 1 KV head, k = v, proportional RoPE) layers;
+    # the last two share KV, double-wide MLPs; per-layer inputs; the MoE block; soft-capped logits
+    "gemma4": ("Gemma4TextConfig", dict(
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=6,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=V, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 3,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                            "rope_theta": 200000.0}}), {}),
     "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
                                 conv_L_cache=3, block_multiple_of=16, pad_token_id=0), {}),
 }
@@ -66,12 +76,14 @@ def _hf_checkpoint(arch: str, folder, with_model: bool = False):
     kw = {**BASE, **extra}
     if cls_name == "Qwen3_5MoeTextConfig":
         kw.pop("intermediate_size")  # no dense MLP
+    if "rope_parameters" in extra:
+        kw.pop("rope_theta")
     cfg = getattr(transformers, cls_name)(**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # norms (and dt_bias) away from their init so a missed 1+w (or reorder) would show
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias")):
+            if name.endswith(("norm.weight", "dt_bias", "router.scale", "per_expert_scale", "layer_scalar")):
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     make_tiny_tokenizer(64).save(folder)

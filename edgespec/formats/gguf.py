@@ -22,6 +22,7 @@ from edgespec.formats.gguf_arch import (
     arch_of,
     block_of,
     dense_only,
+    gemma4_config,
     hf_name,
     is_norm,
     undo_values,
@@ -84,7 +85,7 @@ def read_config(reader, path: Path) -> dict[str, Any]:
         "head_dim": int(g("attention.key_length", hidden // n_heads)),
     }
     ff, kv = g("feed_forward_length"), g("attention.head_count_kv", n_heads)
-    if ff is not None:  # absent where every layer is a mixture of experts (qwen35moe)
+    if ff is not None and not isinstance(ff, list):  # absent: every layer MoE (qwen35moe); a list: gemma4
         cfg["intermediate_size"] = int(ff)
     if not isinstance(kv, list):  # a list: per layer (lfm2, read in arch_config)
         cfg["num_key_value_heads"] = int(kv)
@@ -93,11 +94,17 @@ def read_config(reader, path: Path) -> dict[str, Any]:
         cfg["rope_scaling"] = {"rope_type": "linear", "type": "linear", "factor": float(g("rope.scaling.factor"))}
     elif stype not in (None, "none"):
         raise ModelLoadError(f"{path}: GGUF rope scaling {stype!r} is not supported (linear is)")
-    if "rope_freqs.weight" in names:
+    rope_freqs = next((dequantized(t).reshape(-1) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None and arch != "gemma4":  # gemma4: its proportional RoPE (gemma4_config)
         cfg["rope_scaling"] = _llama3_scaling(reader, cfg, path)
     if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
         cfg.update(_longrope(reader, g, names, path))
     arch_config(arch, g, cfg)
+    if arch == "gemma4":
+        gemma4_config(g, cfg, names, rope_freqs, path)
+        if cfg["hidden_size_per_layer_input"]:
+            t = next(t for t in reader.tensors if t.name == "per_layer_token_embd.weight")
+            cfg["vocab_size_per_layer_input"] = _shape(t)[0]
     for k in ("bos_token_id", "eos_token_id"):
         v = _field(reader, f"tokenizer.ggml.{k}")
         if v is not None:

@@ -16,7 +16,13 @@ Hugging Face checkpoint:
   them (in_proj_qkv's v rows, in_proj_z, in_proj_a/b, A_log, dt_bias, the conv's v channels,
   out_proj's columns); MTP layers (nextn_predict_layers) appended as extra blocks, skipped;
 - lfm2: the short convolution's weight squeezed to (C, K); key/value heads per layer (0 on
-  convolution layers), which is how the layer kinds are told.
+  convolution layers), which is how the layer kinds are told;
+- gemma4 (llama.cpp's Gemma4Model, text part): norms as stored (Gemma 4 applies w); the
+  router's scale and the per-expert scales as `.scale` tensors (ffn_gate_inp.scale,
+  ffn_down_exps.scale); the experts' gate/up fused as in HF (ffn_gate_up_exps); full layers'
+  head size and key/value heads as the main attention.key_length / head_count_kv entries
+  (sliding layers': key_length_swa and the per-layer head_count_kv list); proportional RoPE as
+  a rope_freqs tensor (1 on the rotated pairs, 1e30 on the rest).
 """
 
 from __future__ import annotations
@@ -75,7 +81,39 @@ _SHARED_EXPERT = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-LEAVES = {"ssm_a", "ssm_dt"}  # GGUF parts whose HF name is a bare parameter (A_log, dt_bias)
+_GEMMA4 = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    **_QK_NORM,
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "ffn_gate_inp": "router.proj",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+}
+# (GGUF part, suffix) -> an HF parameter that is not `{module}.{suffix}`
+LEAVES = {
+    ("ssm_a", ""): "linear_attn.A_log",
+    ("ssm_dt", "bias"): "linear_attn.dt_bias",
+    ("layer_output_scale", "weight"): "layer_scalar",
+    ("ffn_gate_inp", "scale"): "router.scale",
+    ("ffn_down_exps", "scale"): "router.per_expert_scale",
+    ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",  # (experts, 2F, E), gate first, as HF
+    ("ffn_down_exps", "weight"): "experts.down_proj",
+}
+_LEAVES_OF = {"qwen35": ("ssm_a", "ssm_dt"), "qwen35moe": ("ssm_a", "ssm_dt"),
+              "gemma4": ("layer_output_scale", "ffn_gate_inp", "ffn_down_exps", "ffn_gate_up_exps")}
 _LFM2 = {
     "attn_norm": "operator_norm",
     "ffn_norm": "ffn_norm",
@@ -116,9 +154,13 @@ ARCHS: dict[str, tuple[str, dict[str, str], bool, bool]] = {
     "qwen35": ("qwen3_5_text", _QWEN35_DENSE, False, True),
     "qwen35moe": ("qwen3_5_moe_text", {**_QWEN35, **_MOE, **_SHARED_EXPERT}, False, True),
     "lfm2": ("lfm2", _LFM2, False, False),
+    "gemma4": ("gemma4_text", _GEMMA4, False, False),
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_TOP_OF = {"lfm2": {"token_embd_norm": "model.embedding_norm"}}  # LFM2's final norm, named so in HF
+_TOP_OF = {"lfm2": {"token_embd_norm": "model.embedding_norm"},  # LFM2's final norm, named so in HF
+           "gemma4": {"per_layer_token_embd": "model.embed_tokens_per_layer",
+                      "per_layer_model_proj": "model.per_layer_model_projection",
+                      "per_layer_proj_norm": "model.per_layer_projection_norm"}}
 
 
 def arch_of(arch: str | None, path) -> tuple[str, dict[str, str], bool, bool]:
@@ -132,18 +174,18 @@ def arch_of(arch: str | None, path) -> tuple[str, dict[str, str], bool, bool]:
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` for `arch`."""
     layer_map = ARCHS.get(arch, ARCHS["llama"])[1]
-    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
-    if kind not in ("weight", "bias"):  # a bare parameter (blk.N.ssm_a)
+    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias | scale
+    if kind not in ("weight", "bias", "scale"):  # a bare parameter (blk.N.ssm_a)
         base, kind = gguf_name, ""
     top = {**_TOP, **_TOP_OF.get(arch, {})}
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        if part not in layer_map or kind == ("weight" if part in LEAVES else ""):
+        if part in _LEAVES_OF.get(arch, ()) and (part, kind) in LEAVES:
+            return f"model.layers.{idx}.{LEAVES[part, kind]}"
+        if part not in layer_map or kind not in ("weight", "bias"):
             raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch}")
-        if part in LEAVES:
-            return f"model.layers.{idx}.{layer_map[part]}"
         return f"model.layers.{idx}.{layer_map[part]}.{kind}"
-    if base not in top:
+    if base not in top or kind not in ("weight", "bias"):
         raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch}")
     return f"{top[base]}.{kind}"
 
@@ -157,6 +199,50 @@ def is_norm(hf: str, arch: str = "llama") -> bool:
 
 def block_of(gguf_name: str) -> int | None:
     return int(gguf_name.split(".")[1]) if gguf_name.startswith("blk.") else None
+
+
+def gemma4_config(g, cfg: dict[str, Any], names: set[str], rope_freqs, path) -> None:
+    """Gemma 4's HF config from llama.cpp's keys: the full layers' head size and KV heads are
+    the main entries, the sliding layers' the _swa ones and the per-layer lists."""
+    n = cfg["num_hidden_layers"]
+    sliding = g("attention.sliding_window_pattern")
+    if not isinstance(sliding, list) or len(sliding) != n:
+        raise ModelLoadError(f"{path}: gemma4 GGUF lacks attention.sliding_window_pattern (one flag per layer)")
+    types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    full_dim, swa_dim = cfg["head_dim"], int(g("attention.key_length_swa", cfg["head_dim"]))
+    kv = g("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * n
+    ff = g("feed_forward_length")
+    ff = ff if isinstance(ff, list) else [ff] * n
+    shared = int(g("attention.shared_kv_layers", 0))
+    first_shared = n - shared
+    wide = shared > 0 and all(int(ff[i]) == 2 * int(ff[0]) for i in range(first_shared, n))
+    if any(int(f) != int(ff[0]) for f in ff[:first_shared]) or (not wide and len(set(ff)) > 1):
+        raise ModelLoadError(f"{path}: gemma4 feed_forward_length {ff} is neither one width nor double-wide "
+                             "shared layers")
+    swa_rot = g("rope.dimension_count_swa")
+    if swa_rot is not None and int(swa_rot) != swa_dim:
+        raise ModelLoadError(f"{path}: gemma4 sliding layers rotating {swa_rot} of {swa_dim} dims is not supported")
+    cfg.update(
+        head_dim=swa_dim, layer_types=types, intermediate_size=int(ff[0]), use_double_wide_mlp=wide,
+        num_key_value_heads=int(next((k for k, t in zip(kv, types, strict=True) if t == "sliding_attention"), kv[0])),
+        per_layer_config={i: {"head_dim": full_dim, "num_key_value_heads": int(kv[i])}
+                          for i, t in enumerate(types) if t == "full_attention"},
+        num_kv_shared_layers=shared, sliding_window=int(g("attention.sliding_window")),
+        hidden_size_per_layer_input=int(g("embedding_length_per_layer_input", 0)),
+        final_logit_softcapping=g("final_logit_softcapping"), hidden_activation="gelu_pytorch_tanh",
+        rope_local_base_freq=float(g("rope.freq_base_swa", 10000.0)),
+        # a full layer whose values are its keys' projection has no attn_v
+        attention_k_eq_v=any(t == "full_attention" and f"blk.{i}.attn_k.weight" in names
+                             and f"blk.{i}.attn_v.weight" not in names for i, t in enumerate(types)))
+    if rope_freqs is not None:  # proportional RoPE: 1 on the rotated pairs, 1e30 on the others
+        rotated = int((rope_freqs < 1e20).sum())
+        cfg.update(full_rope_type="proportional", full_partial_rotary_factor=2 * rotated / full_dim)
+    else:
+        cfg.update(full_rope_type="default", full_partial_rotary_factor=1.0)
+    if "blk.0.ffn_gate_inp.weight" in names:
+        cfg.update(enable_moe_block=True, num_experts=int(g("expert_count")), top_k_experts=int(g("expert_used_count")),
+                   moe_intermediate_size=int(g("expert_feed_forward_length")))
 
 
 def dense_only(arch: str, hf: str) -> bool:
