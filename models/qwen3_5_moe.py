@@ -9,7 +9,8 @@ largest, renormalised to sum 1 (transformers always does; `norm_topk_prob: false
 mlx-lm reads, keeps the softmax weights). Each expert is a gated MLP of width
 `moe_intermediate_size` on MLX's gathered matmuls (models/experts.py); the shared expert is a
 gated MLP of width `shared_expert_intermediate_size` (0: none), gated by a sigmoid of one
-logit. Every layer is sparse. The vision tower and `mtp.*` weights are not loaded.
+logit. Every layer is sparse. The vision tower is not loaded; an `mtp.*` head loads as
+Qwen3.5's (models/qwen3_5.py), its layer with this sparse block.
 """
 
 from __future__ import annotations
@@ -82,11 +83,17 @@ class SharedExpertMoE(SparseMoE):
 
 
 class Model(DenseModel):
-    feed_forward = SharedExpertMoE
+    feed_forward = SharedExpertMoE  # every layer's, the MTP head's layer included
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)
         for i in range(self.args.num_hidden_layers):
             weights = stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts)
+        return weights
+
+    def mtp_weights(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The MTP head's layer has the sparse block too: its experts stacked as the model's."""
+        for j in range(self.args.mtp_num_hidden_layers):
+            weights = stack_experts(weights, f"mtp.layers.{j}.mlp", self.args.num_experts)
         return weights
 

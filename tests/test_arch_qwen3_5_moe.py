@@ -227,3 +227,44 @@ def fuse_experts(path, experts: int):
         w[f"{prefix}.experts.gate_up_proj"] = np.concatenate([parts["gate_proj"], parts["up_proj"]], axis=1)
         w[f"{prefix}.experts.down_proj"] = parts["down_proj"]
     save_file(w, path, metadata={"format": "pt"})
+
+
+def test_mtp_head_with_a_sparse_layer_matches_the_published_definition_and_drafts_exactly(tmp_path):
+    """A Qwen3.5-MoE checkpoint with an `mtp.*` head (its layer a full-attention layer with the
+    sparse block, experts fused as published): the head's logits equal the published
+    definition's (test_mtp.reference_mtp_logits over transformers' MoE layer), and speculative
+    decoding with it equals plain."""
+    import json
+
+    from edgespec.models.qwen3_5_moe import SharedExpertMoE
+    from safetensors.torch import save_file
+    from test_mtp import reference_mtp_logits
+
+    import edgespec
+    from edgespec.drafters.mtp import MTPDrafter
+
+    main = moe_checkpoint(tmp_path, seed=3)
+    torch.manual_seed(5)
+    layer = randomised(transformers.Qwen3_5MoeTextModel(
+        transformers.Qwen3_5MoeTextConfig(**{**TEXT, "num_hidden_layers": 1, "layer_types": ["full_attention"]})))
+    E = TEXT["hidden_size"]
+    glue = {"fc.weight": torch.randn(E, 2 * E) * 0.15, "pre_fc_norm_embedding.weight": 0.3 * torch.randn(E),
+            "pre_fc_norm_hidden.weight": 0.3 * torch.randn(E)}
+    tensors = {f"mtp.{k}": v for k, v in glue.items()}
+    tensors.update({f"mtp.{k}": v.detach().clone().contiguous() for k, v in layer.state_dict().items()
+                    if k.startswith(("layers.", "norm."))})
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in tensors  # fused, as transformers keeps them
+    save_file(tensors, str(tmp_path / "mtp.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    engine = edgespec.load(tmp_path, progress=False, history="off")
+    model = engine.model
+    assert isinstance(engine.drafter, MTPDrafter) and isinstance(model.mtp.layers[0].mlp, SharedExpertMoE)
+    ids = PROMPT[:20]
+    want = reference_mtp_logits(main, layer, glue, ids)
+    _, h = model(mx.array([ids]), return_hidden=True)
+    got = model.project(model.mtp(model.embed(mx.array([ids[1:]])), h[:, :-1]))[0]
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    ref = engine.generate(PROMPT[:9], max_tokens=24, mode="plain").tokens
+    spec = engine.generate(PROMPT[:9], max_tokens=24, mode="speculative", draft_tokens=3)
+    assert spec.tokens == ref and spec.stats.drafted > 0
