@@ -165,12 +165,13 @@ def test_rollback_and_tree_branches_restore_plain_states(moe):
 # ---------------------------------------------------------------- mlx-community folders
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_5_moe-4bit"])
 def test_mlx_community_folder_matches_hf_folder_and_mlx_lm(tmp_path, arch):
     """A folder written by mlx-lm's own converter from a multimodal Qwen3.5(-MoE) checkpoint
     (its sanitize: conv1d to (C, K, 1), the (1 + w) norms stored as 1 + w, vision and mtp
     dropped, experts stacked) loads with the HF folder's logits and mlx-lm's forward's; its
-    bundle too (written in edgespec's convention, read back without a second shift)."""
+    bundle too (written in edgespec's convention, read back without a second shift). 4-bit:
+    experts, projections and (8-bit, as mlx-lm picks) the routers quantized, as mlx-lm runs it."""
     import json
 
     from edgespec.converters.convert import convert
@@ -188,30 +189,42 @@ def test_mlx_community_folder_matches_hf_folder_and_mlx_lm(tmp_path, arch):
     if arch == "qwen3_5":
         text = rec.ARCHS["qwen3_5_text"](V, 0.3).to_dict()
         cls, config_cls = transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5Config
-    else:
-        text = transformers.Qwen3_5MoeTextConfig(**TEXT).to_dict()
+    else:  # 4-bit: value heads of 16 so every quantized input width is a multiple of the group (32)
+        dv = 16 if arch.endswith("4bit") else TEXT["linear_value_head_dim"]
+        text = transformers.Qwen3_5MoeTextConfig(**{**TEXT, "linear_value_head_dim": dv}).to_dict()
         cls, config_cls = transformers.Qwen3_5MoeForConditionalGeneration, transformers.Qwen3_5MoeConfig
     text["layer_types"] = kinds
     torch.manual_seed(6)
     full = randomised(cls(config_cls(text_config=text, vision_config=vision)))
     full.save_pretrained(tmp_path / "hf")
     vocab_tokenizer(V).save(tmp_path / "hf")
-    if arch == "qwen3_5_moe":
+    if arch != "qwen3_5":
         fuse_experts(tmp_path / "hf" / "model.safetensors", TEXT["num_experts"])
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config["text_config"]["full_attention_interval"] = 2
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    mlx_lm_convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), dtype="float32")
+    quantize = dict(quantize=True, q_group_size=32, q_bits=4) if arch.endswith("4bit") else dict(dtype="float32")
+    mlx_lm_convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), **quantize)
     stored = {k: mx.array(v) for f in (tmp_path / "mlx").glob("*.safetensors") for k, v in load_file(f).items()}
     assert mlx_lm_converted(stored)  # mlx-lm's layout, told apart by its conv1d weights
     theirs, _ = mlx_lm_load(str(tmp_path / "mlx"))
     want = np.array(theirs(mx.array([PROMPT]))[0, -1])
     with torch.no_grad():
-        assert_close(want, full(input_ids=torch.tensor([PROMPT])).logits[0, -1].numpy())
+        hf = full(input_ids=torch.tensor([PROMPT])).logits[0, -1].numpy()
+    if arch.endswith("4bit"):
+        assert not np.allclose(want, hf, rtol=1e-3)  # really rounded
+    else:
+        assert_close(want, hf)
     convert(tmp_path / "mlx", tmp_path / "bundle", quantize="none", dtype="float32", progress=False)
-    for path in (tmp_path / "hf", tmp_path / "mlx", tmp_path / "bundle"):
+    paths = [tmp_path / "mlx", tmp_path / "bundle"] + ([] if arch.endswith("4bit") else [tmp_path / "hf"])
+    for path in paths:
         model = edgespec.load(path, drafter="none", progress=False, history="off").model
         assert_close(np.array(model(mx.array([PROMPT]))[0, -1]), want)
+    if arch.endswith("4bit"):
+        from edgespec.models.experts import QuantizedSwitchLinear
+
+        block = model.layers[0].mlp
+        assert isinstance(block.switch_mlp.gate_proj, QuantizedSwitchLinear) and block.gate.bits == 8
 
 
 def fuse_experts(path, experts: int):
