@@ -278,3 +278,23 @@ def test_qwen35moe_kept_quantized_and_mtp_blocks_skipped(tmp_path):
     assert gg.model.args.num_hidden_layers == 4
     a, b = np.array(gg.model(ids)), np.array(hf.model(ids))
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+
+
+def test_fused_expert_gate_up_tensors(tmp_path):
+    """llama.cpp's --fuse-gate-up-exps writes each layer's expert gate and up projections as one
+    ffn_gate_up_exps (experts, 2F, E), gate rows first (qwen35moe lists that tensor; the gguf
+    package's qwen3moe does not): it loads with the HF folder's logits."""
+    arch = "qwen35moe"
+    config, weights = _hf_checkpoint(arch, tmp_path / "hf")
+    cfg, kv = llama_cpp_config(arch, config)
+    tensors = llama_cpp_tensors(arch, cfg, weights)
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}.mlp.experts"
+        tensors[f"{pre}.gate_up_proj.weight"] = np.concatenate(
+            [tensors.pop(f"{pre}.gate_proj.weight"), tensors.pop(f"{pre}.up_proj.weight")], axis=1)
+    path = write_gguf(tmp_path / "fused.gguf", arch, cfg, tensors, gpt2_tokenizer_meta(V),
+                      extra_kv={**kv, **CASES[arch][2]})
+    gg, hf = load_gguf(path), load_hf_folder(tmp_path / "hf")
+    ids = mx.array([[3, 17, 250, 9, 41, 41, 7, 100]])
+    a, b = np.array(gg.model(ids)), np.array(hf.model(ids))
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()

@@ -114,6 +114,9 @@ LEAVES = {
 }
 _LEAVES_OF = {"qwen35": ("ssm_a", "ssm_dt"), "qwen35moe": ("ssm_a", "ssm_dt"),
               "gemma4": ("layer_output_scale", "ffn_gate_inp", "ffn_down_exps", "ffn_gate_up_exps")}
+# llama.cpp's --fuse-gate-up-exps: one (experts, 2F, E) tensor, gate rows first (as transformers
+# keeps them in memory), which models/experts.stack_experts splits
+_FUSED_EXPERTS = {"ffn_gate_up_exps": "mlp.experts.gate_up_proj"}
 _LFM2 = {
     "attn_norm": "operator_norm",
     "ffn_norm": "ffn_norm",
@@ -182,6 +185,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
         _, idx, part = base.split(".", 2)
         if part in _LEAVES_OF.get(arch, ()) and (part, kind) in LEAVES:
             return f"model.layers.{idx}.{LEAVES[part, kind]}"
+        if part in _FUSED_EXPERTS and kind == "weight" and arch == "qwen35moe":
+            return f"model.layers.{idx}.{_FUSED_EXPERTS[part]}"
         if part not in layer_map or kind not in ("weight", "bias"):
             raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch}")
         return f"model.layers.{idx}.{layer_map[part]}.{kind}"
