@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -58,6 +59,10 @@ class Engine:
     # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.prefix_cache):
     # None = PROMPT_CACHE_SHARE of the memory budget's cache share, 0 = no reuse.
     prompt_cache_bytes: int | None = None
+    # Whether the drafter's own cache is reused too (its store joins the prefix cache's bound);
+    # None = $EDGESPEC_DRAFTER_REUSE ("on"/"off", default on). Off: the drafter prefills the
+    # whole prompt every request (for side-by-side measurements).
+    drafter_prefix_reuse: bool | None = None
     # KV-cache quantization (edgespec.kv_quant; changes the output, so off by default):
     # bits 8 or 4, groups of kv_group_size along the head size, positions before
     # quantized_kv_start kept in full precision.
@@ -309,6 +314,44 @@ class Engine:
 
                     pc = self.__dict__["_prefix_cache"] = PrefixCache(self._prompt_cache_limit())
         return pc
+
+    @property
+    def drafter_prefix_cache(self):
+        """The store of the engine's drafter's own caches (edgespec.prefix_cache), joined to
+        `prefix_cache`: one byte bound and one least recently used order over both. A second
+        store, not the same trie: the drafter's blocks are keyed by the same tokens but hold
+        another model's keys and values (and another layer layout). None when reuse is off,
+        the drafter has no cache of its own to reuse, or drafter reuse is turned off."""
+        d = self.drafter
+        if d is None or not callable(getattr(d, "reuses_prefixes", None)) or not d.reuses_prefixes():
+            return None
+        if not self._drafter_reuse_on():
+            return None
+        pc = self.prefix_cache
+        if not pc.enabled:
+            return None
+        held = self.__dict__.get("_drafter_prefix_cache")
+        if held is None or held[0] is not d or held[1]._group is not pc._group:
+            with self._lock:
+                held = self.__dict__.get("_drafter_prefix_cache")
+                if held is None or held[0] is not d or held[1]._group is not pc._group:
+                    from edgespec.prefix_cache import PrefixCache
+
+                    if held is not None:
+                        held[1].leave()  # another drafter's (or an earlier cache's) blocks go
+                    held = self.__dict__["_drafter_prefix_cache"] = (d, PrefixCache(joins=pc))
+        return held[1]
+
+    def _drafter_reuse_on(self) -> bool:
+        flag = self.drafter_prefix_reuse
+        if flag is None:
+            env = os.environ.get("EDGESPEC_DRAFTER_REUSE", "on").strip().lower()
+            if env not in ("on", "off", "1", "0"):
+                raise ValueError(f"EDGESPEC_DRAFTER_REUSE must be 'on' or 'off', got {env!r}")
+            return env in ("on", "1")
+        if not isinstance(flag, bool):
+            raise ValueError(f"drafter_prefix_reuse must be True, False or None, got {flag!r}")
+        return flag
 
     def kv_settings(self) -> dict:
         """What the caches' contents depend on beyond the model (saved caches must match)."""

@@ -51,6 +51,7 @@ class GenerationStats:
     notes: list[str] = field(default_factory=list)
     peak_memory_bytes: int = 0
     cached_tokens: int = 0  # prompt positions restored from the prefix cache (not prefilled)
+    drafter_cached_tokens: int = 0  # prompt positions the drafter restored from its own store
 
     @property
     def tokens_per_s(self) -> float:

@@ -83,23 +83,56 @@ def _positions(kind: str) -> bool:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, block: int = BLOCK):
-        if max_bytes < 0:
-            raise ValueError(f"prompt cache bytes must be >= 0, got {max_bytes}")
-        if block < 1:
-            raise ValueError(f"block must be >= 1 token, got {block}")
-        self.max_bytes, self.block = int(max_bytes), int(block)
-        self._lock = threading.Lock()
+    """A trie of cached blocks. `joins`: another PrefixCache whose byte bound, lock, clock and
+    eviction this one shares (the drafter's store joins the verifier's: one bound, one least
+    recently used order over both, see `_evict`); its `block` is taken from it."""
+
+    def __init__(self, max_bytes: int = 0, block: int = BLOCK, joins: PrefixCache | None = None):
+        if joins is not None:
+            self._group = joins._group
+            self._lock, self._clock, self.block = joins._lock, joins._clock, joins.block
+        else:
+            if max_bytes < 0:
+                raise ValueError(f"prompt cache bytes must be >= 0, got {max_bytes}")
+            if block < 1:
+                raise ValueError(f"block must be >= 1 token, got {block}")
+            self._group: list[PrefixCache] = [self]
+            self._max = int(max_bytes)
+            self.block = int(block)
+            self._lock = threading.Lock()
+            self._clock = itertools.count(1)
         self._root = _Node((), None)
-        self._clock = itertools.count(1)
         self._kinds: list[str] | None = None  # the layer layout every stored node follows
         self.bytes = 0
         self.blocks = 0
         self.lookups = self.hits = self.reused_tokens = self.evicted_blocks = 0
+        if joins is not None:
+            with self._lock:
+                self._group.append(self)
+
+    @property
+    def max_bytes(self) -> int:
+        """The bound on the bytes of every store of the group together."""
+        return self._group[0]._max
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self._group[0]._max = int(value)
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes held by this store and the stores joined with it (what the bound applies to)."""
+        return sum(s.bytes for s in self._group)
+
+    def leave(self) -> None:
+        """Take this store out of its group (a drafter replaced: its blocks go with it)."""
+        with self._lock:
+            if self._group[0] is not self and self in self._group:
+                self._group.remove(self)
 
     # ------------------------------------------------------------------ reading
     def _walk(self, tokens: list[int], limit: int) -> list[_Node]:
@@ -239,31 +272,35 @@ class PrefixCache:
                     stack.append(c)
 
     def shrink_to(self, nbytes: int) -> None:
-        """Evict (least recently used first) until at most `nbytes` are held: running requests
-        come first (the batch calls this before admitting one)."""
+        """Evict (least recently used first, over the whole group) until at most `nbytes` are
+        held in all: running requests come first (the batch calls this before admitting one)."""
         with self._lock:
             self._evict(max(nbytes, 0))
 
     def _evict(self, bound: int | None = None) -> None:
-        """Least recently used unpinned leaves go until the bytes fit (lock held)."""
+        """Least recently used unpinned leaves of every store of the group go until the
+        group's bytes fit (lock held). The stores share one clock, so a verifier block and
+        a drafter block of the same turn are equally old."""
         bound = self.max_bytes if bound is None else min(bound, self.max_bytes)
-        if self.bytes <= bound:
+        total = self.group_bytes
+        if total <= bound:
             return
-        leaves = [n for n in self._nodes() if not n.children and not n.pinned]
-        leaves.sort(key=lambda n: n.used)
-        while self.bytes > bound and leaves:
-            n = leaves.pop(0)
+        leaves = [(n, s) for s in self._group for n in s._nodes() if not n.children and not n.pinned]
+        leaves.sort(key=lambda ns: ns[0].used)
+        while total > bound and leaves:
+            n, owner = leaves.pop(0)
             parent = n.parent
             del parent.children[n.key]
-            self.bytes -= n.nbytes
-            self.blocks -= 1
-            self.evicted_blocks += 1
-            if parent is not self._root and not parent.children and not parent.pinned:
+            owner.bytes -= n.nbytes
+            total -= n.nbytes
+            owner.blocks -= 1
+            owner.evicted_blocks += 1
+            if parent is not owner._root and not parent.children and not parent.pinned:
                 # the parent became a leaf: it takes its place in the order
                 i = 0
-                while i < len(leaves) and leaves[i].used <= parent.used:
+                while i < len(leaves) and leaves[i][0].used <= parent.used:
                     i += 1
-                leaves.insert(i, parent)
+                leaves.insert(i, (parent, owner))
 
     def _nodes(self):
         stack = list(self._root.children.values())
@@ -273,24 +310,30 @@ class PrefixCache:
             stack.extend(n.children.values())
 
     def clear(self, keep_pinned: bool = False) -> None:
-        """Forget what is cached (`keep_pinned`: all but the loaded prompt caches and their paths)."""
+        """Forget what is cached (`keep_pinned`: all but the loaded prompt caches and their
+        paths), in this store and the stores joined with it."""
         with self._lock:
-            if not keep_pinned:
-                self._root = _Node((), None)
-                self.bytes = self.blocks = 0
-                self._kinds = None
-                return
-            stack = [self._root]
-            while stack:
-                n = stack.pop()
-                for k, c in list(n.children.items()):
-                    if c.pinned:
-                        stack.append(c)
-                    else:
-                        gone = [c, *_below(c)]
-                        self.bytes -= sum(g.nbytes for g in gone)
-                        self.blocks -= len(gone)
-                        del n.children[k]
+            for s in self._group:
+                s._clear(keep_pinned)
+
+    def _clear(self, keep_pinned: bool) -> None:
+        """(lock held)"""
+        if not keep_pinned:
+            self._root = _Node((), None)
+            self.bytes = self.blocks = 0
+            self._kinds = None
+            return
+        stack = [self._root]
+        while stack:
+            n = stack.pop()
+            for k, c in list(n.children.items()):
+                if c.pinned:
+                    stack.append(c)
+                else:
+                    gone = [c, *_below(c)]
+                    self.bytes -= sum(g.nbytes for g in gone)
+                    self.blocks -= len(gone)
+                    del n.children[k]
 
     def unpin(self) -> None:
         with self._lock:

@@ -266,6 +266,7 @@ class _Seq:
         self.key = next(_KEYS)  # admission order: the tie-break of the joint choice
         self.arena_rows: dict[int, list] = {}  # rows of the batch's KV arena it holds -> its SlotCaches
         self.reuse = None  # its prefix-cache use (edgespec.prefix_cache.Reuse), once its prompt ran
+        self.drafter_reuse = None  # its drafter's (edgespec.drafters.base.DrafterReuse)
 
 
 class Batcher:
@@ -415,10 +416,11 @@ class Batcher:
         return new
 
     def _make_room(self, req: Request) -> None:
-        """The prefix cache (edgespec.prefix_cache) holds only what the live sequences and
-        `req` leave of the budget: its least recently used blocks go first."""
+        """The prefix cache (edgespec.prefix_cache) and the drafter's store joined to it hold
+        only what the live sequences and `req` leave of the budget: their least recently used
+        blocks go first."""
         pc = self.engine.prefix_cache
-        if pc.bytes and self.budget != float("inf"):
+        if pc.group_bytes and self.budget != float("inf"):  # the drafter's store too (joined)
             pc.shrink_to(int(self.budget - self.held_bytes(req)))
 
     def held_bytes(self, new: Request | None = None) -> int:
@@ -736,6 +738,20 @@ class Batcher:
             return None
         return peers, self._step_cost(), me.key
 
+    def _drafter_reuse(self, mode, stats):
+        """The request's use of the drafter's prefix store (drafters.base.DrafterReuse), bound
+        to the fork of the drafter its mode drafts with; None without one."""
+        fork = getattr(mode, "request_drafter", None)
+        if fork is None or fork is self.engine.drafter or not hasattr(fork, "prefix_reuse"):
+            return None  # the engine's own drafter (no fork): shared, nothing of its own to keep
+        store = self.engine.drafter_prefix_cache
+        if store is None:
+            return None
+        from edgespec.drafters.base import DrafterReuse
+
+        fork.prefix_reuse = DrafterReuse(store, fork, stats)
+        return fork.prefix_reuse
+
     def _run(self, seq: _Seq) -> None:
         """A sequence's whole life, inside its greenlet: build the mode, stream, report."""
         req, engine = seq.req, self.engine
@@ -746,6 +762,7 @@ class Batcher:
             mode = engine.build_mode(req.options, req.mode_name, stats)
             if getattr(mode, "model", None) is engine.model:
                 mode.model = SeqModel(engine.model, self, seq)
+            seq.drafter_reuse = self._drafter_reuse(mode, stats)
             from edgespec.processors import attach_processors
             from edgespec.sampling import Sampler
 
@@ -771,6 +788,10 @@ class Batcher:
                     if ok:  # the reply's committed positions, for the next turn (prefix_cache)
                         seq.reuse.commit(list(req.ids) + reply)
                     seq.reuse = None
+                if seq.drafter_reuse is not None:
+                    if ok:  # the drafter's cache on the committed path, likewise
+                        seq.drafter_reuse.commit(list(req.ids) + reply)
+                    seq.drafter_reuse = None
                 if engine.history is not None and reply:
                     engine.history.add(list(req.ids) + reply)
                 get_peak = getattr(mx, "get_peak_memory", None)

@@ -14,6 +14,7 @@ to undo a wrong guess; drafters without it run unpipelined.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -43,6 +44,13 @@ class Drafter(Protocol):
     def accept(self, n_accepted: int, next_token: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+def request_drafter(drafter):
+    """The drafter one request drafts with: a fork with a state of its own when the drafter
+    has one (`ModelDrafter.fork`), else the engine's drafter itself."""
+    fork = getattr(drafter, "fork", None)
+    return fork() if callable(fork) else drafter
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -106,6 +114,32 @@ class ModelDrafter(CommittedSequence):
         self.seq: list[int] = []
         self.fed: list[int] = []  # tokens whose K/V are in the cache (len == cache offset)
         self._last_draft: list[int] = []
+        # The request's use of the drafter's prefix store (DrafterReuse), set on a fork.
+        self.prefix_reuse: DrafterReuse | None = None
+        self.prefilled = 0  # positions begin() ran through the model (the rest were restored)
+
+    def fork(self) -> ModelDrafter:
+        """This drafter for one request: the same model and weights, a state of its own.
+
+        The engine owns one drafter, while the batch (edgespec.batch) runs several requests
+        at once, each in its own greenlet, switching at every verifier call: between a draft
+        and its accept another request's draft would run. Each request's mode drafts with a
+        fork, so no request's cache or committed sequence is another's."""
+        twin = copy.copy(self)
+        twin.cache, twin.seq, twin.fed, twin._last_draft = [], [], [], []
+        twin.prefix_reuse, twin.prefilled = None, 0
+        return twin
+
+    def reuses_prefixes(self) -> bool:
+        """Whether its cache can go through a prefix store: all layers, or a subset of a model
+        whose layers each read only their own cache (Gemma 4's shared-key layers read others')."""
+        return self.layer_ids is None or bool(getattr(self.model, "layerwise", True))
+
+    def stored_caches(self) -> list:
+        """The caches that hold the drafter's positions (a layer subset: only its layers)."""
+        if self.layer_ids is None:
+            return self.cache
+        return [self.cache[i] for i in self.layer_ids]
 
     # -- model call: (1, T) tokens -> (T, V) logits, appending T positions to the cache
     def _forward(self, x: mx.array) -> mx.array:
@@ -126,15 +160,23 @@ class ModelDrafter(CommittedSequence):
         self.fed = []
         self.seq = list(prompt)
         self._last_draft = []
-        # Prefill all but the last token; it is fed with the first draft step.
+        # Prefill all but the last token; it is fed with the first draft step. With the
+        # drafter's prefix store, the longest cached prefix is restored first (whole blocks,
+        # at most len(prompt) - 1 positions: exactly what the prefill would compute).
         from edgespec.generate import PREFILL_CHUNK
 
         body = self.seq[:-1]
-        for start in range(0, len(body), PREFILL_CHUNK):
+        reuse = self.prefix_reuse
+        done = reuse.restore(self.seq, self.stored_caches()) if reuse is not None else 0
+        self.fed.extend(body[:done])
+        self.prefilled = len(body) - done
+        for start in range(done, len(body), PREFILL_CHUNK):
             piece = body[start : start + PREFILL_CHUNK]
             self._forward(mx.array(piece, dtype=mx.int32)[None])
             self.fed.extend(piece)
             mx.eval(cache_arrays(self.cache))
+        if reuse is not None:
+            reuse.store_prompt(self.seq, len(body))
 
     def draft(self, k: int, sampler) -> Draft:
         """k tokens continuing `seq`; q (k, V) filtered with the sampler's params."""
@@ -165,3 +207,33 @@ class ModelDrafter(CommittedSequence):
     def close(self) -> None:
         self.cache = []
         self.fed = []
+
+
+class DrafterReuse:
+    """One request's use of the drafter's prefix store (edgespec.prefix_cache, the engine's
+    `drafter_prefix_cache`): `ModelDrafter.begin` restores from it and stores the prompt into
+    it; at the request's end (`commit`, from the batch) the positions the drafter's cache
+    holds on the committed path are kept: after rollback its cache may still hold rejected
+    drafts, so only the leading positions whose tokens are both fed and committed."""
+
+    def __init__(self, store, drafter: ModelDrafter, stats=None):
+        self.store, self.drafter, self.stats = store, drafter, stats
+        self.restored = 0
+
+    def restore(self, tokens: list[int], caches) -> int:
+        self.restored = self.store.restore(tokens, caches)
+        if self.stats is not None:
+            self.stats.drafter_cached_tokens = self.restored
+        return self.restored
+
+    def store_prompt(self, tokens: list[int], upto: int) -> None:
+        self.store.store(tokens, self.drafter.stored_caches(), upto)
+
+    def commit(self, tokens: list[int]) -> None:
+        """`tokens`: the request's prompt + the reply handed out."""
+        d = self.drafter
+        if not d.cache:
+            return  # it never began (a request the drafter did not draft for)
+        upto = common_prefix(d.fed, tokens)
+        if upto:
+            self.store.store(tokens, d.stored_caches(), upto)

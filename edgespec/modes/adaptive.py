@@ -21,6 +21,7 @@ from edgespec.adaptive.sources import (
     JacobiSource,
 )
 from edgespec.calibration import SIZES, cost_store
+from edgespec.drafters.base import request_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.modes import register_mode
 from edgespec.modes.schema import Option
@@ -96,7 +97,8 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         raise DrafterRequiredError("adaptive source 'drafter' needs a drafter: load one (--drafter), or drop the source")
     store = cost_store(engine)  # read once per engine; measures nothing
     store.publish(engine)
-    dsrc = DrafterSource(drafter, store.draft(drafter)) if drafter is not None else None
+    # The request's own fork of the drafter (its state apart from the batch's other rows).
+    dsrc = DrafterSource(request_drafter(drafter), store.draft(drafter)) if drafter is not None else None
     span = o.get("span", 16)
     sources = []
     if "forced" in names:  # proposes only when the request has a grammar (bound per request)
@@ -112,7 +114,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
 
         d = default_options()
         jacobi = JacobiSource(o.get("window", d["window"]), o.get("ngram", d["ngram"]))
-    return AdaptiveDecoder(
+    mode = AdaptiveDecoder(
         engine.model,
         sources,
         store.costs,
@@ -128,6 +130,8 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         batch_aware=o.get("batch_aware", True),
         after_request=lambda: _after_request(engine, store),
     )
+    mode.request_drafter = dsrc.drafter if dsrc is not None else None  # the batch binds its reuse
+    return mode
 
 
 def _after_request(engine, store) -> None:

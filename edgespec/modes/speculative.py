@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from edgespec.adaptive.estimate import PlainTimer
 from edgespec.controller import CostModel, KController
-from edgespec.drafters.base import Draft
+from edgespec.drafters.base import Draft, request_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import Token, prefill, runs_alone
 from edgespec.modes import register_mode
@@ -433,8 +433,11 @@ def make_speculative(engine, options):
             "verifier), 'prompt_lookup', or a drafter folder/bundle"
         )
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    mode = SpeculativeMode(engine.model, drafter, options, costs=costs,
+    # The request drafts with its own fork of the drafter (its state apart from the batch's
+    # other rows); what is learnt stays keyed to the engine's drafter.
+    mode = SpeculativeMode(engine.model, request_drafter(drafter), options, costs=costs,
                            memory=engine_memory(engine, drafter, "speculative"))
+    mode.request_drafter = mode.drafter  # the batch binds its prefix reuse
     mode.after_request = after_request(engine)
     # Notes from attaching the drafter (e.g. Core ML unavailable -> MLX copy); apps show each once.
     mode.extra_notes = list(getattr(engine, "drafter_notes", []))
