@@ -3,7 +3,8 @@
     LD_PRELOAD=$(make -s preload) .venv/bin/python benchmarks/prefix_reuse.py [--json out.json]
         [--model BUNDLE] [--turns 8] [--turn-chars 1300] [--max-tokens 32] [--drafter DRAFTER]
         [--skip server,chat,concurrency,kv] [--kv-context 4096] [--kv-gen 128] [--kv-prompts 3]
-        [--concurrency-turns 4] [--concurrency-cache-bytes 120M]
+        [--concurrency-turns 4] [--concurrency-cache-bytes 120M] [--compare-drafter-reuse] [--no-mlx-lm]
+        [--mode MODE]
 
 a. A growing conversation (--turns turns, each adding a user message of about
    --turn-chars characters, a few hundred tokens; replies of --max-tokens appended)
@@ -11,6 +12,8 @@ a. A growing conversation (--turns turns, each adding a user message of about
    default), `edgespec serve --prompt-cache-bytes 0` (off) and mlx-lm's server (its prompt
    cache on by default) on the same weights. Each turn is sent to the three in turn (the
    order rotating), streamed; time to first token = until the first content chunk.
+   --compare-drafter-reuse adds a fourth, prefix reuse on but the drafter's own cache
+   prefilled from scratch each turn (EDGESPEC_DRAFTER_REUSE=off); --no-mlx-lm drops mlx-lm's.
 b. The same conversation through `edgespec chat` (a subprocess, stdin piped, one line a
    turn): the stats line's reused prompt tokens per turn.
 c. 4 conversations interleaved through one server with a small --prompt-cache-bytes (each
@@ -116,12 +119,14 @@ class MlxLmServer:
         self.log.close()
 
 
-def stream_turn(url: str, messages: list[dict], max_tokens: int, edgespec: bool) -> dict:
+def stream_turn(url: str, messages: list[dict], max_tokens: int, edgespec: bool, mode: str | None = None) -> dict:
     """One streamed chat request: time to the first content chunk, the reply, usage."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if edgespec:
         body["model"] = "default"
+        if mode:
+            body["mode"] = mode
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
@@ -163,16 +168,39 @@ def serve_args(args) -> list[str]:
     return ["--history", "off", *(["--drafter", args.drafter] if args.drafter else [])]
 
 
+def _drafter_reuse_off_server(bundle: str, args):
+    """An edgespec server with prefix reuse on but the drafter's own cache not reused
+    (EDGESPEC_DRAFTER_REUSE=off in its environment): the state before the drafter's store."""
+    from server_support import ServerProcess
+
+    old = os.environ.get("EDGESPEC_DRAFTER_REUSE")
+    os.environ["EDGESPEC_DRAFTER_REUSE"] = "off"
+    try:
+        return ServerProcess(Path(bundle), *serve_args(args))
+    finally:
+        if old is None:
+            del os.environ["EDGESPEC_DRAFTER_REUSE"]
+        else:
+            os.environ["EDGESPEC_DRAFTER_REUSE"] = old
+
+
 def bench_server(args, bundle: str) -> dict:
     from server_support import ServerProcess
 
     turns = user_turns(args.turns, args.turn_chars)
-    names = ["edgespec", "edgespec_no_reuse", "mlx_lm"]
+    names = ["edgespec", "edgespec_no_reuse"]
+    if args.compare_drafter_reuse:
+        names.insert(1, "edgespec_no_drafter_reuse")
+    if not args.no_mlx_lm:
+        names.append("mlx_lm")
     servers = {}
     try:
         servers["edgespec"] = ServerProcess(Path(bundle), *serve_args(args))
+        if args.compare_drafter_reuse:
+            servers["edgespec_no_drafter_reuse"] = _drafter_reuse_off_server(bundle, args)
         servers["edgespec_no_reuse"] = ServerProcess(Path(bundle), *serve_args(args), "--prompt-cache-bytes", "0")
-        servers["mlx_lm"] = MlxLmServer(bundle)
+        if not args.no_mlx_lm:
+            servers["mlx_lm"] = MlxLmServer(bundle)
         # warm-up: one short request each, a conversation of its own (its blocks stay cached
         # on the reuse servers, but share no prefix with the measured one beyond the template)
         for name in names:
@@ -180,10 +208,10 @@ def bench_server(args, bundle: str) -> dict:
         convs = {n: [] for n in names}
         rows = {n: [] for n in names}
         for k, text in enumerate(turns):
-            order = names[k % 3:] + names[: k % 3]
+            order = names[k % len(names):] + names[: k % len(names)]
             for name in order:
                 convs[name].append({"role": "user", "content": text})
-                res = stream_turn(servers[name].url, convs[name], args.max_tokens, name != "mlx_lm")
+                res = stream_turn(servers[name].url, convs[name], args.max_tokens, name != "mlx_lm", args.mode)
                 convs[name].append({"role": "assistant", "content": res["reply"]})
                 rows[name].append(res)
             print(f"  turn {k + 1}: " + ", ".join(f"{n} {rows[n][-1]['ttft_s'] * 1000:.0f} ms "
@@ -193,17 +221,23 @@ def bench_server(args, bundle: str) -> dict:
     finally:
         for s in servers.values():
             s.stop()
-    out = {"turns": args.turns, "turn_chars": args.turn_chars, "max_tokens": args.max_tokens, "per_turn": []}
+    out = {"turns": args.turns, "turn_chars": args.turn_chars, "max_tokens": args.max_tokens, "per_turn": [],
+           "servers": names, "mode": args.mode or "auto"}
     for k in range(args.turns):
-        out["per_turn"].append({
+        row = {
             "turn": k + 1,
             "prompt_tokens": rows["edgespec"][k]["prompt_tokens"],
             **{f"{n}_ttft_ms": rows[n][k]["ttft_s"] * 1000 for n in names},
             "edgespec_cached_tokens": rows["edgespec"][k]["cached_tokens"],
             "no_reuse_cached_tokens": rows["edgespec_no_reuse"][k]["cached_tokens"],
-            "mlx_lm_cached_tokens": rows["mlx_lm"][k]["cached_tokens"],
-            "edgespec_vs_mlx_lm": rows["edgespec"][k]["ttft_s"] / rows["mlx_lm"][k]["ttft_s"],
-        })
+        }
+        if "mlx_lm" in names:
+            row["mlx_lm_cached_tokens"] = rows["mlx_lm"][k]["cached_tokens"]
+            row["edgespec_vs_mlx_lm"] = rows["edgespec"][k]["ttft_s"] / rows["mlx_lm"][k]["ttft_s"]
+        if "edgespec_no_drafter_reuse" in names:
+            row["edgespec_vs_no_drafter_reuse"] = (rows["edgespec"][k]["ttft_s"]
+                                                   / rows["edgespec_no_drafter_reuse"][k]["ttft_s"])
+        out["per_turn"].append(row)
     for n in names:
         out[f"{n}_last_over_first"] = rows[n][-1]["ttft_s"] / rows[n][0]["ttft_s"]
     out["same_replies"] = {n: [r["reply"] for r in rows[n]] == [r["reply"] for r in rows["edgespec"]] for n in names}
@@ -395,17 +429,25 @@ def report(res: dict) -> None:
         s = res["server"]
         print(f"\n(a) growing conversation through the server: {s['turns']} turns, ~{s['turn_chars']} chars "
               f"added per turn, max_tokens {s['max_tokens']}; time to first token (ms)")
-        print(f"{'turn':>4} {'prompt':>6} {'reuse':>7} {'cached':>6} {'no reuse':>9} {'mlx-lm':>7} "
-              f"{'mlx cached':>10} {'reuse/mlx':>9}")
+        names = s.get("servers", ["edgespec", "edgespec_no_reuse", "mlx_lm"])
+        dr, ml = "edgespec_no_drafter_reuse" in names, "mlx_lm" in names
+        print(f"{'turn':>4} {'prompt':>6} {'reuse':>7} {'cached':>6} "
+              + (f"{'no drafter reuse':>16} {'reuse/no-dr':>11} " if dr else "")
+              + f"{'no reuse':>9}" + (f" {'mlx-lm':>7} {'mlx cached':>10} {'reuse/mlx':>9}" if ml else ""))
         for r in s["per_turn"]:
-            print(f"{r['turn']:>4} {r['prompt_tokens'] or '?':>6} {r['edgespec_ttft_ms']:>7.0f} "
-                  f"{r['edgespec_cached_tokens'] if r['edgespec_cached_tokens'] is not None else '?':>6} "
-                  f"{r['edgespec_no_reuse_ttft_ms']:>9.0f} {r['mlx_lm_ttft_ms']:>7.0f} "
-                  f"{r['mlx_lm_cached_tokens'] if r['mlx_lm_cached_tokens'] is not None else '?':>10} "
-                  f"{r['edgespec_vs_mlx_lm']:>9.2f}")
-        print(f"last/first turn: reuse {s['edgespec_last_over_first']:.2f}x, no reuse "
-              f"{s['edgespec_no_reuse_last_over_first']:.2f}x, mlx-lm {s['mlx_lm_last_over_first']:.2f}x; "
-              f"same replies as edgespec-with-reuse: {s['same_replies']}")
+            line = (f"{r['turn']:>4} {r['prompt_tokens'] or '?':>6} {r['edgespec_ttft_ms']:>7.0f} "
+                    f"{r['edgespec_cached_tokens'] if r['edgespec_cached_tokens'] is not None else '?':>6} ")
+            if dr:
+                line += (f"{r['edgespec_no_drafter_reuse_ttft_ms']:>16.0f} "
+                         f"{r['edgespec_vs_no_drafter_reuse']:>11.2f} ")
+            line += f"{r['edgespec_no_reuse_ttft_ms']:>9.0f}"
+            if ml:
+                line += (f" {r['mlx_lm_ttft_ms']:>7.0f} "
+                         f"{r['mlx_lm_cached_tokens'] if r['mlx_lm_cached_tokens'] is not None else '?':>10} "
+                         f"{r['edgespec_vs_mlx_lm']:>9.2f}")
+            print(line)
+        print("last/first turn: " + ", ".join(f"{n} {s[f'{n}_last_over_first']:.2f}x" for n in names)
+              + f"; same replies as edgespec-with-reuse: {s['same_replies']}")
     if "chat" in res:
         c = res["chat"]
         print(f"\n(b) edgespec chat ({c['command']}), stats line per turn:")
@@ -458,6 +500,13 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-speed-context", type=int, default=512, help="prompt tokens before the decode timing")
     ap.add_argument("--kv-speed-tokens", type=int, default=32, help="tokens decoded per speed run")
     ap.add_argument("--kv-repeats", type=int, default=2, help="alternating speed runs per cache kind")
+    ap.add_argument("--compare-drafter-reuse", action="store_true",
+                    help="(a): also a server with prefix reuse on but the drafter's own cache not reused "
+                         "(EDGESPEC_DRAFTER_REUSE=off): before/after the drafter's store, side by side")
+    ap.add_argument("--no-mlx-lm", action="store_true", help="(a): leave mlx-lm's server out")
+    ap.add_argument("--mode", default=None,
+                    help="(a): decoding mode asked of edgespec's servers (default: theirs, auto; 'speculative' "
+                         "drafts from the first step, so the drafter's prefill is in the time to first token)")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: server,chat,concurrency,kv")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
