@@ -69,7 +69,7 @@ def test_multi_turn_output_equals_drafter_reuse_off(mode):
     samplings = [{}, {"temperature": 0.8, "seed": 7, **({"draft_tokens": 3} if mode == "speculative" else {})}]
     for sampling in samplings:
         on.prefix_cache.clear()
-        convo = prompt(10, 2)
+        convo = last = prompt(10, 2)
         for turn in range(4):
             a = on.generate(convo, max_tokens=12, mode=mode, **sampling)
             b = off.generate(convo, max_tokens=12, mode=mode, **sampling)
@@ -95,6 +95,39 @@ def test_self_speculative_drafter_reuse_is_exact():
             assert a.stats.drafter_cached_tokens > 0
         convo = convo + a.tokens + prompt(4, 30 + turn)
     assert on.drafter_prefix_cache.stats().blocks > 0
+
+
+def tiny_lfm2(seed: int = 5):
+    """A drafter model with a convolution (state) layer and an attention layer."""
+    from edgespec.models.lfm2 import Model, ModelArgs
+
+    mx.random.seed(seed)
+    args = ModelArgs.from_dict(dict(
+        model_type="lfm2", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, norm_eps=1e-5, max_position_embeddings=512,
+        layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False))
+    model = Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_drafter_with_state_layers_reuses_exactly():
+    """A drafter with a convolution layer: its begin pauses at the last block boundary so the
+    state there is stored; later turns restore it and the output is unchanged."""
+    on, off = engine_with(), engine_with(drafter_reuse=False)
+    for e in (on, off):
+        e.drafter = MLXDrafter(tiny_lfm2())
+    for sampling in ({}, {"temperature": 0.8, "seed": 3, "draft_tokens": 3}):
+        on.prefix_cache.clear()
+        convo = last = prompt(14, 8)
+        for turn in range(3):
+            a = on.generate(convo, max_tokens=10, mode="speculative", **sampling)
+            b = off.generate(convo, max_tokens=10, mode="speculative", **sampling)
+            assert a.tokens == b.tokens, (turn, sampling)
+            if turn:
+                assert a.stats.drafter_cached_tokens >= (len(last) - 1) // BLOCK * BLOCK
+            last, convo = convo, convo + a.tokens + prompt(5, 60 + turn)
+    assert on.drafter_prefix_cache._kinds == ["state", "positions"]  # noqa: SLF001
 
 
 def fresh_drafter_kv(drafter, tokens):
@@ -137,6 +170,7 @@ def test_the_drafter_prefills_only_the_new_part(monkeypatch):
     ran = Ran(monkeypatch)
     e = engine_with()
     convo = prompt(30, 3)
+    prev = len(convo)
     for turn in range(4):
         r = e.generate(convo, max_tokens=12, mode="speculative", draft_tokens=3)
         ran_now = ran.begins[-1]

@@ -170,11 +170,21 @@ class ModelDrafter(CommittedSequence):
         done = reuse.restore(self.seq, self.stored_caches()) if reuse is not None else 0
         self.fed.extend(body[:done])
         self.prefilled = len(body) - done
-        for start in range(done, len(body), PREFILL_CHUNK):
-            piece = body[start : start + PREFILL_CHUNK]
+        starts = list(range(done, len(body), PREFILL_CHUNK))
+        pause = None
+        if reuse is not None and reuse.needs_boundary():
+            # recurrent layers export their state only where it stands: pause at the last
+            # block boundary so the prompt's blocks can be stored whole (as generate.prefill)
+            pause = len(body) // reuse.store.block * reuse.store.block
+            starts = sorted(set(starts) | {pause}) if done < pause < len(body) else starts
+        for i, start in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else len(body)
+            piece = body[start:end]
             self._forward(mx.array(piece, dtype=mx.int32)[None])
             self.fed.extend(piece)
             mx.eval(cache_arrays(self.cache))
+            if end == pause and end < len(body):
+                reuse.store_prompt(self.seq, pause)
         if reuse is not None:
             reuse.store_prompt(self.seq, len(body))
 
@@ -228,6 +238,13 @@ class DrafterReuse:
 
     def store_prompt(self, tokens: list[int], upto: int) -> None:
         self.store.store(tokens, self.drafter.stored_caches(), upto)
+
+    def needs_boundary(self) -> bool:
+        """Whether the drafter has state layers (they export only at their offset)."""
+        from edgespec.prefix_cache import layer_kinds
+
+        kinds = layer_kinds(self.drafter.stored_caches())
+        return kinds is not None and any(k.split(":")[0] != "positions" for k in kinds)
 
     def commit(self, tokens: list[int]) -> None:
         """`tokens`: the request's prompt + the reply handed out."""
