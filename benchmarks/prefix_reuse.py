@@ -128,7 +128,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int, edgespec: bool,
         if mode:
             body["mode"] = mode
     t0 = time.perf_counter()
-    ttft, text, usage = None, [], None
+    ttft, text, usage, stats = None, [], None, {}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -143,10 +143,13 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int, edgespec: bool,
                 text.append(piece)
             if obj.get("usage"):
                 usage = obj["usage"]
+            if obj.get("edgespec"):  # edgespec's decoding stats, on its last event
+                stats = obj["edgespec"]
     total = time.perf_counter() - t0
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "reply": "".join(text),
-            "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": cached}
+            "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": cached,
+            "prefill_s": stats.get("prefill_s"), "drafter_cached_tokens": stats.get("drafter_cached_tokens")}
 
 
 def peak_rss(pid: int) -> int | None:
@@ -237,6 +240,10 @@ def bench_server(args, bundle: str) -> dict:
         if "edgespec_no_drafter_reuse" in names:
             row["edgespec_vs_no_drafter_reuse"] = (rows["edgespec"][k]["ttft_s"]
                                                    / rows["edgespec_no_drafter_reuse"][k]["ttft_s"])
+        for n in names:  # the server's own prefill time (drafter's begin included) and drafter reuse
+            if n != "mlx_lm":
+                row[f"{n}_prefill_ms"] = (rows[n][k]["prefill_s"] or 0.0) * 1000
+                row[f"{n}_drafter_cached_tokens"] = rows[n][k]["drafter_cached_tokens"]
         out["per_turn"].append(row)
     for n in names:
         out[f"{n}_last_over_first"] = rows[n][-1]["ttft_s"] / rows[n][0]["ttft_s"]
@@ -446,6 +453,12 @@ def report(res: dict) -> None:
                          f"{r['mlx_lm_cached_tokens'] if r['mlx_lm_cached_tokens'] is not None else '?':>10} "
                          f"{r['edgespec_vs_mlx_lm']:>9.2f}")
             print(line)
+        if dr:
+            print("  server-side prefill (ms; drafter's begin included) and the drafter's reused tokens:")
+            for r in s["per_turn"]:
+                print(f"  turn {r['turn']}: reuse {r['edgespec_prefill_ms']:.0f} "
+                      f"(drafter reused {r['edgespec_drafter_cached_tokens']}), no drafter reuse "
+                      f"{r['edgespec_no_drafter_reuse_prefill_ms']:.0f}, no reuse {r['edgespec_no_reuse_prefill_ms']:.0f}")
         print("last/first turn: " + ", ".join(f"{n} {s[f'{n}_last_over_first']:.2f}x" for n in names)
               + f"; same replies as edgespec-with-reuse: {s['same_replies']}")
     if "chat" in res:

@@ -325,6 +325,7 @@ def _stats(job: Job) -> dict[str, Any]:
         "tokens_per_s": s.tokens_per_s, "verifier_passes": s.verifier_passes, "drafted": s.drafted,
         "accepted": s.accepted, "draft_tokens": s.draft_tokens, "prefill_s": s.prefill_s,
         "decode_s": s.decode_s, "queue_s": job.queue_s, "notes": list(s.notes),
+        "cached_tokens": s.cached_tokens, "drafter_cached_tokens": s.drafter_cached_tokens,
     }
 
 
