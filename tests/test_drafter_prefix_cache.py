@@ -276,3 +276,24 @@ def test_drafter_reuse_switch_is_checked(monkeypatch):
     e.drafter_prefix_reuse = "yes"
     with pytest.raises(ValueError, match="drafter_prefix_reuse"):
         e.drafter_prefix_cache  # noqa: B018
+
+
+def test_an_assistant_drafter_forks_per_request():
+    """Gemma 4's assistant owns no cache (nothing to reuse) but binds the request's verifier
+    cache and follows its committed sequence: each request gets a fork of its own."""
+    from edgespec.drafters.assistant import AssistantDrafter
+    from edgespec.drafters.base import request_drafter
+
+    d = AssistantDrafter.__new__(AssistantDrafter)  # the state only: no weights needed here
+    d.cache, d.seq, d._last_draft, d.assistant = None, [], [], object()
+    a, b = request_drafter(d), request_drafter(d)
+    a.begin([1, 2, 3])
+    a.bind_verifier_cache(["a's cache"])
+    b.begin([4, 5])
+    b.sync([4, 5, 6])
+    assert (a.seq, a.cache, b.seq, b.cache) == ([1, 2, 3], ["a's cache"], [4, 5, 6], None)
+    assert a.assistant is b.assistant is d.assistant and d.seq == [] and d.cache is None
+    assert engine_with().drafter_prefix_cache is not None
+    e = engine_with()
+    e.drafter = d
+    assert e.drafter_prefix_cache is None  # no store for a drafter without a cache of its own

@@ -19,6 +19,7 @@ see `reads_verifier`).
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -107,6 +108,15 @@ class AssistantDrafter:
         self.cache = None
         self.seq: list[int] = []
         self._last_draft: list[int] = []
+
+    def fork(self) -> AssistantDrafter:
+        """This drafter for one request (see drafters.base.ModelDrafter.fork): the same
+        weights, a verifier cache binding and committed sequence of its own, so requests
+        drafting at once in a batch do not share them. It owns no cache: nothing to reuse
+        (the verifier's cache it drafts from is restored by the prefix cache)."""
+        twin = copy.copy(self)
+        twin.cache, twin.seq, twin._last_draft = None, [], []
+        return twin
 
     # ------------------------------------------------------------- verifier state
     def bind_verifier_cache(self, cache) -> None:
