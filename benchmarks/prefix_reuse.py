@@ -2,7 +2,7 @@
 
     LD_PRELOAD=$(make -s preload) .venv/bin/python benchmarks/prefix_reuse.py [--json out.json]
         [--model BUNDLE] [--turns 8] [--turn-chars 1300] [--max-tokens 32] [--drafter DRAFTER]
-        [--skip server,chat,concurrency,kv] [--kv-context 4096] [--kv-gen 128] [--kv-prompts 3]
+        [--skip server,drafter,chat,concurrency,kv] [--kv-context 4096] [--kv-gen 128] [--kv-prompts 3]
         [--concurrency-turns 4] [--concurrency-cache-bytes 120M] [--compare-drafter-reuse] [--no-mlx-lm]
         [--mode MODE]
 
@@ -14,6 +14,9 @@ a. A growing conversation (--turns turns, each adding a user message of about
    order rotating), streamed; time to first token = until the first content chunk.
    --compare-drafter-reuse adds a fourth, prefix reuse on but the drafter's own cache
    prefilled from scratch each turn (EDGESPEC_DRAFTER_REUSE=off); --no-mlx-lm drops mlx-lm's.
+a2. In-process, the drafter's own prefill at each turn of that conversation (what mode
+   speculative runs before its first token): from scratch against restoring the earlier
+   turn's blocks from the drafter's store (--drafter-repeats alternating runs each).
 b. The same conversation through `edgespec chat` (a subprocess, stdin piped, one line a
    turn): the stats line's reused prompt tokens per turn.
 c. 4 conversations interleaved through one server with a small --prompt-cache-bytes (each
@@ -252,6 +255,54 @@ def bench_server(args, bundle: str) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- drafter
+def bench_drafter(args, bundle: str) -> dict:
+    """In-process, the drafter's own prefill at each turn of the conversation (what mode
+    speculative does before its first token): from scratch against restoring the earlier
+    turn's blocks from the drafter's store, alternating, --drafter-repeats times each."""
+    import mlx.core as mx
+
+    import edgespec
+    from edgespec.drafters.base import DrafterReuse
+
+    engine = edgespec.load(bundle, progress=False, history="off",
+                           **({"drafter": args.drafter} if args.drafter else {}))
+    store = engine.drafter_prefix_cache
+    if store is None:
+        return {"skipped": f"drafter {getattr(engine.drafter, 'name', None)!r} has no cache of its own to reuse"}
+    msgs, prompts = [], []
+    for text in user_turns(args.turns, args.turn_chars):
+        msgs.append({"role": "user", "content": text})
+        prompts.append(engine.encode_prompt(messages=msgs))
+        msgs.append({"role": "assistant", "content": "Noted; the link is the topic itself, seen from each part."})
+
+    def begin(tokens, reuse: bool) -> tuple[float, int]:
+        d = engine.drafter.fork()
+        if reuse:
+            d.prefix_reuse = DrafterReuse(store, d)
+        t = time.perf_counter()
+        d.begin(tokens)
+        mx.synchronize()
+        return time.perf_counter() - t, d.prefilled
+
+    rows = []
+    for k, tokens in enumerate(prompts):
+        fresh, reused, ran = [], [], None
+        for _ in range(args.drafter_repeats):
+            engine.prefix_cache.clear()
+            if k:  # what the earlier turn left: its prompt and reply, up to the last whole block
+                begin(prompts[k - 1] + tokens[len(prompts[k - 1]):len(prompts[k - 1]) + 16], True)
+            reused.append(begin(tokens, True))
+            fresh.append(begin(tokens, False))
+        ran = reused[-1][1]
+        rows.append({"turn": k + 1, "prompt_tokens": len(tokens), "drafter_prefilled_with_reuse": ran,
+                     "fresh_ms": [t * 1000 for t, _ in fresh], "reuse_ms": [t * 1000 for t, _ in reused]})
+        print(f"  turn {k + 1}: {len(tokens)} tokens; drafter prefill from scratch "
+              f"{statistics.median(rows[-1]['fresh_ms']):.0f} ms, with reuse "
+              f"{statistics.median(rows[-1]['reuse_ms']):.0f} ms ({ran} positions run)", file=sys.stderr)
+    return {"drafter": engine.drafter.name, "repeats": args.drafter_repeats, "per_turn": rows}
+
+
 # --------------------------------------------------------------------------- chat
 def bench_chat(args, bundle: str) -> dict:
     turns = user_turns(args.turns, args.turn_chars)
@@ -461,6 +512,15 @@ def report(res: dict) -> None:
                       f"{r['edgespec_no_drafter_reuse_prefill_ms']:.0f}, no reuse {r['edgespec_no_reuse_prefill_ms']:.0f}")
         print("last/first turn: " + ", ".join(f"{n} {s[f'{n}_last_over_first']:.2f}x" for n in names)
               + f"; same replies as edgespec-with-reuse: {s['same_replies']}")
+    if "drafter" in res and "per_turn" in res["drafter"]:
+        d = res["drafter"]
+        print(f"\n(a2) the drafter's own prefill per turn, in-process ({d['drafter']}; median and range of "
+              f"{d['repeats']} alternating runs, ms)")
+        print(f"{'turn':>4} {'prompt':>6} {'from scratch':>18} {'with reuse':>16} {'positions run':>13}")
+        for r in d["per_turn"]:
+            f, u = r["fresh_ms"], r["reuse_ms"]
+            print(f"{r['turn']:>4} {r['prompt_tokens']:>6} {statistics.median(f):>7.0f} ({min(f):.0f}-{max(f):.0f})"
+                  f"{'':>2} {statistics.median(u):>6.0f} ({min(u):.0f}-{max(u):.0f}) {r['drafter_prefilled_with_reuse']:>13}")
     if "chat" in res:
         c = res["chat"]
         print(f"\n(b) edgespec chat ({c['command']}), stats line per turn:")
@@ -520,20 +580,22 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default=None,
                     help="(a): decoding mode asked of edgespec's servers (default: theirs, auto; 'speculative' "
                          "drafts from the first step, so the drafter's prefill is in the time to first token)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: server,chat,concurrency,kv")
+    ap.add_argument("--drafter-repeats", type=int, default=3, help="(a2): runs of each drafter prefill")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: server,drafter,chat,concurrency,kv")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if skip - {"server", "chat", "concurrency", "kv"}:
-        ap.error(f"--skip: unknown part(s) {sorted(skip - {'server', 'chat', 'concurrency', 'kv'})}")
+    parts = {"server", "drafter", "chat", "concurrency", "kv"}
+    if skip - parts:
+        ap.error(f"--skip: unknown part(s) {sorted(skip - parts)}")
 
     from edgespec.converters.default_model import default_bundle_path
 
     bundle = args.model or str(default_bundle_path())
     res: dict = {"model": bundle, "argv": sys.argv[1:]}
     t0 = time.perf_counter()
-    for name, fn in (("server", bench_server), ("chat", bench_chat), ("concurrency", bench_concurrency),
-                     ("kv", bench_kv)):
+    for name, fn in (("server", bench_server), ("drafter", bench_drafter), ("chat", bench_chat),
+                     ("concurrency", bench_concurrency), ("kv", bench_kv)):
         if name in skip:
             continue
         print(f"[{name}] ...", file=sys.stderr)
