@@ -373,7 +373,7 @@ def bench_concurrency(args, bundle: str) -> dict:
         srv.stop()
     return {"conversations": n_conv, "turns": args.concurrency_turns, "prompt_cache_bytes": args.concurrency_cache_bytes,
             "cached_tokens": [[{"cached": a, "prompt": b} for a, b in conv] for conv in cached],
-            "health_after_round": rounds, "within_budget": all(r["bytes"] <= r["max_bytes"] for r in rounds),
+            "health_after_round": rounds, "within_budget": all(r["bytes"] + r.get("drafter_bytes", 0) <= r["max_bytes"] for r in rounds),
             "rss_after_load_bytes": base_rss, "peak_rss_bytes": hwm}
 
 

@@ -147,7 +147,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
             "bytes": h.nbytes, "max_bytes": h.max_bytes}
         return {"status": "ok", "model": settings.model_id, "modes": ["auto", *engine.modes],
                 "queue": scheduler.snapshot(), "history": history,
-                "prompt_cache": engine.prefix_cache.stats().as_dict()}
+                "prompt_cache": _prompt_cache_health(engine)}
 
     def model_card(mid: str) -> dict:
         return {"id": mid, "object": "model", "created": created, "owned_by": "edgespec"}
@@ -316,6 +316,16 @@ def _options(body, defaults: dict[str, Any], max_tokens_limit: int | None = None
     except ValueError as e:
         param = next((k for k in req if str(e).startswith(k)), None)
         raise APIError(400, str(e), param, "invalid_value") from None
+
+
+def _prompt_cache_health(engine) -> dict[str, Any]:
+    """The prefix cache's stats, with the drafter's store joined to it (its bytes count
+    against the same max_bytes)."""
+    out = engine.prefix_cache.stats().as_dict()
+    d = engine.drafter_prefix_cache
+    ds = d.stats() if d is not None else None
+    out["drafter_bytes"], out["drafter_blocks"] = (ds.bytes, ds.blocks) if ds is not None else (0, 0)
+    return out
 
 
 def _stats(job: Job) -> dict[str, Any]:
