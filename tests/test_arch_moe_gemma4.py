@@ -360,7 +360,7 @@ def _assistant_logits(drafter, k: int, tokens: list[int]) -> list[mx.array]:
     return out
 
 
-def test_assistant_speculative_equals_plain_and_auto_uses_it_without_options(tmp_path):
+def test_assistant_speculative_equals_plain_and_auto_uses_it_without_options(tmp_path, monkeypatch):
     """A verifier folder carrying its assistant (drafter/): speculative decoding with it is
     identical to plain, drafts rejected mid-chain; `auto` drafts with it, no option given;
     the converted bundle (`convert --drafter`) carries it too."""
@@ -385,7 +385,8 @@ def test_assistant_speculative_equals_plain_and_auto_uses_it_without_options(tmp
         engine = edgespec.load(path, progress=False, history="off")
         assert isinstance(engine.drafter, AssistantDrafter), path.name
         assert isinstance(engine.model.make_cache()[0], HiddenKVCache)
-        calls = count_drafts(engine.drafter)
+        monkeypatch.undo()  # the last engine's counter
+        calls = count_drafts(engine.drafter, monkeypatch)
         ref = engine.generate(SHORT, max_tokens=32, mode="plain").tokens
         assert ref == plain
         spec = engine.generate(SHORT, max_tokens=32, mode="speculative", draft_tokens=3)
@@ -401,15 +402,16 @@ def test_assistant_speculative_equals_plain_and_auto_uses_it_without_options(tmp
         assert seeded[0] == seeded[1]
 
 
-def count_drafts(drafter) -> list[int]:
-    """The k of every draft call the drafter gets from now on."""
-    calls, draft = [], drafter.draft
+def count_drafts(drafter, monkeypatch) -> list[int]:
+    """The k of every draft call the drafter gets from now on: counted on its class, since each
+    request drafts with a fork of the engine's drafter (drafters.base.request_drafter)."""
+    calls, draft = [], type(drafter).draft
 
-    def counted(k, sampler):
+    def counted(self, k, sampler):
         calls.append(k)
-        return draft(k, sampler)
+        return draft(self, k, sampler)
 
-    drafter.draft = counted
+    monkeypatch.setattr(type(drafter), "draft", counted)
     return calls
 
 
