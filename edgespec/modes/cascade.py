@@ -109,9 +109,12 @@ def make_cascade(engine, options):
         engine_memory,
     )
 
+    from edgespec.drafters.base import request_drafter
+
     drafter = cascade_drafter(engine, options.mode_options)
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
-    mode = SpeculativeMode(engine.model, drafter, options, stats_name="cascade", costs=costs,
+    # Drafted with a fork: concurrent requests of a batch each keep a state of their own.
+    mode = SpeculativeMode(engine.model, request_drafter(drafter), options, stats_name="cascade", costs=costs,
                            memory=engine_memory(engine, drafter, "cascade"))
     mode.after_request = after_request(engine)
     return mode

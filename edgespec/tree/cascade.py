@@ -21,11 +21,12 @@ decoding when no drafting pays.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import mlx.core as mx
 
-from edgespec.drafters.base import Draft, common_prefix
+from edgespec.drafters.base import Draft, common_prefix, request_drafter
 from edgespec.rejection import rejection_sample
 
 
@@ -51,6 +52,13 @@ class CascadeDrafter:
         self.since = {"mid": 0, "cascade": 0}
         self.counts = {"mid": 0, "cascade": 0}
         self.inner_drafted = self.inner_accepted = 0
+
+    def fork(self) -> CascadeDrafter:
+        """For one request: both levels forked (drafters.base.request_drafter), the learnt
+        rates shared with the engine's cascade."""
+        twin = copy.copy(self)
+        twin.mid, twin.tiny = request_drafter(self.mid), request_drafter(self.tiny)
+        return twin
 
     # ---------------------------------------------------------------- protocol
     def begin(self, prompt: list[int]) -> None:
