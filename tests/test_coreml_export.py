@@ -250,3 +250,28 @@ def test_compressed_weights_decode_exactly(tmp_path, compress):
         want = data * np.repeat(scale, w.shape[1] // scale.shape[1], axis=1)
     np.testing.assert_array_equal(got[:, :, 0, 0], want)
     assert np.abs(want - w).max() < 0.5 * np.abs(w).max()  # a real approximation, not garbage
+
+
+def test_forks_of_one_package_draft_independently(tiny_package):
+    """Requests of a batch draft with forks of the engine's Core ML drafter (one package, a
+    state each): two forks whose rounds interleave draft exactly what each does alone."""
+    from edgespec.sampling import Sampler, SamplingParams
+
+    _, path, info = tiny_package
+    rounds = [(4, 1), (3, None), (4, 0), (2, None)]
+    prompts = [PROMPT, PROMPT[7:] + [3, 9]]
+    alone = [drafting_script(executor_drafter(path, info, fp16=False), p, rounds) for p in prompts]
+    engine_drafter = executor_drafter(path, info, fp16=False)
+    forks = [engine_drafter.fork(), engine_drafter.fork()]
+    assert forks[0].backend.state is not forks[1].backend.state
+    sampler = Sampler(SamplingParams())
+    for f, p in zip(forks, prompts, strict=True):
+        f.begin(p)
+    got: list[list] = [[], []]
+    for k, n in rounds:
+        for i, f in enumerate(forks):  # one round of each in turn, as greenlets switch in a batch
+            d = f.draft(k, sampler)
+            got[i].append(d.tokens)
+            m = len(d.tokens) if n is None else min(n, len(d.tokens))
+            f.accept(m, (d.tokens[m] + 1) % f.vocab_size if m < len(d.tokens) else 1)
+    assert got == alone

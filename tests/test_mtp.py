@@ -134,18 +134,20 @@ def test_mtp_head_matches_the_published_definition(folder):
 # ---------------------------------------------------------------- drafting is exact
 
 
-def draft_calls(drafter) -> list[int]:
-    calls, draft = [], drafter.draft
+def draft_calls(drafter, monkeypatch) -> list[int]:
+    """The k of every draft call from now on: counted on the class, since each request drafts
+    with a fork of the engine's drafter (drafters.base.request_drafter)."""
+    calls, draft = [], type(drafter).draft
 
-    def counted(k, sampler):
+    def counted(self, k, sampler):
         calls.append(k)
-        return draft(k, sampler)
+        return draft(self, k, sampler)
 
-    drafter.draft = counted
+    monkeypatch.setattr(type(drafter), "draft", counted)
     return calls
 
 
-def test_mtp_drafting_equals_plain_from_the_folder_and_the_bundle(folder, tmp_path):
+def test_mtp_drafting_equals_plain_from_the_folder_and_the_bundle(folder, tmp_path, monkeypatch):
     """The head loads with the verifier (folder and converted bundle), `speculative` and `auto`
     draft with it unasked, greedy output equals plain with drafts rejected mid-chain, and the
     head's cache after those rounds holds exactly the entries of the committed path."""
@@ -164,7 +166,7 @@ def test_mtp_drafting_equals_plain_from_the_folder_and_the_bundle(folder, tmp_pa
         engine = load(src)
         assert isinstance(engine.drafter, MTPDrafter), src.name
         refs = [engine.generate(p, max_tokens=30, mode="plain").tokens for p in prompts]
-        calls = draft_calls(engine.drafter)
+        calls = draft_calls(engine.drafter, monkeypatch)
         drafted = accepted = 0
         by_pos = np.zeros(4)
         for p, ref in zip(prompts, refs, strict=True):
@@ -409,3 +411,34 @@ def test_add_drafter_mtp_to_an_existing_bundle(folder, tmp_path):
     with pytest.raises(ModelLoadError, match="no MTP head"):
         convert(tmp_path / "plain", tmp_path / "c", quantize="none", dtype="float32", progress=False,
                 drafter="mtp", drafter_options={"coreml": False})
+
+
+@pytest.mark.parametrize("packaged", [False, True])
+def test_concurrent_requests_draft_with_heads_of_their_own(folder, mtp_bundle, packaged):
+    """Four requests at once in one batch, each drafting with a fork of the engine's MTP drafter
+    (its own head cache, or Core ML state: the executor stands in), get their solo output."""
+    import threading
+
+    from edgespec.drafters.mtp import CoreMLHead, MTPDrafter
+
+    engine = load(mtp_bundle)
+    if packaged:
+        info = json.loads((mtp_bundle / "manifest.json").read_text())["drafter"]["coreml"]
+        engine.drafter = MTPDrafter(engine.model, head=CoreMLHead(
+            ExecutorMTPBackend(mtp_bundle / "drafter.mlpackage", fp16=False), info))
+    asks = [PROMPT[i : i + 9] for i in range(4)]
+    want = [engine.generate(a, max_tokens=20, mode="plain").tokens for a in asks]
+    got: list = [None] * 4
+    start = threading.Barrier(4)
+
+    def run(i):
+        start.wait()
+        got[i] = engine.generate(asks[i], max_tokens=20, mode="speculative", draft_tokens=3).tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+    assert max(engine.batcher.batch_sizes) > 1

@@ -53,6 +53,14 @@ def request_drafter(drafter):
     return fork() if callable(fork) else drafter
 
 
+def fork_backend(backend):
+    """A Core ML (or executor) backend for one request: the same loaded functions and
+    weights, a state of its own (`reset` makes a new one)."""
+    twin = copy.copy(backend)
+    twin.reset()
+    return twin
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0

@@ -21,6 +21,7 @@ kept set, exactly as DistilledDrafter does (rejection sampling stays exact).
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import sys
@@ -236,6 +237,16 @@ class CoreMLDrafter(CommittedSequence):
             device="ane" if "NE" in compute_units or compute_units == "ALL" else "cpu",
             vocab_map=vocab_map,
         )
+
+    def fork(self) -> CoreMLDrafter:
+        """For one request (see drafters.base.ModelDrafter.fork): the same package, a Core ML
+        state and committed sequence of its own."""
+        from edgespec.drafters.base import fork_backend
+
+        twin = copy.copy(self)
+        twin.backend = fork_backend(self.backend)
+        twin.seq, twin.fed, twin._last_draft = [], [], []
+        return twin
 
     # ---- buffer bookkeeping ----------------------------------------------------
     def _feed(self, tokens: list[int]) -> np.ndarray:

@@ -21,6 +21,7 @@ The Core ML runtime is reached through a backend (`call(function, inputs) -> out
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,16 @@ class CoreMLAssistantDrafter:
         backend = CoreMLAssistantBackend(Path(path), list(info["functions"]), compute_units)
         device = "ane" if "NE" in compute_units or compute_units == "ALL" else "cpu"
         return cls(backend, info, loaded.model, device, name=f"coreml-gemma4-assistant:{Path(path).name}")
+
+    def fork(self) -> CoreMLAssistantDrafter:
+        """For one request (see drafters.base.ModelDrafter.fork): the same package, a Core ML
+        state, verifier cache binding and committed sequence of its own."""
+        from edgespec.drafters.base import fork_backend
+
+        twin = copy.copy(self)
+        twin.backend = fork_backend(self.backend)
+        twin.cache, twin.seq, twin.fed, twin._last_draft = None, [], 0, []
+        return twin
 
     # ------------------------------------------------------------- verifier state
     def bind_verifier_cache(self, cache) -> None:

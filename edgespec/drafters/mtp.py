@@ -27,6 +27,7 @@ same logic runs on a Mac against Core ML and here against the numpy MIL executor
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class MLXHead:
 
     def reset(self) -> None:
         self.cache = self.head.make_cache()
+
+    def fork(self) -> MLXHead:
+        return MLXHead(self.verifier)
 
     @property
     def offset(self) -> int:
@@ -83,6 +87,13 @@ class CoreMLHead:
     def reset(self) -> None:
         self.backend.reset()
         self.offset = 0
+
+    def fork(self) -> CoreMLHead:
+        from edgespec.drafters.base import fork_backend
+
+        twin = copy.copy(self)
+        twin.backend, twin.offset = fork_backend(self.backend), 0
+        return twin
 
     def trim_to(self, n: int) -> None:
         self.offset = min(self.offset, n)
@@ -137,6 +148,14 @@ class MTPDrafter:
         self._last_draft: list[int] = []
 
     # ------------------------------------------------------------- verifier state
+    def fork(self) -> MTPDrafter:
+        """For one request (see drafters.base.ModelDrafter.fork): the same head, a cache (or
+        Core ML state), verifier cache binding and committed sequence of its own."""
+        twin = copy.copy(self)
+        twin.head = self.head.fork()
+        twin.vcache, twin.seq, twin.fed, twin._last_draft = None, [], 0, []
+        return twin
+
     def bind_verifier_cache(self, cache) -> None:
         self.vcache = cache
 

@@ -102,14 +102,13 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_cascade(engine, options):
+    from edgespec.drafters.base import request_drafter
     from edgespec.modes.speculative import (
         SpeculativeMode,
         after_request,
         engine_costs,
         engine_memory,
     )
-
-    from edgespec.drafters.base import request_drafter
 
     drafter = cascade_drafter(engine, options.mode_options)
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
