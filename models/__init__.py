@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "phi3",
     "smollm3": "smollm3",
     "lfm2": "lfm2",
+    "lfm2_moe": "lfm2_moe",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5_moe",

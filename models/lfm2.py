@@ -107,10 +107,10 @@ class ShortConv(nn.Module):
 
 
 class ConvLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, mlp=None):
         super().__init__()
         self.conv = ShortConv(args)
-        self.mlp = MLP(args)
+        self.mlp = mlp(args) if mlp is not None else MLP(args)  # mlp: LFM2-MoE's sparse block
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

@@ -1,0 +1,151 @@
+"""LFM2-MoE (LFM2's convolution and attention layers, dense then sigmoid-routed sparse
+feed-forwards) against transformers, from the HF folder, the converted bundle, a GGUF written
+as llama.cpp's converter does and a folder written by mlx-lm's converter; speculation on it
+through tests/test_recurrent.py's checks (every decoding mode equals plain with drafts rejected
+mid-chain; recurrent states after rollbacks equal plain decoding's)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import test_recurrent as rec
+from test_recurrent import PROMPT, V
+
+from edgespec.generate import prefill
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# 6 experts, 2 active; one dense layer then sparse ones; conv and attention interleaved; a
+# dense width that LFM2's adjustment would change (LFM2-MoE takes it as written)
+CONFIG = dict(vocab_size=V, hidden_size=64, intermediate_size=80, moe_intermediate_size=48, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, conv_L_cache=4, num_dense_layers=1, num_experts=6,
+              num_experts_per_tok=2, routed_scaling_factor=1.7, norm_topk_prob=True, use_expert_bias=True,
+              layer_types=["conv", "full_attention", "conv", "full_attention"], max_position_embeddings=512,
+              norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 20000.0}, initializer_range=0.3,
+              eos_token_id=0, bos_token_id=1, pad_token_id=0)
+assert len(PROMPT) > 64 and len(PROMPT) > CONFIG["conv_L_cache"]
+
+
+def randomised(model):
+    """Norms and the expert bias away from their constant init (a bias that only selects, or a
+    missed one, would show)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+    return model.eval()
+
+
+def lfm2_moe_checkpoint(folder, seed: int = 1, **overrides):
+    from test_architectures import vocab_tokenizer
+
+    torch.manual_seed(seed)
+    config = transformers.Lfm2MoeConfig(**{**CONFIG, **overrides})
+    model = randomised(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model.save_pretrained(folder)
+    vocab_tokenizer(V).save(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    import edgespec
+
+    folder = tmp_path_factory.mktemp("lfm2_moe")
+    ref = lfm2_moe_checkpoint(folder)
+    return "lfm2_moe", folder, ref, edgespec.load(folder, drafter="none", progress=False, history="off")
+
+
+def test_matches_transformers_from_folder_and_bundle(moe, tmp_path):
+    """Last-token logits after an 80-token prompt (longer than the conv width and 64) within
+    1e-4 relative, also prefilled in chunks of 30; 32 greedy tokens identical to transformers;
+    from the HF folder and the converted bundle."""
+    from edgespec.converters.convert import convert
+    from edgespec.models.base import MLP
+    from edgespec.models.lfm2 import ConvLayer
+    from edgespec.models.lfm2_moe import SigmoidMoE
+    from test_architectures import assert_close, hf_greedy, hf_last_logits
+
+    import edgespec
+
+    _, folder, ref, _ = moe
+    want_logits = hf_last_logits(ref, PROMPT)
+    want_tokens = hf_greedy(ref, PROMPT[:20], 32)
+    assert len(set(want_tokens)) > 3
+    convert(folder, tmp_path / "bundle", quantize="none", dtype="float32", progress=False)
+    for path in (folder, tmp_path / "bundle"):
+        engine = edgespec.load(path, drafter="none", progress=False, history="off")
+        model = engine.model
+        assert model.args.model_type == "lfm2_moe"
+        assert [type(layer.mlp) for layer in model.layers] == [MLP, SigmoidMoE, SigmoidMoE, SigmoidMoE]
+        assert isinstance(model.layers[2], ConvLayer) and not isinstance(model.layers[3], ConvLayer)
+        assert model.layers[0].mlp.gate_proj.weight.shape == (80, 64)  # no LFM2 width adjustment
+        assert model.layers[1].mlp.switch_mlp.gate_proj.weight.shape == (6, 48, 64)
+        assert_close(np.array(model(mx.array([PROMPT]))[0, -1]), want_logits)
+        assert_close(np.array(prefill(model, model.make_cache(), PROMPT, chunk=30)), want_logits)
+        assert engine.generate(PROMPT[:20], max_tokens=32, mode="plain").tokens == want_tokens, path.name
+
+
+def test_router_bias_selects_and_the_scale_weights(moe):
+    """The expert bias changes which experts are picked, never their weights: a bias that makes
+    expert 0 every token's pick gives expert 0's output weighted by its unbiased sigmoid score
+    (times the scaling factor, renormalised); an expert no token picked changes nothing."""
+    _, _, _, engine = moe
+    block = engine.model.layers[1].mlp
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(0))
+    before = np.array(block(x))
+    scores = np.array(mx.sigmoid(block.gate(x)))
+    chosen = np.argsort(-(scores + np.array(block.expert_bias)), axis=-1)[..., :2]
+    unused = sorted(set(range(6)) - set(chosen.ravel().tolist()))
+    assert unused
+    w = block.switch_mlp.down_proj.weight
+    block.switch_mlp.down_proj.weight = mx.where((mx.arange(6) == unused[0])[:, None, None], 0.0, w)
+    np.testing.assert_array_equal(np.array(block(x)), before)
+    block.switch_mlp.down_proj.weight = w
+    bias = block.expert_bias
+    block.expert_bias = mx.array([100.0, 90.0, 0, 0, 0, 0])  # experts 0 and 1 for every token
+    try:
+        ys = np.array(block.switch_mlp(x, mx.broadcast_to(mx.array([0, 1]), (1, 3, 2))))
+        s = scores[..., :2]
+        want = ((s / (s.sum(-1, keepdims=True) + 1e-6) * 1.7)[..., None] * ys).sum(-2)
+        np.testing.assert_allclose(np.array(block(x)), want, rtol=1e-5, atol=1e-6)
+    finally:
+        block.expert_bias = bias
+
+
+def test_config_fields_that_would_change_the_math_are_refused():
+    from edgespec.models import model_from_config
+
+    base = transformers.Lfm2MoeConfig(**CONFIG).to_dict()
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        model_from_config({**base, "num_experts_per_tok": 7})
+    with pytest.raises(ValueError, match="num_dense_layers"):
+        model_from_config({**base, "num_dense_layers": -1})
+    with pytest.raises(ValueError, match="n_group"):  # grouped routing (not in LFM2-MoE) is refused by name
+        model_from_config({**base, "n_group": 2})
+    model = model_from_config({**base, "use_expert_bias": False, "num_dense_layers": 0})
+    assert all("expert_bias" not in layer.mlp for layer in model.layers)
+
+
+# ---------------------------------------------------------------- speculation (test_recurrent's checks)
+
+
+def test_every_mode_greedy_equals_plain_with_mid_chain_rejections(moe):
+    rec.test_every_mode_greedy_equals_plain_with_mid_chain_rejections(moe)
+
+
+def test_speculative_state_after_rejections_equals_plain(moe):
+    rec.test_speculative_state_after_rejections_equals_plain(moe)
+
+
+def test_rollback_and_tree_branches_restore_plain_states(moe):
+    rec.test_rollback_and_tree_branches_restore_plain_states(moe)
+
+
+def test_distributed_split_is_refused_by_name(moe, tmp_path):
+    rec.test_distributed_split_of_a_hybrid_bundle_is_refused_by_name(moe, tmp_path)
