@@ -97,8 +97,10 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
         out = qwen35_tensors(config, out)
     if arch == "gemma4":
         out = gemma4_tensors(config, out)
-    if arch == "lfm2":  # the convolution as a 2-D (C, K) tensor
+    if arch in ("lfm2", "lfm2moe"):  # the convolution as a 2-D (C, K) tensor
         out = {k: (w[:, 0] if k.endswith("conv.conv.weight") else w) for k, w in out.items()}
+    if arch == "lfm2moe":
+        out = lfm2moe_tensors(config, out)
     if arch in ("qwen3moe", "qwen35moe"):  # one (experts, out, in) tensor per projection and layer (ffn_gate_exps ...)
         n = config.get("num_experts") or config["num_local_experts"]
         for i in range(config["num_hidden_layers"]):
@@ -114,6 +116,22 @@ def llama_cpp_tensors(arch: str, config: dict, weights: dict[str, np.ndarray]) -
                     out[f"{pre}.{proj}.weight"] = np.stack([out.pop(k) for k in names])
     if config.get("tie_word_embeddings", False):
         out.pop("lm_head.weight", None)
+    return out
+
+
+def lfm2moe_tensors(config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """LFM2-MoE as llama.cpp's converter writes it: each sparse layer's per-expert w1/w3/w2
+    stacked (experts, out, in) into ffn_gate_exps / ffn_up_exps / ffn_down_exps, the expert bias
+    as exp_probs_b.bias (GGUF names here)."""
+    out, n = dict(weights), config["num_experts"]
+    for i in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{i}.feed_forward"
+        for hf, gg in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+            names = [f"{pre}.experts.{e}.{hf}.weight" for e in range(n)]
+            if names[0] in out:
+                out[f"blk.{i}.{gg}.weight"] = np.stack([out.pop(k) for k in names])
+        if f"{pre}.expert_bias" in out:
+            out[f"blk.{i}.exp_probs_b.bias"] = out.pop(f"{pre}.expert_bias")
     return out
 
 
@@ -226,6 +244,14 @@ def llama_cpp_config(arch: str, config: dict) -> tuple[dict, dict]:
         if config.get("enable_moe_block"):
             kv.update({"expert_count": config["num_experts"], "expert_used_count": config["top_k_experts"],
                        "expert_feed_forward_length": config["moe_intermediate_size"]})
+    if arch == "lfm2moe":  # the dense width as written; the MoE keys
+        config["num_key_value_heads"] = [config["num_key_value_heads"] if t != "conv" else 0
+                                         for t in config["layer_types"]]
+        config["rms_norm_eps"] = config["norm_eps"]
+        kv = {"shortconv.l_cache": config["conv_L_cache"], "expert_count": config["num_experts"],
+              "expert_used_count": config["num_experts_per_tok"],
+              "expert_feed_forward_length": config["moe_intermediate_size"],
+              "leading_dense_block_count": config["num_dense_layers"], "expert_gating_func": 2}
     if arch == "lfm2":
         F = config["intermediate_size"]
         if config.get("block_auto_adjust_ff_dim", True):

@@ -32,7 +32,7 @@ def randomised(model):
     """Norms and the expert bias away from their constant init (a bias that only selects, or a
     missed one, would show)."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.2 * torch.randn_like(p))
         for name, b in model.named_buffers():
@@ -149,3 +149,43 @@ def test_rollback_and_tree_branches_restore_plain_states(moe):
 
 def test_distributed_split_is_refused_by_name(moe, tmp_path):
     rec.test_distributed_split_of_a_hybrid_bundle_is_refused_by_name(moe, tmp_path)
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's lfm2moe)
+
+
+def test_gguf_equals_the_hf_folder(moe, tmp_path):
+    """The GGUF llama.cpp's converter would write (experts stacked, the router as ffn_gate_inp,
+    the expert bias as exp_probs_b.bias, the convolution squeezed, key/value heads per layer,
+    leading_dense_block_count, the sigmoid gating func) loads as the HF folder: its logits after
+    the 80-token prompt and its 32 greedy tokens; a GGUF without the expert bias runs without one."""
+    from edgespec.models.lfm2_moe import SigmoidMoE
+    from gguf_support import gpt2_tokenizer_meta, llama_cpp_config, llama_cpp_tensors, write_gguf
+    from safetensors.numpy import load_file
+    from test_architectures import assert_close
+
+    import edgespec
+
+    _, folder, ref, engine = moe
+    config, kv = llama_cpp_config("lfm2moe", ref.config.to_dict())
+    weights = load_file(folder / "model.safetensors")  # as published (and read by llama.cpp): per-expert w1/w3/w2
+    tensors = llama_cpp_tensors("lfm2moe", config, weights)
+    # llama.cpp's converter does not write routed_scaling_factor (1 in the published checkpoints);
+    # the reader takes expert_weights_scale where a GGUF has it, as here for this model's 1.7
+    assert "lfm2moe.expert_weights_scale" not in kv and "lfm2moe.leading_dense_block_count" in kv
+    kv["lfm2moe.expert_weights_scale"] = CONFIG["routed_scaling_factor"]
+    assert "blk.1.ffn_gate_exps.weight" in tensors and "blk.3.exp_probs_b.bias" in tensors
+    path = write_gguf(tmp_path / "m.gguf", "lfm2moe", config, tensors, gpt2_tokenizer_meta(V), extra_kv=kv)
+    gg = edgespec.load(path, drafter="none", progress=False, history="off")
+    args = gg.model.args
+    assert (args.model_type, args.num_dense_layers, args.num_experts, args.num_experts_per_tok) == ("lfm2_moe", 1, 6, 2)
+    assert args.blocks == CONFIG["layer_types"] and args.use_expert_bias
+    want = np.array(engine.model(mx.array([PROMPT]))[0, -1])
+    assert_close(np.array(gg.model(mx.array([PROMPT]))[0, -1]), want)
+    assert (gg.generate(PROMPT[:20], max_tokens=32, mode="plain").tokens
+            == engine.generate(PROMPT[:20], max_tokens=32, mode="plain").tokens)
+    no_bias = {k: v for k, v in tensors.items() if not k.endswith("exp_probs_b.bias")}
+    path = write_gguf(tmp_path / "nb.gguf", "lfm2moe", config, no_bias, gpt2_tokenizer_meta(V), extra_kv=kv)
+    model = edgespec.load(path, drafter="none", progress=False, history="off").model
+    assert not model.args.use_expert_bias
+    assert isinstance(model.layers[1].mlp, SigmoidMoE) and "expert_bias" not in model.layers[1].mlp

@@ -91,6 +91,8 @@ def read_config(reader, path: Path) -> dict[str, Any]:
     if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
         cfg.update(_longrope(reader, g, names, path))
     arch_config(arch, g, cfg)
+    if arch == "lfm2moe":  # the expert bias (selection only) is a tensor or absent
+        cfg["use_expert_bias"] = any(n.endswith(".exp_probs_b.bias") for n in names)
     if arch == "gemma4":
         gemma4_config(g, cfg, names, rope_freqs, path)
         if cfg["hidden_size_per_layer_input"]:

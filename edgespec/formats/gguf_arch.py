@@ -17,6 +17,9 @@ Hugging Face checkpoint:
   out_proj's columns); MTP layers (nextn_predict_layers) appended as extra blocks, skipped;
 - lfm2: the short convolution's weight squeezed to (C, K); key/value heads per layer (0 on
   convolution layers), which is how the layer kinds are told;
+- lfm2moe (LFM2-MoE): as lfm2, with the experts stacked (ffn_gate_exps ...), the router as
+  ffn_gate_inp and the expert bias as exp_probs_b.bias; the dense layers' count as
+  leading_dense_block_count, the sigmoid router as expert_gating_func (2);
 - gemma4 (llama.cpp's Gemma4Model, text part): norms as stored (Gemma 4 applies w); the
   router's scale and the per-expert scales as `.scale` tensors (ffn_gate_inp.scale,
   ffn_down_exps.scale); the experts' gate/up fused as in HF (ffn_gate_up_exps); full layers'
@@ -30,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgespec.errors import ModelLoadError
-from edgespec.formats.gguf_hybrid import qwen35_config
+from edgespec.formats.gguf_hybrid import lfm2moe_config, qwen35_config
 
 _ATTN = {
     "attn_norm": "input_layernorm",
@@ -112,8 +115,10 @@ LEAVES = {
     ("ffn_down_exps", "scale"): "router.per_expert_scale",
     ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",  # (experts, 2F, E), gate first, as HF
     ("ffn_down_exps", "weight"): "experts.down_proj",
+    ("exp_probs_b", "bias"): "feed_forward.expert_bias",  # lfm2moe: a leaf, selection only
 }
 _LEAVES_OF = {"qwen35": ("ssm_a", "ssm_dt"), "qwen35moe": ("ssm_a", "ssm_dt"),
+              "lfm2moe": ("exp_probs_b",),
               "gemma4": ("layer_output_scale", "ffn_gate_inp", "ffn_down_exps", "ffn_gate_up_exps")}
 # llama.cpp's --fuse-gate-up-exps: one (experts, 2F, E) tensor, gate rows first (as transformers
 # keeps them in memory), which models/experts.stack_experts splits
@@ -134,6 +139,8 @@ _LFM2 = {
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
 }
+_LFM2MOE = {**_LFM2, "ffn_gate_inp": "feed_forward.gate", "ffn_gate_exps": "feed_forward.switch_mlp.gate_proj",
+            "ffn_up_exps": "feed_forward.switch_mlp.up_proj", "ffn_down_exps": "feed_forward.switch_mlp.down_proj"}
 _PHI3 = {
     "attn_norm": "input_layernorm",
     "attn_qkv": "self_attn.qkv_proj",
@@ -158,10 +165,12 @@ ARCHS: dict[str, tuple[str, dict[str, str], bool, bool]] = {
     "qwen35": ("qwen3_5_text", _QWEN35_DENSE, False, True),
     "qwen35moe": ("qwen3_5_moe_text", {**_QWEN35, **_MOE, **_SHARED_EXPERT}, False, True),
     "lfm2": ("lfm2", _LFM2, False, False),
+    "lfm2moe": ("lfm2_moe", _LFM2MOE, False, False),
     "gemma4": ("gemma4_text", _GEMMA4, False, False),
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _TOP_OF = {"lfm2": {"token_embd_norm": "model.embedding_norm"},  # LFM2's final norm, named so in HF
+           "lfm2moe": {"token_embd_norm": "model.embedding_norm"},
            "gemma4": {"per_layer_token_embd": "model.embed_tokens_per_layer",
                       "per_layer_model_proj": "model.per_layer_model_projection",
                       "per_layer_proj_norm": "model.per_layer_projection_norm"}}
@@ -236,7 +245,7 @@ def arch_config(arch: str, g, cfg: dict[str, Any]) -> None:
         cfg["decoder_sparse_step"], cfg["mlp_only_layers"] = 1, []
     if arch in ("qwen35", "qwen35moe"):
         qwen35_config(arch, g, cfg)
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         kv = g("attention.head_count_kv")
         kinds = kv if isinstance(kv, list) else [kv] * cfg["num_hidden_layers"]
         cfg["layer_types"] = ["full_attention" if int(h) else "conv" for h in kinds]
@@ -244,6 +253,8 @@ def arch_config(arch: str, g, cfg: dict[str, Any]) -> None:
         cfg["conv_L_cache"] = int(g("shortconv.l_cache"))
         cfg["norm_eps"] = cfg.pop("rms_norm_eps")
         cfg["block_auto_adjust_ff_dim"] = False  # the stored width is the adjusted one
+    if arch == "lfm2moe":
+        lfm2moe_config(g, cfg)
     if arch == "phi3":
         window = g("attention.sliding_window")
         if window is not None:

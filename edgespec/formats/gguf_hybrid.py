@@ -16,7 +16,7 @@ def dense_only(arch: str, hf: str) -> bool:
     (the value-head reorder of out_proj) or reshapes them (convolution weights)."""
     if arch in ("qwen35", "qwen35moe"):
         return ".linear_attn." in hf
-    return arch == "lfm2" and hf.endswith("conv.conv.weight")
+    return arch in ("lfm2", "lfm2moe") and hf.endswith("conv.conv.weight")
 
 
 def _untile_v_heads(a, axis: int, k_heads: int, per_k: int, dim: int):
@@ -30,7 +30,7 @@ def _untile_v_heads(a, axis: int, k_heads: int, per_k: int, dim: int):
 
 def undo_values(arch: str, hf: str, a, cfg: dict[str, Any]):
     """A dense GGUF tensor (HF name `hf`) -> the HF tensor: the value transforms llama.cpp applied."""
-    if arch == "lfm2" and hf.endswith("conv.conv.weight"):
+    if arch in ("lfm2", "lfm2moe") and hf.endswith("conv.conv.weight"):
         return a.reshape(a.shape[0], 1, -1)  # (C, K) -> HF's (C, 1, K)
     if arch not in ("qwen35", "qwen35moe"):
         return a
@@ -124,3 +124,19 @@ def qwen35_config(arch: str, g, cfg: dict[str, Any]) -> None:
         cfg["shared_expert_intermediate_size"] = int(g("expert_shared_feed_forward_length", 0))
         cfg["norm_topk_prob"] = bool(g("expert_weights_norm", True))
         cfg.pop("intermediate_size", None)
+
+
+def lfm2moe_config(g, cfg: dict[str, Any]) -> None:
+    """LFM2-MoE's expert sizes, its dense layers' count and its router: llama.cpp runs it with
+    sigmoid scores and the top-k weights renormalised (expert_weights_norm, expert_weights_scale
+    read where a GGUF has them); whether the expert bias is present is read off the tensors."""
+    gating = int(g("expert_gating_func", 2))
+    if gating != 2:
+        raise ModelLoadError(f"lfm2moe GGUF: expert_gating_func {gating} is not supported (LFM2-MoE's router "
+                             "is sigmoid, 2)")
+    cfg.pop("block_auto_adjust_ff_dim", None)  # LFM2-MoE takes the dense width as written anyway
+    cfg.update(num_experts=int(g("expert_count")), num_experts_per_tok=int(g("expert_used_count")),
+               moe_intermediate_size=int(g("expert_feed_forward_length")),
+               num_dense_layers=int(g("leading_dense_block_count", 0)),
+               norm_topk_prob=bool(g("expert_weights_norm", True)),
+               routed_scaling_factor=float(g("expert_weights_scale", 1.0) or 1.0))
