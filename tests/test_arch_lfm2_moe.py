@@ -189,3 +189,41 @@ def test_gguf_equals_the_hf_folder(moe, tmp_path):
     model = edgespec.load(path, drafter="none", progress=False, history="off").model
     assert not model.args.use_expert_bias
     assert isinstance(model.layers[1].mlp, SigmoidMoE) and "expert_bias" not in model.layers[1].mlp
+
+
+# ---------------------------------------------------------------- mlx-community folders
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "4bit"])
+def test_mlx_community_folder_matches_hf_folder_and_mlx_lm(tmp_path, quantized):
+    """A folder written by mlx-lm's own converter (its sanitize: conv weights to (C, K, 1), w1/w3/w2
+    renamed gate/up/down, experts stacked as switch_mlp) loads with mlx-lm's forward's logits
+    and, unquantized, the HF folder's; its bundle too. 4-bit: the experts, projections and (8-bit,
+    as mlx-lm picks) the routers quantized, as mlx-lm runs it."""
+    from edgespec.converters.convert import convert
+    from edgespec.models.experts import QuantizedSwitchLinear
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.convert import convert as mlx_lm_convert
+    from test_architectures import assert_close
+
+    import edgespec
+
+    sizes = dict(intermediate_size=96, moe_intermediate_size=64) if quantized else {}  # inputs: multiples of 32
+    ref = lfm2_moe_checkpoint(tmp_path / "hf", seed=6, **sizes)
+    opts = dict(quantize=True, q_group_size=32, q_bits=4) if quantized else dict(dtype="float32")
+    mlx_lm_convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), **opts)
+    theirs, _ = mlx_lm_load(str(tmp_path / "mlx"))
+    want = np.array(theirs(mx.array([PROMPT]))[0, -1])
+    with torch.no_grad():
+        hf = ref(input_ids=torch.tensor([PROMPT])).logits[0, -1].numpy()
+    if quantized:
+        assert not np.allclose(want, hf, rtol=1e-3)  # really rounded
+    else:
+        assert_close(want, hf)
+    convert(tmp_path / "mlx", tmp_path / "bundle", quantize="none", dtype="float32", progress=False)
+    for path in [tmp_path / "mlx", tmp_path / "bundle"] + ([] if quantized else [tmp_path / "hf"]):
+        model = edgespec.load(path, drafter="none", progress=False, history="off").model
+        assert_close(np.array(model(mx.array([PROMPT]))[0, -1]), want)
+    if quantized:
+        block = model.layers[1].mlp
+        assert isinstance(block.switch_mlp.gate_proj, QuantizedSwitchLinear) and block.gate.bits == 8
