@@ -91,6 +91,32 @@ def test_matches_transformers_from_folder_and_bundle(moe, tmp_path):
         assert engine.generate(PROMPT[:20], max_tokens=32, mode="plain").tokens == want_tokens, path.name
 
 
+def test_fused_expert_layout_loads_as_the_per_expert_one(moe, tmp_path):
+    """transformers 5's in-memory layout (`feed_forward.experts.gate_up_proj` (experts, 2F, E), gate
+    rows first, and `experts.down_proj`) saved as such gives the same logits as the published
+    per-expert w1/w3/w2."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    import edgespec
+
+    _, folder, _, engine = moe
+    shutil.copytree(folder, tmp_path / "fused")
+    path = tmp_path / "fused" / "model.safetensors"
+    w = load_file(path)
+    for i in range(1, CONFIG["num_hidden_layers"]):
+        pre = f"model.layers.{i}.feed_forward.experts"
+        parts = {n: np.stack([w.pop(f"{pre}.{e}.{n}.weight") for e in range(CONFIG["num_experts"])])
+                 for n in ("w1", "w3", "w2")}
+        w[f"{pre}.gate_up_proj"] = np.concatenate([parts["w1"], parts["w3"]], axis=1)
+        w[f"{pre}.down_proj"] = parts["w2"]
+    save_file(w, path, metadata={"format": "pt"})
+    model = edgespec.load(tmp_path / "fused", drafter="none", progress=False, history="off").model
+    ids = mx.array([PROMPT[:30]])
+    np.testing.assert_allclose(np.array(model(ids)), np.array(engine.model(ids)), rtol=1e-5, atol=1e-5)
+
+
 def test_router_bias_selects_and_the_scale_weights(moe):
     """The expert bias changes which experts are picked, never their weights: a bias that makes
     expert 0 every token's pick gives expert 0's output weighted by its unbiased sigmoid score
@@ -148,7 +174,13 @@ def test_rollback_and_tree_branches_restore_plain_states(moe):
 
 
 def test_distributed_split_is_refused_by_name(moe, tmp_path):
-    rec.test_distributed_split_of_a_hybrid_bundle_is_refused_by_name(moe, tmp_path)
+    """Both splits refuse it, naming lfm2_moe and its recurrent layers."""
+    from edgespec.distributed.errors import DistributedError
+    from edgespec.distributed.shard import load_shard
+
+    rec.test_distributed_split_of_a_hybrid_bundle_is_refused_by_name(moe, tmp_path)  # pipeline; writes the bundle
+    with pytest.raises(DistributedError, match="lfm2_moe.*recurrent"):
+        load_shard(tmp_path / "bundle", "tensor", 0, 2)
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp's lfm2moe)
