@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from edgespec.drafters.base import Draft
+from edgespec.drafters.base import AcceptsDrafts, Draft
 from edgespec.errors import ModelLoadError
 
 MODEL_TYPE = "gemma4_assistant"
@@ -93,7 +93,7 @@ def check_fit(assistant_args, verifier_args) -> dict[str, int]:
     return {kind: store[kind] for kind in set(t.layer_types)}
 
 
-class AssistantDrafter:
+class AssistantDrafter(AcceptsDrafts):
     """Drafter protocol (begin / draft / accept / sync / close) over Gemma 4's assistant."""
 
     reads_verifier = True  # drafts from the verifier's live cache: no pipelining, not in tree/cascade
@@ -165,16 +165,7 @@ class AssistantDrafter:
             toks.append(t)
             rows.append(lp)
             tok = t.reshape(1, 1).astype(mx.int32)
-        q = mx.stack(rows)
-        toks = mx.stack(toks)
-        mx.eval(toks, q)
-        self._last_draft = [int(t) for t in toks.tolist()]
-        return Draft(list(self._last_draft), q)
-
-    def accept(self, n_accepted: int, next_token: int) -> None:
-        if not 0 <= n_accepted <= len(self._last_draft):
-            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
-        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
+        return self._finish(toks, rows)
 
     def sync(self, committed: list[int]) -> None:
         self.seq = list(committed)

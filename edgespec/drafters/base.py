@@ -69,8 +69,34 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-class CommittedSequence:
-    """accept() / sync() shared by the drafters that cache what they were fed.
+class AcceptsDrafts:
+    """accept() of the drafters: the committed sequence `seq` grows by the accepted part of
+    `_last_draft` and the verifier's token (subclasses' `sync` drops what left the path);
+    `_finish` ends a draft call."""
+
+    seq: list[int]
+    _last_draft: list[int]
+
+    def sync(self, committed: list[int]) -> None:
+        raise NotImplementedError
+
+    def accept(self, n_accepted: int, next_token: int) -> None:
+        if not 0 <= n_accepted <= len(self._last_draft):
+            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
+        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
+
+    def _finish(self, toks: list, rows: list) -> Draft:
+        """The k sampled tokens (scalar arrays) and their log-prob rows (V,) of a draft call ->
+        the Draft, evaluated at once (no host round trip between the steps)."""
+        q = mx.stack(rows)  # (k, V)
+        t = mx.stack(toks)
+        mx.eval(t, q)
+        self._last_draft = [int(x) for x in t.tolist()]
+        return Draft(list(self._last_draft), q)
+
+
+class CommittedSequence(AcceptsDrafts):
+    """sync() shared by the drafters that cache what they were fed.
 
     State: `seq` the committed sequence, `fed` the tokens whose entries are in the
     drafter's cache (a prefix of `seq`, plus draft tokens after a draft) and
@@ -88,11 +114,6 @@ class CommittedSequence:
     def _rollback(self) -> None:
         """Drop cached entries that are not on the committed path (the last token is fed later)."""
         self._trim_to(common_prefix(self.fed, self.seq[:-1]))
-
-    def accept(self, n_accepted: int, next_token: int) -> None:
-        if not 0 <= n_accepted <= len(self._last_draft):
-            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
-        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
 
     def sync(self, committed: list[int]) -> None:
         """Make `committed` the committed sequence; cached entries off that path are dropped."""
@@ -214,13 +235,9 @@ class ModelDrafter(CommittedSequence):
             toks.append(tok)
             rows.append(lp)
             feed = tok.reshape(1, 1).astype(mx.int32)
-        q = mx.stack(rows)  # (k, V)
-        toks = mx.stack(toks)
-        mx.eval(toks, q)
-        tokens = [int(t) for t in toks.tolist()]
-        self.fed.extend(pending + tokens[:-1])
-        self._last_draft = tokens
-        return Draft(tokens, q)
+        d = self._finish(toks, rows)
+        self.fed.extend(pending + d.tokens[:-1])
+        return d
 
     def close(self) -> None:
         self.cache = []

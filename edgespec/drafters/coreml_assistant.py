@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import Draft, common_prefix
+from edgespec.drafters.base import AcceptsDrafts, Draft, common_prefix
 from edgespec.errors import ModelLoadError
 
 KIND = "gemma4_assistant"
@@ -57,7 +57,7 @@ class CoreMLAssistantBackend:
         return self.models[function].predict(feed, state=self.state)
 
 
-class CoreMLAssistantDrafter:
+class CoreMLAssistantDrafter(AcceptsDrafts):
     """Drafter protocol (begin / draft / accept / sync / close) over an assistant package."""
 
     reads_verifier = True  # drafts from the verifier's live cache: speculative and auto only
@@ -181,11 +181,6 @@ class CoreMLAssistantDrafter:
         mx.eval(q)
         self._last_draft = toks
         return Draft(list(toks), q)
-
-    def accept(self, n_accepted: int, next_token: int) -> None:
-        if not 0 <= n_accepted <= len(self._last_draft):
-            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
-        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
 
     def sync(self, committed: list[int]) -> None:
         """Make `committed` the committed sequence; the key/value slots of positions whose

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import Draft, common_prefix
+from edgespec.drafters.base import AcceptsDrafts, Draft, common_prefix
 from edgespec.drafters.distilled import VOCAB_MAP, VocabMap, check_map_vocabulary
 from edgespec.errors import ModelLoadError
 
@@ -51,7 +51,7 @@ def verifier_head_rows(verifier, ids: np.ndarray) -> mx.array:
     return w[mx.array(np.asarray(ids, np.int32))]
 
 
-class FeatureDrafter:
+class FeatureDrafter(AcceptsDrafts):
     """Speculative drafter reading the verifier's features (mode 'speculative' only)."""
 
     name = "feature"
@@ -159,16 +159,7 @@ class FeatureDrafter:
             rows.append(lp)
             if i + 1 < k:
                 g = self._step(tok.reshape(1).astype(mx.int32), g)[-1:]
-        q = mx.stack(rows)
-        toks = mx.stack(toks)
-        mx.eval(toks, q)
-        self._last_draft = [int(t) for t in toks.tolist()]
-        return Draft(list(self._last_draft), q)
-
-    def accept(self, n_accepted: int, next_token: int) -> None:
-        if not 0 <= n_accepted <= len(self._last_draft):
-            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
-        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
+        return self._finish(toks, rows)
 
     def sync(self, committed: list[int]) -> None:
         """Make `committed` the committed sequence; features and entries off that path are dropped."""

@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import Draft, common_prefix
+from edgespec.drafters.base import AcceptsDrafts, Draft, common_prefix
 from edgespec.errors import ModelLoadError
 
 
@@ -125,7 +125,7 @@ def package_rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[1], x.shape[3]).T
 
 
-class MTPDrafter:
+class MTPDrafter(AcceptsDrafts):
     """Drafter protocol (begin / draft / accept / sync / close) over the verifier's MTP head."""
 
     reads_verifier = True  # drafts from the verifier's live cache: no pipelining, not in tree/cascade
@@ -201,16 +201,7 @@ class MTPDrafter:
             lps.append(lp)
             if i + 1 < k:
                 logits, g = self.head.feed(t.reshape(1).astype(mx.int32), g)  # (draft, the head's own state)
-        q = mx.stack(lps)
-        toks = mx.stack(toks)
-        mx.eval(toks, q)
-        self._last_draft = [int(t) for t in toks.tolist()]
-        return Draft(list(self._last_draft), q)
-
-    def accept(self, n_accepted: int, next_token: int) -> None:
-        if not 0 <= n_accepted <= len(self._last_draft):
-            raise ValueError(f"n_accepted must be in 0..{len(self._last_draft)}, got {n_accepted}")
-        self.sync(self.seq + self._last_draft[:n_accepted] + [int(next_token)])
+        return self._finish(toks, lps)
 
     def sync(self, committed: list[int]) -> None:
         """Make `committed` the committed sequence; head entries off that path are dropped."""
