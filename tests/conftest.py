@@ -185,3 +185,36 @@ class PacedModel:
 def make_paced_engine(seed: int = 0, seconds: float = 0.005, **overrides) -> Engine:
     model = make_tiny_model(seed, **overrides)
     return Engine(LoadedModel(PacedModel(model, seconds), make_tiny_tokenizer(model.args.vocab_size), None))
+
+
+def count_drafts(drafter, monkeypatch) -> list[int]:
+    """The k of every draft call drafters of this one's class get from now on: counted on the
+    class, since each request drafts with a fork of the engine's drafter
+    (drafters.base.request_drafter)."""
+    calls, draft = [], type(drafter).draft
+
+    def counted(self, k, sampler):
+        calls.append(k)
+        return draft(self, k, sampler)
+
+    monkeypatch.setattr(type(drafter), "draft", counted)
+    return calls
+
+
+def run_at_once(fn, n: int = 4) -> list:
+    """fn(0..n-1) on n threads released together (a batch forms); their results in order."""
+    import threading
+
+    got: list = [None] * n
+    start = threading.Barrier(n)
+
+    def run(i):
+        start.wait()
+        got[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import count_drafts  # noqa: E402
 from test_architectures import assert_close, hf_greedy, vocab_tokenizer  # noqa: E402
 
 import edgespec  # noqa: E402
@@ -400,19 +401,6 @@ def test_assistant_speculative_equals_plain_and_auto_uses_it_without_options(tmp
         seeded = [engine.generate(SHORT, max_tokens=24, temperature=0.8, seed=3, mode=m).tokens
                   for m in ("plain", "auto")]
         assert seeded[0] == seeded[1]
-
-
-def count_drafts(drafter, monkeypatch) -> list[int]:
-    """The k of every draft call the drafter gets from now on: counted on its class, since each
-    request drafts with a fork of the engine's drafter (drafters.base.request_drafter)."""
-    calls, draft = [], type(drafter).draft
-
-    def counted(self, k, sampler):
-        calls.append(k)
-        return draft(self, k, sampler)
-
-    monkeypatch.setattr(type(drafter), "draft", counted)
-    return calls
 
 
 def teach_assistant(assistant, verifier, seq: list[int]):

@@ -7,12 +7,10 @@ Tiny random models with small blocks (4 tokens), as tests/test_prefix_cache.py.
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_tiny_engine, make_tiny_model
+from conftest import make_tiny_engine, make_tiny_model, run_at_once
 
 from edgespec.drafters.base import DrafterReuse, ModelDrafter
 from edgespec.drafters.mlx_drafter import MLXDrafter
@@ -194,18 +192,7 @@ def test_threads_sharing_a_prefix_in_one_batch_get_their_own_output(mode):
     asks = [system + prompt(4 + i, 20 + i) for i in range(4)]
     want = [off.generate(a, max_tokens=16, mode=mode, draft_tokens=3).tokens for a in asks]
     e.generate(system + [1], max_tokens=1, mode="speculative")  # the shared part cached first, both stores
-    got: list = [None] * 4
-    start = threading.Barrier(4)
-
-    def run(i):
-        start.wait()
-        got[i] = e.generate(asks[i], max_tokens=16, mode=mode, draft_tokens=3)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = run_at_once(lambda i: e.generate(asks[i], max_tokens=16, mode=mode, draft_tokens=3))
     assert [g.tokens for g in got] == want
     assert max(e.batcher.batch_sizes) > 1  # they did run together
     assert all(g.stats.cached_tokens == 20 for g in got)
@@ -308,17 +295,6 @@ def test_concurrent_requests_draft_with_states_of_their_own(mode, opts):
     e = engine_with(cache_bytes=0)
     asks = [prompt(12 + i, 20 + i) for i in range(4)]
     want = [e.generate(a, max_tokens=16, mode=mode, **opts).tokens for a in asks]
-    got: list = [None] * 4
-    start = threading.Barrier(4)
-
-    def run(i):
-        start.wait()
-        got[i] = e.generate(asks[i], max_tokens=16, mode=mode, **opts).tokens
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = run_at_once(lambda i: e.generate(asks[i], max_tokens=16, mode=mode, **opts).tokens)
     assert got == want
     assert max(e.batcher.batch_sizes) > 1

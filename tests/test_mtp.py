@@ -16,6 +16,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import count_drafts, run_at_once
 from stats_support import chisq_pvalue, continuation_counts, continuation_law
 
 import edgespec
@@ -134,19 +135,6 @@ def test_mtp_head_matches_the_published_definition(folder):
 # ---------------------------------------------------------------- drafting is exact
 
 
-def draft_calls(drafter, monkeypatch) -> list[int]:
-    """The k of every draft call from now on: counted on the class, since each request drafts
-    with a fork of the engine's drafter (drafters.base.request_drafter)."""
-    calls, draft = [], type(drafter).draft
-
-    def counted(self, k, sampler):
-        calls.append(k)
-        return draft(self, k, sampler)
-
-    monkeypatch.setattr(type(drafter), "draft", counted)
-    return calls
-
-
 def test_mtp_drafting_equals_plain_from_the_folder_and_the_bundle(folder, tmp_path, monkeypatch):
     """The head loads with the verifier (folder and converted bundle), `speculative` and `auto`
     draft with it unasked, greedy output equals plain with drafts rejected mid-chain, and the
@@ -166,7 +154,7 @@ def test_mtp_drafting_equals_plain_from_the_folder_and_the_bundle(folder, tmp_pa
         engine = load(src)
         assert isinstance(engine.drafter, MTPDrafter), src.name
         refs = [engine.generate(p, max_tokens=30, mode="plain").tokens for p in prompts]
-        calls = draft_calls(engine.drafter, monkeypatch)
+        calls = count_drafts(engine.drafter, monkeypatch)
         drafted = accepted = 0
         by_pos = np.zeros(4)
         for p, ref in zip(prompts, refs, strict=True):
@@ -417,8 +405,6 @@ def test_add_drafter_mtp_to_an_existing_bundle(folder, tmp_path):
 def test_concurrent_requests_draft_with_heads_of_their_own(folder, mtp_bundle, packaged):
     """Four requests at once in one batch, each drafting with a fork of the engine's MTP drafter
     (its own head cache, or Core ML state: the executor stands in), get their solo output."""
-    import threading
-
     from edgespec.drafters.mtp import CoreMLHead, MTPDrafter
 
     engine = load(mtp_bundle)
@@ -428,17 +414,6 @@ def test_concurrent_requests_draft_with_heads_of_their_own(folder, mtp_bundle, p
             ExecutorMTPBackend(mtp_bundle / "drafter.mlpackage", fp16=False), info))
     asks = [PROMPT[i : i + 9] for i in range(4)]
     want = [engine.generate(a, max_tokens=20, mode="plain").tokens for a in asks]
-    got: list = [None] * 4
-    start = threading.Barrier(4)
-
-    def run(i):
-        start.wait()
-        got[i] = engine.generate(asks[i], max_tokens=20, mode="speculative", draft_tokens=3).tokens
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = run_at_once(lambda i: engine.generate(asks[i], max_tokens=20, mode="speculative", draft_tokens=3).tokens)
     assert got == want
     assert max(engine.batcher.batch_sizes) > 1
