@@ -55,29 +55,17 @@ coremltools is imported only at export time.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from edgespec.converters.coreml_export import add_function, finish_package, package_staging
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rope, rope_tables
 
 from edgespec.drafters.assistant import check_fit
-from edgespec.drafters.coreml import METADATA_KEY
 from edgespec.errors import ModelLoadError
-from edgespec.safe_write import (
-    PID_MARKER,
-    check_replaceable,
-    check_writable,
-    clean_stale_temps,
-    describe_failure,
-    install,
-    temp_prefix,
-)
+from edgespec.safe_write import check_replaceable, check_writable
 
 KIND = "gemma4_assistant"
 PACKAGE_FORMAT = 1
@@ -363,12 +351,7 @@ def export_assistant(
     from coremltools.converters.mil.mil import types
 
     names = function_names(append_tokens)
-    existed = os.path.lexists(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(out)
-    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
-    (work / PID_MARKER).write_text(str(os.getpid()))
-    try:
+    with package_staging(out, force) as work:
         desc = ct.utils.MultiFunctionDescriptor()
         for done, name in enumerate(names):
             if progress:
@@ -377,17 +360,9 @@ def export_assistant(
                 prog = build_draft(mb, types, shape, weights, ct.target.iOS18)
             else:
                 prog = build_append(mb, types, shape, int(name.split("_")[1]), ct.target.iOS18)
-            mlmodel = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                                 compute_precision=ct.precision.FLOAT32, pass_pipeline=ct.PassPipeline.EMPTY,
-                                 skip_model_load=True)  # fp16 by construction (see coreml_export)
-            path = work / f"{name}.mlpackage"
-            mlmodel.save(str(path))
-            desc.add_function(str(path), src_function_name="main", target_function_name=name)
+            add_function(ct, desc, prog, work, name)
         if progress:
             progress(len(names), len(names), "assembling")
-        desc.default_function_name = "draft"
-        combined = work / "combined.mlpackage"
-        ct.utils.save_multifunction(desc, str(combined))
         info = {
             "package": out.name,
             "package_format": PACKAGE_FORMAT,
@@ -407,18 +382,7 @@ def export_assistant(
             "vocab_hash": vocab_hash,
             "num_layers": len(shape.layer_types),
         }
-        package = ct.models.MLModel(str(combined), skip_model_load=True)
-        package.user_defined_metadata[METADATA_KEY] = json.dumps(info, sort_keys=True)
-        staged = work / "out.mlpackage"
-        package.save(str(staged))
-        install(staged, out, force, label="package")
-    except BaseException as e:
-        nicer = describe_failure(e, out, existed, work, label="package")
-        if nicer is not None:
-            raise nicer from e
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        finish_package(ct, desc, "draft", work, info, out, force)
     return info
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,54 @@ from edgespec.safe_write import (
 COMPRESS_CHOICES = ("none", "int8", "int4", "palette4")
 MAX_CONTEXT = 32767  # coremltools may cast gather indices to int16: positions must fit
 PACKAGE_FORMAT = 1
+
+
+@contextmanager
+def package_staging(out: Path, force: bool):
+    """A work folder beside `out` (so the final rename is atomic), holding the writer's pid;
+    a failure inside is described in one line (a full disk, no permission) and the folder is
+    removed whatever happens. The package goes in with `finish_package`."""
+    existed = os.path.lexists(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out)  # of exports of `out` killed outright
+    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
+    (work / PID_MARKER).write_text(str(os.getpid()))
+    try:
+        yield work
+    except BaseException as e:
+        nicer = describe_failure(e, out, existed, work, label="package")
+        if nicer is not None:
+            raise nicer from e
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_function(ct, desc, prog, work: Path, name: str) -> None:
+    """Convert one hand-built MIL program and add it to the multifunction descriptor as `name`.
+    The programs are fp16 by construction with fp32 norm reductions: FLOAT32 here means "do
+    not run the fp16 rewrite pass", and the default ~90 graph passes would only cost minutes
+    on a big vocabulary."""
+    mlmodel = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                         compute_precision=ct.precision.FLOAT32, pass_pipeline=ct.PassPipeline.EMPTY,
+                         skip_model_load=True)
+    path = work / f"{name}.mlpackage"
+    mlmodel.save(str(path))
+    desc.add_function(str(path), src_function_name="main", target_function_name=name)
+
+
+def finish_package(ct, desc, default: str, work: Path, meta: dict, out: Path, force: bool) -> None:
+    """Save the functions as one package describing itself (`meta` under METADATA_KEY, so a bare
+    .mlpackage can be checked at load time too) and install it at `out` atomically: `out`
+    appears complete or not at all."""
+    desc.default_function_name = default
+    combined = work / "combined.mlpackage"
+    ct.utils.save_multifunction(desc, str(combined))
+    package = ct.models.MLModel(str(combined), skip_model_load=True)
+    package.user_defined_metadata[METADATA_KEY] = json.dumps(meta, sort_keys=True)
+    staged = work / "out.mlpackage"
+    package.save(str(staged))
+    install(staged, out, force, label="package")
 
 
 def _dense_params(model) -> dict[str, np.ndarray]:
@@ -239,37 +288,15 @@ def export_drafter(
     from coremltools.converters.mil.mil import types
 
     specs = function_specs(prefill_chunk, decode_tokens)
-    existed = os.path.lexists(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(out)  # of exports of `out` killed outright
-    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))  # beside `out`: the rename stays atomic
-    (work / PID_MARKER).write_text(str(os.getpid()))
-    try:
+    with package_staging(out, force) as work:
         desc = ct.utils.MultiFunctionDescriptor()
         for name, (T, last_only) in specs.items():
             if progress:
                 progress(f"building {name} (T={T})")
             prog = build_function(mb, types, shape, weights, T, last_only, ct.target.iOS18)
-            # The program is already fp16 by construction with the fp32 RMSNorm
-            # reduction; FLOAT32 here means "do not run the fp16 rewrite pass".
-            mlmodel = ct.convert(
-                prog,
-                convert_to="mlprogram",
-                minimum_deployment_target=ct.target.iOS18,
-                compute_precision=ct.precision.FLOAT32,
-                # The hand-built graph is already in its final form; the default
-                # ~90 graph passes would only cost minutes on a big vocabulary.
-                pass_pipeline=ct.PassPipeline.EMPTY,
-                skip_model_load=True,
-            )
-            path = work / f"{name}.mlpackage"
-            mlmodel.save(str(path))
-            desc.add_function(str(path), src_function_name="main", target_function_name=name)
-        desc.default_function_name = "decode"
+            add_function(ct, desc, prog, work, name)
         if progress:
             progress("assembling multifunction package")
-        combined = work / "combined.mlpackage"
-        ct.utils.save_multifunction(desc, str(combined))
         info = {
             "package": out.name,
             "package_format": PACKAGE_FORMAT,
@@ -290,17 +317,5 @@ def export_drafter(
         if vocab_map is not None:
             info["reduced_vocab"] = {"size": vocab_map.size, "sha256": vocab_map.digest()}
             meta["reduced_vocab"] = {**info["reduced_vocab"], "ids": vocab_map.ids.tolist()}
-        # The package describes itself, so a bare .mlpackage can be checked at load time too.
-        package = ct.models.MLModel(str(combined), skip_model_load=True)
-        package.user_defined_metadata[METADATA_KEY] = json.dumps(meta, sort_keys=True)
-        staged = work / "out.mlpackage"
-        package.save(str(staged))
-        install(staged, out, force, label="package")  # atomic: `out` appears complete or not at all
-    except BaseException as e:
-        nicer = describe_failure(e, out, existed, work, label="package")  # a full disk, no permission
-        if nicer is not None:
-            raise nicer from e
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        finish_package(ct, desc, "decode", work, meta, out, force)
     return info

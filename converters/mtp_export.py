@@ -25,10 +25,6 @@ are the verifier's (one constant when tied).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,18 +217,14 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
                decode_tokens: tuple[int, ...] = (1, 2, 3, 4, 5), vocab_hash: str | None = None,
                force: bool = False) -> dict[str, Any]:
     """Write `out` (.mlpackage) atomically from the verifier `model`'s MTP head; returns its info."""
-    from edgespec.converters.coreml_export import MAX_CONTEXT
-
-    from edgespec.drafters.coreml import METADATA_KEY
-    from edgespec.safe_write import (
-        PID_MARKER,
-        check_replaceable,
-        check_writable,
-        clean_stale_temps,
-        describe_failure,
-        install,
-        temp_prefix,
+    from edgespec.converters.coreml_export import (
+        MAX_CONTEXT,
+        add_function,
+        finish_package,
+        package_staging,
     )
+
+    from edgespec.safe_write import check_replaceable, check_writable
 
     out = Path(out).expanduser()
     check_replaceable(out, force, label="package")
@@ -250,24 +242,10 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
     from coremltools.converters.mil.mil import types
 
     specs = function_specs(prefill_chunk, decode_tokens)
-    existed = os.path.lexists(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(out)
-    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
-    (work / PID_MARKER).write_text(str(os.getpid()))
-    try:
+    with package_staging(out, force) as work:
         desc = ct.utils.MultiFunctionDescriptor()
         for name, (T, last_only) in specs.items():
-            prog = build_function(mb, types, shape, weights, T, last_only, ct.target.iOS18)
-            mlmodel = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                                 compute_precision=ct.precision.FLOAT32, pass_pipeline=ct.PassPipeline.EMPTY,
-                                 skip_model_load=True)  # fp16 by construction (see coreml_export.py)
-            path = work / f"{name}.mlpackage"
-            mlmodel.save(str(path))
-            desc.add_function(str(path), src_function_name="main", target_function_name=name)
-        desc.default_function_name = "decode"
-        combined = work / "combined.mlpackage"
-        ct.utils.save_multifunction(desc, str(combined))
+            add_function(ct, desc, build_function(mb, types, shape, weights, T, last_only, ct.target.iOS18), work, name)
         info = {
             "kind": KIND,
             "package": out.name,
@@ -284,18 +262,7 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
             "hidden_size": shape.hidden,
             "num_layers": 1,
         }
-        package = ct.models.MLModel(str(combined), skip_model_load=True)
-        package.user_defined_metadata[METADATA_KEY] = json.dumps(info, sort_keys=True)
-        staged = work / "out.mlpackage"
-        package.save(str(staged))
-        install(staged, out, force, label="package")
-    except BaseException as e:
-        nicer = describe_failure(e, out, existed, work, label="package")
-        if nicer is not None:
-            raise nicer from e
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        finish_package(ct, desc, "decode", work, info, out, force)
     return info
 
 
