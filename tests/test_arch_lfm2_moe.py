@@ -28,28 +28,21 @@ CONFIG = dict(vocab_size=V, hidden_size=64, intermediate_size=80, moe_intermedia
 assert len(PROMPT) > 64 and len(PROMPT) > CONFIG["conv_L_cache"]
 
 
-def randomised(model):
+def randomise(model) -> None:
     """Norms and the expert bias away from their constant init (a bias that only selects, or a
     missed one, would show)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.2 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.copy_(0.3 * torch.randn_like(b))
-    return model.eval()
+    for p in model.parameters():
+        if p.ndim == 1:
+            p.add_(0.2 * torch.randn_like(p))
+    for name, b in model.named_buffers():
+        if name.endswith("expert_bias"):
+            b.copy_(0.3 * torch.randn_like(b))
 
 
 def lfm2_moe_checkpoint(folder, seed: int = 1, **overrides):
-    from test_architectures import vocab_tokenizer
+    from test_architectures import save_random_checkpoint
 
-    torch.manual_seed(seed)
-    config = transformers.Lfm2MoeConfig(**{**CONFIG, **overrides})
-    model = randomised(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    model.save_pretrained(folder)
-    vocab_tokenizer(V).save(folder)
-    return model
+    return save_random_checkpoint(folder, transformers.Lfm2MoeConfig(**{**CONFIG, **overrides}), seed, randomise)
 
 
 @pytest.fixture(scope="module")

@@ -28,26 +28,25 @@ TEXT = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_hea
 assert len(PROMPT) > CHUNK and len(PROMPT) > TEXT["linear_conv_kernel_dim"]
 
 
-def randomised(model):
+def randomise(model) -> None:
     """Norms, dt_bias and A_log away from their constant init (a missed 1 + w would show)."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.rand_like(p) * 2 - 1)
+        elif p.ndim == 1:
+            p.add_(0.2 * torch.randn_like(p))
+
+
+
+def randomised(model):
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.rand_like(p) * 2 - 1)
-            elif p.ndim == 1:
-                p.add_(0.2 * torch.randn_like(p))
+        randomise(model)
     return model.eval()
 
-
 def moe_checkpoint(folder, seed: int = 1, **overrides):
-    from test_architectures import vocab_tokenizer
+    from test_architectures import save_random_checkpoint
 
-    torch.manual_seed(seed)
-    config = transformers.Qwen3_5MoeTextConfig(**{**TEXT, **overrides})
-    model = randomised(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    model.save_pretrained(folder)
-    vocab_tokenizer(V).save(folder)
-    return model
+    return save_random_checkpoint(folder, transformers.Qwen3_5MoeTextConfig(**{**TEXT, **overrides}), seed, randomise)
 
 
 @pytest.fixture(scope="module")

@@ -181,15 +181,23 @@ def vocab_tokenizer(vocab_size: int):
     return Tokenizer(backend, {"eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"})
 
 
+def save_random_checkpoint(folder, config, seed: int = 0, randomise=None):
+    """A random fp32 transformers model of `config` (`randomise(model)` then moves what its init
+    leaves constant), saved to `folder` with a tokenizer of its vocabulary; the model, in eval mode."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if randomise is not None:
+        with torch.no_grad():
+            randomise(model)
+    model.eval().save_pretrained(folder)
+    vocab_tokenizer(config.vocab_size).save(folder)
+    return model
+
+
 def hf_checkpoint(folder, arch: str, seed: int = 0, **overrides):
     """A random fp32 transformers model of `arch`, saved to `folder` with a tokenizer."""
     cls_name, extra = ARCHS[arch]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(folder)
-    vocab_tokenizer(V).save(folder)
-    return model
+    return save_random_checkpoint(folder, getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides}), seed)
 
 
 def hf_last_logits(model, ids) -> np.ndarray:
