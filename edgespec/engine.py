@@ -69,6 +69,12 @@ class Engine:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    # Carries out every timing-driven decoding choice (edgespec.adaptive.policy); None = the
+    # timed default. Tests put a SeededPolicy or ScriptedPolicy here to explore or replay.
+    policy: Any = None
+    # Check every emitted token against the verifier row that drew it (edgespec.exactness);
+    # None = $EDGESPEC_CHECK_EXACT (the test suite turns it on), default off.
+    check_exact: bool | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)

@@ -217,15 +217,19 @@ class ProcessedModel:
     """
 
     KEEP_CALLS = 4  # calls whose processed rows stay available for the logprobs of emitted tokens
+    GUARD_CALLS = 32  # ... and for the exactness guard (a mode may call ahead of what it hands out)
 
-    def __init__(self, model, prompt: list[int], processors: list, logprobs: int | None = None):
+    def __init__(self, model, prompt: list[int], processors: list, logprobs: int | None = None, guard=None):
+        """guard: an edgespec.exactness.ExactnessGuard checking every emitted token, or None."""
         self._model = model
         self.prompt = list(prompt)
         self.processors = list(processors)
         self.logprobs = logprobs
+        self.guard = guard
         self.emitted: list[int] = []
         self._records: dict[int, list[int]] = {}  # id(cache[0]) -> token at each cache position
-        self._rows: deque = deque(maxlen=self.KEEP_CALLS)  # (committed count, [(k, path, row)], logits)
+        # Per call: (committed count, [(k, path)], processed rows, raw rows or None)
+        self._rows: deque = deque(maxlen=self.GUARD_CALLS if guard is not None else self.KEEP_CALLS)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -245,6 +249,9 @@ class ProcessedModel:
         for tok in steps:
             if self.logprobs is not None:
                 tok.top_logprobs = self.token_logprobs(len(self.emitted), tok.id)
+            if self.guard is not None:
+                k = len(self.emitted)
+                self.guard.check(k, tok.id, list(self.emitted), *self._row_of(k))
             self.emitted.append(tok.id)
             yield tok
 
@@ -323,17 +330,30 @@ class ProcessedModel:
         if any(p is not None for p in paths):
             for proc in self.processors:
                 processed = proc.process(processed, committed, paths)
-        if self.logprobs is not None:
+        if self.logprobs is not None or self.guard is not None:
             self._rows.append((len(committed), [(k, tuple(p) if p is not None else None) for k, p in
-                                                zip(ks, paths, strict=True)], processed))
+                                                zip(ks, paths, strict=True)], processed,
+                               sel if self.guard is not None else None))
         new = processed.reshape(logits.shape).astype(logits.dtype) if processed is not sel else logits
         return (new, out[1]) if return_hidden else new
 
     # -------------------------------------------------------------- logprobs
+    def _row_of(self, k: int) -> tuple[mx.array | None, mx.array | None]:
+        """(raw row, processed row) that drew reply token k after the emitted reply, from the
+        latest calls; (None, None) when none did."""
+        for c, entries, processed, raw in reversed(self._rows):
+            if c > k:
+                continue
+            want = tuple(self.emitted[c:k])
+            for i, (kk, path) in enumerate(entries):
+                if kk == k and path == want:
+                    return (raw[i] if raw is not None else None), processed[i]
+        return None, None
+
     def token_logprobs(self, k: int, token: int) -> TokenLogprob | None:
         """The logprob of reply token k (= `token`) and the top alternatives, from the processed
         row that drew it (looked up among the latest calls)."""
-        for c, entries, processed in reversed(self._rows):
+        for c, entries, processed, _raw in reversed(self._rows):
             if c > k:
                 continue
             want = tuple(self.emitted[c:k])
@@ -368,17 +388,31 @@ def make_processors(options, prompt: list[int], tokenizer, vocab_size: int) -> l
     return procs
 
 
-def attach_processors(mode, engine, options, prompt: list[int]):
+def attach_processors(mode, engine, options, prompt: list[int], sampler=None):
     """Put a request's processors between its mode and the verifier (see ProcessedModel); give
     the sources that declare `grammar` the request's grammar. Returns the wrapper for the mode's
-    token stream (records emitted tokens, adds logprobs), the identity when nothing applies."""
-    procs = make_processors(options, prompt, engine.tokenizer, engine.model.args.vocab_size)
-    if not procs and options.logprobs is None:
+    token stream (records emitted tokens, adds logprobs, runs the exactness guard when it is on:
+    edgespec.exactness), the identity when nothing applies. `sampler`: the request's (the guard
+    recomputes its draws)."""
+    from edgespec.exactness import ExactnessGuard, guard_enabled
+
+    V = engine.model.args.vocab_size
+    procs = make_processors(options, prompt, engine.tokenizer, V)
+    guard = None
+    if guard_enabled(engine) and getattr(mode, "model", None) is not None:
+        from edgespec.sampling import Sampler
+
+        # Without the request's sampler its draws can be recomputed only when its seed is fixed.
+        known = sampler is not None or options.sampling.seed is not None
+        guard = ExactnessGuard(make_processors(options, prompt, engine.tokenizer, V),
+                               sampler if sampler is not None else Sampler(options.sampling),
+                               getattr(mode, "name", "?"), len(prompt), draws_known=known)
+    if not procs and options.logprobs is None and guard is None:
         return lambda steps: steps
     if getattr(mode, "model", None) is None:
         raise ValueError(f"mode {getattr(mode, 'name', '?')!r} cannot apply response_format, penalties or "
                          "logprobs (it does not expose its verifier)")
-    pm = ProcessedModel(mode.model, prompt, procs, options.logprobs)
+    pm = ProcessedModel(mode.model, prompt, procs, options.logprobs, guard)
     mode.model = pm
     grammar = next((p for p in procs if isinstance(p, GrammarProcessor)), None)
     for source in getattr(mode, "sources", ()):

@@ -48,6 +48,7 @@ from edgespec.adaptive.estimate import (
     merge_candidates,
     plan_tree,
 )
+from edgespec.adaptive.policy import Policy, TimedPolicy
 from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.kernels import commit_kv, tree_accept
@@ -83,13 +84,15 @@ class AdaptiveDecoder:
     def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None,
                  guesses: int = 3, span: int = 16, max_tree: int = 32, probe_start: int = 8, probe_max: int = 128,
                  margin: float = 1.02, jacobi: JacobiSource | None = None, memory: dict | None = None,
-                 batch_aware: bool = True, after_request=None):
+                 batch_aware: bool = True, after_request=None, policy: Policy | None = None):
         """costs: the verify-cost curve, learnt from this decoder's passes run alone (the engine
         shares one between its decoders and persists it, edgespec.calibration).
         memory: a dict kept by the engine across requests (acceptance, the plain step's time,
         probe waits); each request starts from it and writes back what it learned.
-        after_request: called once a request's rounds end (the engine publishes and saves costs)."""
+        after_request: called once a request's rounds end (the engine publishes and saves costs).
+        policy: carries out (or replaces, in tests) every timing-driven choice (edgespec.adaptive.policy)."""
         self.model = model
+        self.policy = policy if policy is not None else TimedPolicy()
         self.sources = list(sources) + ([jacobi] if jacobi is not None else [])
         self.jacobi = jacobi
         self.memory = memory if memory is not None else {}
@@ -157,10 +160,17 @@ class AdaptiveDecoder:
         return bc, bc.verify(1), others, cap
 
     def _plan(self, seq: list[int]) -> Plan:
+        """What this round does: the timed choice (`_timed_plan`), as the policy carries it out."""
+        plan = self._timed_plan(seq)
+        return self.policy.plan(plan, bool(plan.cands), self.drafter is not None, KMAX)
+
+    def _timed_plan(self, seq: list[int]) -> Plan:
         allowed = getattr(self.model, "speculation_allowed", None) if self._batch_ctx is not None else None
         if allowed is not None and not allowed():
             # The batch measured plain steps doing better at its size (edgespec.batch.guard).
-            return Plan("plain", [], 0, 0.0)
+            # (A replacing policy may still choose a tree: it sees the candidates.)
+            timed = isinstance(self.policy, TimedPolicy)
+            return Plan("plain", [] if timed else self._cheap(seq), 0, 0.0)
         cands = self._cheap(seq)
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         costs, plain_s, others, cap = self._pricing(nodes)
@@ -287,7 +297,7 @@ class AdaptiveDecoder:
             # In a batch the step's shape is chosen jointly (cost.joint_sizes), which has no
             # price for a window riding on a tree: it would pad every row past the cap.
             return False
-        return self.wctl.choose() == "full"
+        return self.policy.window(self.wctl.choose() == "full")
 
     def _drafted(self, plan: Plan) -> None:
         self.since_draft = 0
@@ -336,9 +346,9 @@ class AdaptiveDecoder:
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         costs, plain_s, others, cap = self._pricing(nodes)
         kept, _ = plan_tree(nodes, costs, 0.0, plain_s, cap, margin=0.0, others=others)
+        kept = self.policy.tree(nodes, self._probe(nodes, kept, cap), cap)
         if not kept and not window:
             return None
-        kept = self._probe(nodes, kept, cap)
         tree = build_tree(seq[-1], nodes, kept, cands)
         if window:
             tree.add_window(self.jacobi.levels)

@@ -766,8 +766,9 @@ class Batcher:
             from edgespec.processors import attach_processors
             from edgespec.sampling import Sampler
 
-            follow = attach_processors(mode, engine, req.options, req.ids)
-            steps = follow(mode.steps(req.ids, Sampler(req.options.sampling), stats))
+            sampler = Sampler(req.options.sampling)
+            follow = attach_processors(mode, engine, req.options, req.ids, sampler)
+            steps = follow(mode.steps(req.ids, sampler, stats))
             chunks = stream_tokens(steps, engine.tokenizer, stats, req.options.max_tokens, req.options.stop,
                                    context_left=engine.context_length - len(req.ids),
                                    cancel=lambda: req.cancelled)

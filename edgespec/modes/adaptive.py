@@ -13,6 +13,7 @@ $EDGESPEC_HOME/calibration/ for the next process.
 from __future__ import annotations
 
 from edgespec.adaptive.decoder import AdaptiveDecoder
+from edgespec.adaptive.policy import policy_for
 from edgespec.adaptive.sources import (
     ContextSource,
     DrafterSource,
@@ -129,6 +130,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         max_tree=min(o.get("max_tree", 32), MAX_TREE),
         batch_aware=o.get("batch_aware", True),
         after_request=lambda: _after_request(engine, store),
+        policy=policy_for(engine),
     )
     mode.request_drafter = dsrc.drafter if dsrc is not None else None  # the batch binds its reuse
     return mode

@@ -1,0 +1,93 @@
+"""Exactness under seeded random decisions: `auto` equals plain in every feature (tests/exact_fuzz.py).
+
+CI runs FUZZ_CASES cases on the tiny dense model and a few on tiny hybrids (recurrent layers);
+`EDGESPEC_FUZZ_CASES=N` runs N instead (the long budget: docs/exactness.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from exact_fuzz import Verifiers, run_cases
+
+import edgespec.processors as processors
+
+FUZZ_CASES = int(os.environ.get("EDGESPEC_FUZZ_CASES", "60"))
+
+
+@pytest.fixture(scope="module")
+def verifiers():
+    return Verifiers()
+
+
+def _report(rep) -> str:
+    cov = ", ".join(f"{k} {v}" for k, v in sorted(rep.coverage.items()))
+    return (f"{rep.cases} cases, {len(rep.errors)} errors, {len(rep.near_ties)} near-ties; coverage: {cov}"
+            + "".join("\nERROR " + e for e in rep.errors[:5]) + "".join("\nnear-tie " + t for t in rep.near_ties[:5]))
+
+
+def test_auto_equals_plain_under_seeded_decisions(verifiers):
+    rep = run_cases(verifiers, range(FUZZ_CASES), ["tiny"])
+    print(_report(rep))
+    assert rep.cases == FUZZ_CASES
+    assert not rep.errors, _report(rep)
+    # The cases cover every feature at least once.
+    for key in ("grammar=True", "penalties=True", "prefix_warm=True", "history_warm=True", "kv_bits=8",
+                "batch=3", "drafter=True", "greedy=False"):
+        assert rep.coverage.get(key, 0) > 0, key
+
+
+@pytest.fixture(scope="module")
+def hybrid_verifiers(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from test_recurrent import ARCHS, hf_hybrid
+
+    import edgespec
+
+    loaded = {}
+    for arch in ARCHS:
+        folder = tmp_path_factory.mktemp(f"fuzz-{arch}")
+        hf_hybrid(folder, arch)
+        loaded[arch] = edgespec.load(folder, drafter="none", progress=False, history="off").loaded
+    return Verifiers(loaded), list(ARCHS)
+
+
+def test_auto_equals_plain_on_recurrent_verifiers_under_seeded_decisions(hybrid_verifiers):
+    verifiers, names = hybrid_verifiers
+    n = max(8, FUZZ_CASES // 6)
+    rep = run_cases(verifiers, range(10_000, 10_000 + n), names)
+    print(_report(rep))
+    assert not rep.errors, _report(rep)
+    assert all(rep.coverage.get(f"verifier={a}", 0) > 0 for a in names)
+
+
+def test_the_fuzzer_catches_a_grammar_state_built_from_the_parent_path(verifiers, monkeypatch):
+    """Mutation: each row's grammar mask computed after its path minus the last token."""
+    real = processors.GrammarProcessor.process
+
+    def parent_path(self, logits, committed, paths):
+        return real(self, logits, committed, [p[:-1] if p else p for p in paths])
+
+    monkeypatch.setattr(processors.GrammarProcessor, "process", parent_path)
+    seeds = [s for s in range(200) if __import__("exact_fuzz").draw_case(s, ["tiny"]).grammar][:6]
+    rep = run_cases(verifiers, seeds, ["tiny"])
+    assert rep.errors, _report(rep)
+
+
+def test_the_fuzzer_catches_a_row_read_from_another_node(verifiers, monkeypatch):
+    """Mutation: the tree's draws read the logits of the node before (rows shifted by one)."""
+    import mlx.core as mx
+
+    import edgespec.adaptive.decoder as dec
+
+    real = dec.draw_tokens
+
+    def shifted(logits, parents, position, sampler):
+        if logits.shape[0] > 2:
+            logits = mx.concatenate([logits[:1], logits[:1], logits[2:]], axis=0)
+        return real(logits, parents, position, sampler)
+
+    monkeypatch.setattr(dec, "draw_tokens", shifted)
+    rep = run_cases(verifiers, range(12), ["tiny"])
+    assert rep.errors, _report(rep)
