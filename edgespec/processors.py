@@ -148,7 +148,16 @@ class GrammarProcessor:
         while k < n and s[k] == target[k]:
             k += 1
         if k < len(s):
-            self.m.rollback(len(s) - k)
+            if not self.m.rollback(len(s) - k) or self.m.is_error():
+                # The matcher could not go back: rebuild its state from the start rather than
+                # compute masks for a prefix it is not at.
+                self.m.reset()
+                del s[:]
+                k = 0
+                took = self.m.try_consume_tokens(target)
+                s.extend(target[:took])
+                self._check()
+                return took == len(target)
             del s[k:]
         rest = target[k:]
         if rest:
