@@ -67,7 +67,7 @@ def write_drafter(
     from edgespec.converters.bundle import write_model_files
     from edgespec.converters.coreml_export import COMPRESS_CHOICES, _dense_params, export_drafter
 
-    from edgespec.drafters.mlx_drafter import check_vocabulary
+    from edgespec.drafters.compat import check_compatible
 
     if compress not in COMPRESS_CHOICES:
         raise ValueError(
@@ -99,19 +99,18 @@ def write_drafter(
     vmap = distilled_vocab_map(Path(src), model)
     if vmap is not None:  # reduced vocabulary: its map names the verifier's tokenizer
         d_hash = json.loads((Path(src) / VOCAB_MAP).read_text()).get("vocab_hash")
-        check_vocabulary(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
+        check_compatible(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
     elif (verifier_tokenizer or tokenizer) is not None and loaded.tokenizer is not None:
         # Same tokenizer, checked id by id; the table may be padded to another size. The
         # drafter is stored at the verifier's width so drafter/ and the Core ML package
         # produce the verifier's logits shape.
-        from edgespec.drafters.mlx_drafter import check_pairing
-
-        check_pairing(loaded.tokenizer, verifier_tokenizer or tokenizer, model.args.vocab_size)
+        check_compatible(model.args.vocab_size, verifier_vocab, drafter_tokenizer=loaded.tokenizer,
+                         verifier_tokenizer=verifier_tokenizer or tokenizer)
         if model.args.vocab_size != verifier_vocab:
             model = fit_vocab(model, verifier_vocab)
     else:
         d_hash = loaded.tokenizer.vocab_hash() if loaded.tokenizer is not None else None
-        check_vocabulary(model.args.vocab_size, verifier_vocab, d_hash, verifier_hash)
+        check_compatible(model.args.vocab_size, verifier_vocab, d_hash, verifier_hash)
     params = {k: mx.array(v).astype(dtype) for k, v in _dense_params(model).items()}
     entry = write_model_files(folder / "drafter", model.args.to_dict(), params, None)
     out = {
@@ -217,9 +216,9 @@ def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier
     """A feature drafter (edgespec distill --kind feature) goes in as its MLX folder, checked first."""
     import shutil
 
+    from edgespec.drafters.compat import check_compatible
     from edgespec.drafters.distilled import VocabMap
     from edgespec.drafters.feature import DRAFTER_JSON
-    from edgespec.drafters.mlx_drafter import check_vocabulary
 
     if compress != "none":
         raise ValueError(f"--drafter-compress applies to Core ML packages; {FEATURE_NO_COREML}")
@@ -228,7 +227,7 @@ def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     d_hash = json.loads((src / VOCAB_MAP).read_text()).get("vocab_hash")
-    check_vocabulary(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
+    check_compatible(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
     config = json.loads((src / "config.json").read_text())
     from edgespec.converters.hf import read_safetensors
 

@@ -117,15 +117,14 @@ def weight_bytes(model) -> int:
 
 def drafter_key(drafter) -> str:
     """What tells drafters apart in the persisted file: its name and its weights' size."""
-    name = str(getattr(drafter, "name", type(drafter).__name__))
-    return f"{name}:{weight_bytes(getattr(drafter, 'model', None))}"
+    return f"{drafter.name}:{weight_bytes(drafter.model)}"
 
 
 def draft_prior(drafter, verifier_bytes: int) -> float:
     """Seconds per drafted token before one is measured, in plain steps: DRAFT_PRIOR_FACTOR x
     the drafter's share of the verifier's weight bytes (decoding small models is about
     reading their weights), within 0.05..1; DRAFT_PRIOR when the share is unknown."""
-    mine = weight_bytes(getattr(drafter, "model", None))
+    mine = weight_bytes(drafter.model)
     if not mine or not verifier_bytes:
         return DRAFT_PRIOR
     return min(max(DRAFT_PRIOR_FACTOR * mine / verifier_bytes, 0.05), 1.0)

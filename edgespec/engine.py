@@ -72,6 +72,8 @@ class Engine:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
+    # Notes from attaching the drafter (e.g. Core ML unavailable -> its MLX copy); modes show them.
+    drafter_notes: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         from edgespec.kv_quant import check_settings
@@ -323,7 +325,7 @@ class Engine:
         another model's keys and values (and another layer layout). None when reuse is off,
         the drafter has no cache of its own to reuse, or drafter reuse is turned off."""
         d = self.drafter
-        if d is None or not callable(getattr(d, "reuses_prefixes", None)) or not d.reuses_prefixes():
+        if d is None or not d.caps.prefix_store or not d.reuses_prefixes():
             return None
         if not self._drafter_reuse_on():
             return None

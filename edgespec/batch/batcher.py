@@ -742,7 +742,7 @@ class Batcher:
         """The request's use of the drafter's prefix store (drafters.base.DrafterReuse), bound
         to the fork of the drafter its mode drafts with; None without one."""
         fork = getattr(mode, "request_drafter", None)
-        if fork is None or fork is self.engine.drafter or not hasattr(fork, "prefix_reuse"):
+        if fork is None or fork is self.engine.drafter or not fork.caps.prefix_store:
             return None  # the engine's own drafter (no fork): shared, nothing of its own to keep
         store = self.engine.drafter_prefix_cache
         if store is None:

@@ -60,7 +60,7 @@ OPTIONS = [
 
 def drafter_usable(drafter) -> bool:
     """Can the adaptive decoder draft with it? (It must follow other sources' tokens.)"""
-    return drafter is not None and hasattr(drafter, "sync") and not getattr(drafter, "needs_features", False)
+    return drafter is not None and drafter.caps.syncs and not drafter.caps.needs_features
 
 
 # Every size up to 16 (a CPU BLAS can run 16 rows faster than 12, and the planner should

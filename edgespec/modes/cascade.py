@@ -48,12 +48,12 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             f"unknown cascade option(s) {sorted(unknown)}; valid: {', '.join(OPTION_HELP)}"
         )
     tiny = engine.drafter
-    if tiny is None or not hasattr(tiny, "sync"):
+    if tiny is None or not tiny.caps.syncs:
         raise DrafterRequiredError(
             "mode 'cascade' needs a tiny drafter that can roll back (a distilled/MLX drafter folder "
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
-    if getattr(tiny, "needs_features", False) or getattr(tiny, "reads_verifier", False):
+    if "cascade" not in tiny.caps.modes:
         # A feature drafter drafts in mode 'speculative' only; the shipped distilled drafter takes its place.
         from edgespec.drafters import load_drafter, shipped_drafter_path
 
@@ -62,7 +62,7 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             raise DrafterRequiredError(
                 f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: "
                 + ("it drafts from the verifier's cache, in modes 'speculative' and 'auto' only"
-                   if getattr(tiny, "reads_verifier", False) else
+                   if tiny.caps.reads_verifier else
                    "a feature drafter reads the verifier's hidden states and drafts in mode 'speculative' only")
                 + "; load a distilled or MLX drafter"
             )

@@ -297,17 +297,18 @@ def engine_tree_costs(engine):
 def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     o = parse_options(options.mode_options, shape, sources)
     drafter = engine.drafter if "drafter" in o["sources"] else None
-    if getattr(drafter, "reads_verifier", False):
+    caps = drafter.caps if drafter is not None else None
+    if caps is not None and caps.reads_verifier:
         raise DrafterRequiredError(
             f"mode {name!r} cannot draft with {drafter.name!r}: it drafts from the verifier's cache of the "
             "committed tokens, not along tree branches; use mode 'speculative' or 'auto', or sources=prompt_lookup+pool")
-    if "drafter" in o["sources"] and (drafter is None or getattr(drafter, "model", None) is None):
+    if "drafter" in o["sources"] and (drafter is None or drafter.model is None):
         raise DrafterRequiredError(
             f"mode {name!r} with source 'drafter' needs an MLX drafter: load with drafter='self' "
             "(skip layers of the verifier) or a drafter folder/bundle, or set "
             "--mode-option sources=prompt_lookup+pool"
         )
-    if getattr(drafter, "needs_features", False):
+    if caps is not None and caps.needs_features:
         raise DrafterRequiredError(
             f"mode {name!r} cannot draft with {drafter.name!r}: a feature drafter reads the verifier's hidden "
             "states and drafts in mode 'speculative' only; use that mode, or drafter='self' for trees"
