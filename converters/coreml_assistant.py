@@ -289,6 +289,7 @@ def build_append(mb, types, shape: AssistantShape, S: int, opset):
 def _program(mb, specs, names, body, opset):
     """A one-function MIL program whose inputs are named `names` (mb.program would name them
     after a Python function's parameters; these depend on the assistant's layer types)."""
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     from coremltools.converters.mil.mil import Function, Program
 
     with Function(dict(zip(names, specs, strict=True)), opset) as func:
@@ -346,6 +347,7 @@ def export_assistant(
         for name in linear_weights(shape):  # once: every function refers to the same blobs
             weights[name] = compress_linear(weights[name], compress)
 
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types

@@ -208,7 +208,7 @@ def compress_model(
     held-back KL before and after, else it is None. progress(done, total, loss) is
     called after each step.
     """
-    from edgespec.converters.coreml_export import _dense_params
+    from edgespec.converters.dense import _dense_params
 
     dense = _dense_params(model)
     names = linear_weight_names(model)
@@ -239,7 +239,7 @@ def greedy_agreement(
     """
     import mlx.core as mx
     from edgespec.converters.coreml_compress import decode_packed
-    from edgespec.converters.coreml_export import _dense_params
+    from edgespec.converters.dense import _dense_params
 
     from edgespec.loader import build_model
 

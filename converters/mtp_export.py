@@ -237,6 +237,7 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
     shape = head_shape(model, context_length)
     weights = prepare_weights(model, shape)
 
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types

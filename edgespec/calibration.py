@@ -52,6 +52,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from edgespec.adaptive.estimate import Costs
+from edgespec.paths import home as edgespec_home
+from edgespec.version import __version__
 
 log = logging.getLogger("edgespec.calibration")
 
@@ -206,15 +208,11 @@ def cost_key(loaded) -> dict | None:
     ident = model_identity(loaded)
     if ident is None:
         return None
-    from edgespec import __version__
-
     return {"format": FORMAT, "edgespec": __version__, "model": ident, "machine": machine_identity()}
 
 
 def key_path(key: dict, home: Path | None = None) -> Path:
     if home is None:
-        from edgespec.default_model import home as edgespec_home
-
         home = edgespec_home()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key["model"]["name"]))[:60] or "model"

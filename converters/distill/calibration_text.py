@@ -87,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout", action="store_true",
                    help="DATA was built on the built-in held-out prompts: write the held-out file")  # fmt: skip
     args = p.parse_args(argv)
-    from edgespec.converters.default_model import default_bundle_path
     from edgespec.converters.distill.prompts import builtin_path
 
+    from edgespec.default_model import load_default
     from edgespec.loader import load
 
-    tokenizer = load(args.model or default_bundle_path(progress=False), verify_hashes=False).tokenizer
+    # The default model's tokenizer: its bundle when converted, else its GGUF (the same tokenizer).
+    loaded = load(args.model, verify_hashes=False) if args.model else load_default(progress=False, verify_hashes=False)
+    tokenizer = loaded.tokenizer
     items = read_prompts(builtin_path(BUILTIN_HELDOUT)) if args.heldout else None
     rows = answers_from_data(args.data, tokenizer, items)
     out = Path(args.out) if args.out else builtin_path(HELDOUT_ANSWERS if args.heldout else CALIBRATION_ANSWERS)

@@ -74,8 +74,8 @@ def write_feature_folder(folder: Path, model, config: dict, vmap, vocab_hash: st
 def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_examples, data_minutes,
                     verifier_path, prompts, heldout, force, recipe, note) -> dict:
     from edgespec.converters.bundle import atomic_folder
+    from edgespec.converters.distill.card import _count, _params
     from edgespec.converters.distill.evaluate import acceptance, draft_cost
-    from edgespec.converters.distill.pipeline import _count, _params
 
     t0 = time.time()
     feats = []

@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from edgespec.converters.distill import data as D
+from edgespec.converters.distill.card import _count, _params
 from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
 from edgespec.converters.distill.student import init_student, student_config
 from edgespec.converters.distill.train import TrainConfig, prepare, train
@@ -49,10 +50,6 @@ class DistillConfig:
 
 
 Progress = Callable[[str, int, int, str], None]  # (stage, done, total, note)
-
-
-def _params(model) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
 def distill(
@@ -192,13 +189,6 @@ def cost_fn(model, drafter, ctx, k):
     from edgespec.converters.distill.evaluate import draft_cost
 
     return draft_cost(model, drafter, ctx, k, repeats=8)
-
-
-def _count(xs):
-    out: dict[str, int] = {}
-    for x in xs:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def recipe_line(argv: list[str]) -> str:

@@ -47,6 +47,8 @@ from array import array
 from collections import Counter
 from pathlib import Path
 
+from edgespec.paths import home
+
 log = logging.getLogger("edgespec.history")
 
 NGRAMS = (2, 3, 4, 6, 8, 12)  # suffix lengths indexed (longest match wins)
@@ -349,8 +351,6 @@ def make_history(mode: str | None, key: str, max_bytes: int = 64 << 20) -> Histo
         return None
     path = None
     if mode == "disk":
-        from edgespec.default_model import home
-
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:96] or "model"
         path = home() / "history" / f"{safe}.bin"
     return HistoryStore(max_bytes=max_bytes, path=path)

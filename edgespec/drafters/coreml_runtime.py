@@ -50,6 +50,7 @@ class CoreMLBackend:
 
     def __init__(self, path: Path, functions: list[str], compute_units: str):
         try:
+            # coremltools is optional (macOS, the convert extra): imported only where a package runs
             import coremltools as ct
         except ImportError:
             raise CoreMLUnavailable(
@@ -104,6 +105,7 @@ def read_package_info(path: Path, prefer_manifest: bool = True) -> dict[str, Any
         if entry and entry.get("package") == path.name:
             return entry
     try:
+        # coremltools is optional (macOS, the convert extra): imported only where a package runs
         import coremltools as ct
     except ImportError:
         return {}

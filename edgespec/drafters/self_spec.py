@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from edgespec.drafters.base import ModelDrafter
+from edgespec.paths import home
 
 # Written for the search (not the benchmark prompts): chat, code, summary, translation.
 CALIBRATION_PROMPTS = [
@@ -208,8 +209,6 @@ def search_skip_layers(
 
 # ---------------------------------------------------------------------- cache
 def _cache_file(weights_sha: str) -> Path:
-    from edgespec.default_model import home
-
     return home() / "self_spec" / f"{weights_sha[:32]}.json"
 
 

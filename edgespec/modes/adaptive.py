@@ -23,7 +23,7 @@ from edgespec.adaptive.sources import (
 from edgespec.calibration import SIZES, cost_store
 from edgespec.drafters.base import request_drafter
 from edgespec.errors import DrafterRequiredError
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import Option
 
 SOURCES = ("forced", "context", "history", "jacobi", "drafter")

@@ -11,7 +11,7 @@ decoding from measured costs.
 from __future__ import annotations
 
 from edgespec.errors import DrafterRequiredError
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
 from edgespec.tree.cascade import CascadeDrafter
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
 
 _ATTR = "_prompt_lookup_drafter"

@@ -31,7 +31,7 @@ from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft, request_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import Token, prefill, runs_alone
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE
 from edgespec.rejection import rejection_sample
 from edgespec.sampling import Sampler

@@ -31,7 +31,7 @@ from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
 from edgespec.sampling import Sampler
 from edgespec.tree.candidates import SourceTree
