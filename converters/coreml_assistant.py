@@ -60,7 +60,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from edgespec.converters.coreml_export import add_function, finish_package, package_staging
+from edgespec.converters.coreml_export import (
+    COMPRESS_CHOICES,
+    add_function,
+    finish_package,
+    package_staging,
+)
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rope, rope_tables
 
 from edgespec.drafters.assistant import check_fit
@@ -335,7 +340,6 @@ def export_assistant(
         raise ValueError(f"need 1 <= context_length ({context_length}) <= {MAX_CONTEXT}")
     if not append_tokens or append_tokens[0] < 1 or append_tokens[-1] > context_length:
         raise ValueError(f"append sizes must be in 1..{context_length}, got {append_tokens}")
-    from edgespec.converters.coreml_export import COMPRESS_CHOICES
 
     if compress not in COMPRESS_CHOICES:
         raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from edgespec.converters.coreml_program import DrafterShape, build_function, rope_tables
 from edgespec.converters.dense import _dense_params  # noqa: F401  (re-exported)
+from edgespec.models.llama import Model
 
 from edgespec.drafters.coreml import METADATA_KEY
 from edgespec.errors import ModelLoadError
@@ -93,8 +94,6 @@ def finish_package(ct, desc, default: str, work: Path, meta: dict, out: Path, fo
 
 
 def drafter_shape(model, context_length: int) -> DrafterShape:
-    from edgespec.models.llama import Model
-
     if not isinstance(model, Model):
         raise ModelLoadError(
             f"cannot export {type(model).__name__} to Core ML: only edgespec's Llama-family "

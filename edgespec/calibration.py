@@ -53,6 +53,7 @@ import mlx.core as mx
 
 from edgespec.adaptive.estimate import Costs
 from edgespec.paths import home as edgespec_home
+from edgespec.tree.controller import TreeCosts, calibrate_tree
 from edgespec.version import __version__
 
 log = logging.getLogger("edgespec.calibration")
@@ -117,16 +118,22 @@ def weight_bytes(model) -> int:
         return 0
 
 
+def _weights_of(drafter):
+    """The drafter's own MLX model (Drafter.model), None for one without weights; priced from any
+    object with a name (a caller's stand-in may declare nothing else)."""
+    return getattr(drafter, "model", None)
+
+
 def drafter_key(drafter) -> str:
     """What tells drafters apart in the persisted file: its name and its weights' size."""
-    return f"{drafter.name}:{weight_bytes(drafter.model)}"
+    return f"{drafter.name}:{weight_bytes(_weights_of(drafter))}"
 
 
 def draft_prior(drafter, verifier_bytes: int) -> float:
     """Seconds per drafted token before one is measured, in plain steps: DRAFT_PRIOR_FACTOR x
     the drafter's share of the verifier's weight bytes (decoding small models is about
     reading their weights), within 0.05..1; DRAFT_PRIOR when the share is unknown."""
-    mine = weight_bytes(drafter.model)
+    mine = weight_bytes(_weights_of(drafter))
     if not mine or not verifier_bytes:
         return DRAFT_PRIOR
     return min(max(DRAFT_PRIOR_FACTOR * mine / verifier_bytes, 0.05), 1.0)
@@ -415,8 +422,6 @@ class CostStore:
         """Put the current curve where the batcher prices steps (engine.__dict__
         "_adaptive_tree_costs"), when it is new or has moved by PUBLISH_CHANGE somewhere
         (each new object makes the batcher rebuild its step costs)."""
-        from edgespec.tree.controller import TreeCosts
-
         sizes = list(self.costs.sizes)
         now = [self.costs.verify(T) for T in sizes]
         old = self._published
@@ -462,8 +467,6 @@ def cost_store(engine) -> CostStore:
 def measure(engine, reps: int = 1) -> CostStore:
     """The explicit measurement (benchmarks, or to fill the curve at once): times tree passes
     over every size of the grid (`calibrate_tree`) and records them as measurements."""
-    from edgespec.tree.controller import calibrate_tree
-
     store = cost_store(engine)
     tree = calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
     for T, v in zip(tree.sizes, tree.verify_s, strict=True):

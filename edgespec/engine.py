@@ -11,13 +11,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.batch import Request, memory
+from edgespec.batch.batcher import cancel_callable as check
 from edgespec.errors import ContextLengthError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
+from edgespec.kv_quant import check_settings, quantize_caches
 from edgespec.loader import LoadedModel
+from edgespec.lookahead.memory import drafter_fits
 from edgespec.modes import available_modes, make_mode
+from edgespec.modes.adaptive import drafter_usable
 from edgespec.options import GenerateOptions
 from edgespec.processors import Penalties
 from edgespec.sampling import SamplingParams
+from edgespec.tokenizer import chat_messages
+from edgespec.tools import plan_tools
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
 # (it gives way to running requests: the batch evicts from it before admitting one), or
@@ -76,8 +83,6 @@ class Engine:
     drafter_notes: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
-        from edgespec.kv_quant import check_settings
-
         check_settings(self.kv_bits, self.kv_group_size, self.quantized_kv_start,
                        getattr(self.model.args, "head_dim", None))
         if self.history is None or isinstance(self.history, str):
@@ -162,8 +167,6 @@ class Engine:
         and what answers it) until `room` tokens are left for the reply; the leading system
         messages and the last turn always stay. Returns (ids, turns dropped); ContextLengthError
         when even the last turn does not fit."""
-        from edgespec.tokenizer import chat_messages
-
         messages = chat_messages(messages)
         head = 0
         while head < len(messages) and messages[head]["role"] == "system":
@@ -216,15 +219,12 @@ class Engine:
         """
         if options.mode != "auto":
             return options.mode
-        from edgespec.modes.adaptive import drafter_usable
 
         if self.drafter is not None and not drafter_usable(self.drafter) and self._drafter_fits():
             return "speculative"
         return "adaptive"
 
     def _drafter_fits(self) -> bool:
-        from edgespec.lookahead.memory import drafter_fits
-
         return drafter_fits(self, self.memory_budget)
 
     def note_once(self, message: str) -> bool:
@@ -275,8 +275,6 @@ class Engine:
 
     def _tool_plan(self, tools, tool_choice, parallel_tool_calls, kwargs: dict, options):
         """The request's tool plan (edgespec.tools); a constraint it needs goes into `kwargs`."""
-        from edgespec.tools import plan_tools
-
         plan = plan_tools(tools, tool_choice, parallel_tool_calls, self.tokenizer.chat_template)
         if plan.response_format is not None:
             given = kwargs.get("response_format")
@@ -363,8 +361,6 @@ class Engine:
 
     def make_cache(self, model=None) -> list:
         """The verifier's per-layer caches for one generation, quantized as the engine says."""
-        from edgespec.kv_quant import quantize_caches
-
         caches = (model or self.model).make_cache()
         return quantize_caches(caches, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
@@ -375,7 +371,6 @@ class Engine:
                 raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0 (0 turns "
                                  f"prefix reuse off), got {limit!r}")
             return int(limit)
-        from edgespec.batch import memory
 
         budget = memory.cache_budget(self, memory.free_memory_now() if self.memory_budget is None else None)
         if budget == float("inf"):
@@ -399,8 +394,6 @@ class Engine:
     def submit(self, ids, options, mode_name, emit, cancel=None, stats=None, ready=None):
         """Queue one generation in the batch; `emit(kind, payload)` receives its events
         (see edgespec.batch.Request) on the worker thread. Returns the Request (cancel())."""
-        from edgespec.batch import Request
-
         if not callable(emit):
             raise ValueError(f"emit must be a callable emit(kind, payload), got {type(emit).__name__}")
         if ready is not None and not callable(ready):
@@ -555,8 +548,6 @@ def _tool_chunks(chunks, plan) -> Iterator[Chunk]:
 
 def cancel_callable(cancel):
     """`cancel` checked at the API boundary (see edgespec.batch.batcher.cancel_callable)."""
-    from edgespec.batch.batcher import cancel_callable as check
-
     return check(cancel)
 
 

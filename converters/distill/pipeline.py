@@ -17,8 +17,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from edgespec.converters.bundle import atomic_folder, check_destination
 from edgespec.converters.distill import data as D
 from edgespec.converters.distill.card import _count, _params
+from edgespec.converters.distill.evaluate import acceptance_fast, draft_cost
 from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
 from edgespec.converters.distill.student import init_student, student_config
 from edgespec.converters.distill.train import TrainConfig, prepare, train
@@ -26,6 +28,7 @@ from edgespec.converters.distill.vocab import choose_vocab, token_counts
 from mlx.utils import tree_flatten
 
 from edgespec.drafters.distilled import DistilledDrafter, VocabMap
+from edgespec.loader import load
 
 
 @dataclass
@@ -65,10 +68,6 @@ def distill(
     progress: Progress | None = None,
 ) -> dict:
     """Train a drafter for the verifier at `verifier_path` into folder `out`. Returns the card facts."""
-    from edgespec.converters.bundle import atomic_folder, check_destination
-
-    from edgespec.loader import load
-
     if cfg.kind not in ("student", "feature"):
         raise ValueError(f"drafter kind must be 'student' or 'feature', got {cfg.kind!r}")
     if cfg.unroll < 1 or not cfg.reg_weight >= 0:
@@ -180,14 +179,10 @@ def distill(
 
 
 def acceptance_fn(drafter, examples, k):
-    from edgespec.converters.distill.evaluate import acceptance_fast
-
     return acceptance_fast(drafter.model, drafter.vocab_map, examples, k)
 
 
 def cost_fn(model, drafter, ctx, k):
-    from edgespec.converters.distill.evaluate import draft_cost
-
     return draft_cost(model, drafter, ctx, k, repeats=8)
 
 

@@ -48,6 +48,7 @@ from collections import Counter
 from pathlib import Path
 
 from edgespec.paths import home
+from edgespec.safe_write import clean_stale_temps, temp_prefix
 
 log = logging.getLogger("edgespec.history")
 
@@ -229,7 +230,6 @@ class HistoryStore:
             self._saving = False
             self._warn_foreign()
             return
-        from edgespec.safe_write import clean_stale_temps, temp_prefix
 
         bounds = list(zip(self._docs, self._docs[1:] + [len(self._tokens)], strict=True))
         parts = [MAGIC2, struct.pack("<I", len(bounds))]

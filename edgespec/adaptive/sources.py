@@ -32,6 +32,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from edgespec.calibration import DraftCost
 from edgespec.lookahead.pool import JacobiWindow, NgramPool
 
 
@@ -123,8 +124,6 @@ class DrafterSource:
     def __init__(self, drafter, draft_s=None):
         """draft_s: seconds per drafted token (a number: fixed), a calibration.DraftCost (learnt),
         or None (learnt from nothing)."""
-        from edgespec.calibration import DraftCost
-
         if drafter.caps.needs_features:
             raise ValueError(f"drafter {drafter.name!r} reads verifier features; it drafts in mode 'speculative' only")
         if not drafter.caps.syncs:

@@ -45,8 +45,10 @@ from edgespec.batch.cost import PassCost, Peer, StepCost
 from edgespec.batch.forward import Row, batched_forward, group_rows, layer_marks
 from edgespec.batch.guard import SpecGuard
 from edgespec.cache import KVCache
+from edgespec.drafters.base import DrafterReuse
 from edgespec.errors import CallbackError, EngineError
 from edgespec.generate import Chunk, GenerationStats, stream_tokens
+from edgespec.prefix_cache import Reuse
 
 log = logging.getLogger("edgespec.batch")
 
@@ -211,7 +213,6 @@ class SeqModel:
         store = self._batcher.engine.prefix_cache
         if self._seq is None or store is None or not store.enabled or len(cache) != len(self._model.layers):
             return None
-        from edgespec.prefix_cache import Reuse
 
         self._seq.reuse = Reuse(store, self._seq.req.stats)
         return self._seq.reuse
@@ -747,7 +748,6 @@ class Batcher:
         store = self.engine.drafter_prefix_cache
         if store is None:
             return None
-        from edgespec.drafters.base import DrafterReuse
 
         fork.prefix_reuse = DrafterReuse(store, fork, stats)
         return fork.prefix_reuse

@@ -28,6 +28,8 @@ import mlx.core as mx
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
+from edgespec.formats.hf import read_config, read_safetensors
+from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
 
 MODEL_TYPE = "gemma4_assistant"
 
@@ -44,9 +46,6 @@ def is_assistant_folder(path: str | Path) -> bool:
 
 def load_assistant_model(path: str | Path, dtype=None):
     """The assistant's MLX model from its folder (HF checkpoint or an edgespec drafter/ copy)."""
-    from edgespec.formats.hf import read_config, read_safetensors
-    from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
-
     path = Path(path).expanduser()
     config = read_config(path)
     files = sorted(path.glob("*.safetensors"))

@@ -25,6 +25,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 import mlx.core as mx
 
 from edgespec.cache import KVCache, cache_arrays
+from edgespec.generate import PREFILL_CHUNK
+from edgespec.prefix_cache import layer_kinds
 
 
 @dataclass
@@ -247,7 +249,6 @@ class ModelDrafter(CommittedSequence):
         # Prefill all but the last token; it is fed with the first draft step. With the
         # drafter's prefix store, the longest cached prefix is restored first (whole blocks,
         # at most len(prompt) - 1 positions: exactly what the prefill would compute).
-        from edgespec.generate import PREFILL_CHUNK
 
         body = self.seq[:-1]
         reuse = self.prefix_reuse
@@ -321,8 +322,6 @@ class DrafterReuse:
 
     def needs_boundary(self) -> bool:
         """Whether the drafter has state layers (they export only at their offset)."""
-        from edgespec.prefix_cache import layer_kinds
-
         kinds = layer_kinds(self.drafter.stored_caches())
         return kinds is not None and any(k.split(":")[0] != "positions" for k in kinds)
 

@@ -22,6 +22,7 @@ from edgespec.drafters.base import ModelDrafter
 from edgespec.drafters.compat import check_map_vocabulary
 from edgespec.drafters.vocab_map import FORMAT, OTHER, VOCAB_MAP, VocabMap, is_distilled_folder
 from edgespec.errors import ModelLoadError
+from edgespec.loader import load_model_folder
 
 __all__ = ["DistilledDrafter", "FORMAT", "OTHER", "VOCAB_MAP", "VocabMap", "check_map_vocabulary",
            "is_distilled_folder"]
@@ -54,8 +55,6 @@ class DistilledDrafter(ModelDrafter):
     @classmethod
     def load(cls, path: str | Path, verifier=None) -> DistilledDrafter:
         """From a distilled folder; `verifier` (Engine or LoadedModel) checks the vocabulary."""
-        from edgespec.loader import load_model_folder
-
         path = Path(path).expanduser()
         for name in ("config.json", "model.safetensors", VOCAB_MAP):
             if not (path / name).is_file():

@@ -31,6 +31,9 @@ from edgespec.drafters.base import AcceptsDrafts, Draft, DrafterCaps, common_pre
 from edgespec.drafters.compat import check_compatible, check_map_vocabulary
 from edgespec.drafters.vocab_map import VOCAB_MAP, VocabMap
 from edgespec.errors import ModelLoadError
+from edgespec.formats.hf import read_safetensors
+from edgespec.models.feature_drafter import FeatureDraftModel
+from edgespec.models.llama import ModelArgs
 
 DRAFTER_JSON = "drafter.json"
 FORMAT = "edgespec-feature-drafter"
@@ -181,10 +184,6 @@ class FeatureDrafter(AcceptsDrafts):
     @classmethod
     def load(cls, path: str | Path, verifier) -> FeatureDrafter:
         """From a feature drafter folder; `verifier` (Engine or LoadedModel) supplies embedding and head."""
-        from edgespec.formats.hf import read_safetensors
-        from edgespec.models.feature_drafter import FeatureDraftModel
-        from edgespec.models.llama import ModelArgs
-
         path = Path(path).expanduser()
         for name in ("config.json", "model.safetensors", VOCAB_MAP, DRAFTER_JSON):
             if not (path / name).is_file():

@@ -6,9 +6,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from edgespec.bundle import is_bundle, read_manifest
 from edgespec.drafters.base import ModelDrafter
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
+from edgespec.formats.hf import read_config
+from edgespec.loader import load_model_folder
+from edgespec.tokenizer import Tokenizer
 
 
 def _device() -> str:
@@ -50,11 +54,6 @@ class MLXDrafter(ModelDrafter):
         sides the tokenizers must agree id by id on the ids both define, and the drafter's
         table must cover every verifier token; without one, vocabulary sizes must match.
         """
-        from edgespec.bundle import is_bundle, read_manifest
-        from edgespec.formats.hf import read_config
-        from edgespec.loader import load_model_folder
-        from edgespec.tokenizer import Tokenizer
-
         path = Path(path).expanduser()
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise ModelLoadError(f"{path}: a drafter folder needs config.json and model.safetensors")

@@ -21,10 +21,12 @@ from edgespec.adaptive.sources import (
     JacobiSource,
 )
 from edgespec.calibration import SIZES, cost_store
+from edgespec.calibration import measure as measure_now
 from edgespec.drafters.base import request_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import Option
+from edgespec.modes.tree import MAX_TREE
 
 SOURCES = ("forced", "context", "history", "jacobi", "drafter")
 
@@ -72,16 +74,12 @@ def adaptive_costs(engine, measure: bool = False):
     """The engine's current verify-cost curve (a TreeCosts: sizes, verify_s), as the batcher
     prices steps with it: learnt and persisted (edgespec.calibration); nothing is measured
     unless `measure` (benchmarks: time every size now, `calibration.measure`)."""
-    from edgespec.calibration import measure as measure_now
-
     store = measure_now(engine) if measure else cost_store(engine)
     store.publish(engine)
     return engine.__dict__["_adaptive_tree_costs"]
 
 
 def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDecoder:
-    from edgespec.modes.tree import MAX_TREE
-
     o = options.mode_options
     wanted = o.get("sources", "auto")
     names = SOURCES if wanted == "auto" else tuple(wanted.split("+"))

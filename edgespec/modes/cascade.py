@@ -10,9 +10,12 @@ decoding from measured costs.
 
 from __future__ import annotations
 
+from edgespec.drafters.base import request_drafter
+from edgespec.drafters.self_spec import SelfSpecDrafter, self_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
+from edgespec.modes.speculative import SpeculativeMode, after_request, engine_costs, engine_memory
 from edgespec.tree.cascade import CascadeDrafter
 
 _ATTR = "_cascade_drafters"
@@ -40,8 +43,6 @@ def _layers(text, n: int) -> list[int]:
 
 
 def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
-    from edgespec.drafters.self_spec import SelfSpecDrafter, self_drafter
-
     unknown = set(opts) - set(OPTION_HELP) - {"pipeline"}
     if unknown:
         raise ValueError(
@@ -102,14 +103,6 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_cascade(engine, options):
-    from edgespec.drafters.base import request_drafter
-    from edgespec.modes.speculative import (
-        SpeculativeMode,
-        after_request,
-        engine_costs,
-        engine_memory,
-    )
-
     drafter = cascade_drafter(engine, options.mode_options)
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
     # Drafted with a fork: concurrent requests of a batch each keep a state of their own.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
+from edgespec.modes.speculative import SpeculativeMode, after_request, engine_costs, engine_memory
 
 _ATTR = "_prompt_lookup_drafter"
 OPTIONS = [
@@ -20,13 +21,6 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_prompt_lookup(engine, options):
-    from edgespec.modes.speculative import (
-        SpeculativeMode,
-        after_request,
-        engine_costs,
-        engine_memory,
-    )
-
     opts = options.mode_options
     nmax = opts.get("ngram_max", 3)
     nmin = opts.get("ngram_min", 1)

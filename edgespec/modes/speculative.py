@@ -26,7 +26,8 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from edgespec.adaptive.estimate import PlainTimer
+from edgespec.adaptive.estimate import Costs, PlainTimer
+from edgespec.calibration import SIZES, DraftCost, cost_store, prior_curve
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft, request_drafter
 from edgespec.errors import DrafterRequiredError
@@ -389,9 +390,6 @@ def engine_memory(engine, drafter, name: str) -> dict:
 def prior_costs(curve=None, drafting=None) -> CostModel:
     """Costs from a learnt curve (estimate.Costs) and drafting cost (calibration.DraftCost),
     fresh priors when not given: nothing is measured here."""
-    from edgespec.adaptive.estimate import Costs
-    from edgespec.calibration import SIZES, DraftCost, prior_curve
-
     curve = curve if curve is not None else Costs(list(SIZES), prior_curve(SIZES))
     drafting = drafting if drafting is not None else DraftCost()
     verify = [curve.verify(T) for T in range(1, KMAX + 2)]
@@ -402,8 +400,6 @@ def prior_costs(curve=None, drafting=None) -> CostModel:
 def after_request(engine):
     """What a mode calls when a request's rounds end: the engine's learnt costs are
     published for the batcher and written when enough is new (edgespec.calibration)."""
-    from edgespec.calibration import cost_store
-
     def done():
         store = cost_store(engine)
         store.publish(engine)
@@ -417,8 +413,6 @@ def engine_costs(engine, drafter) -> CostModel:
     store, edgespec.calibration: persisted by an earlier process, else a prior that the
     first steps put in seconds); nothing is measured before the first token. Each
     request takes the latest, and its passes and drafts run alone teach the store."""
-    from edgespec.calibration import cost_store
-
     store = cost_store(engine)
     return prior_costs(store.costs, store.draft(drafter))
 

@@ -27,12 +27,14 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from edgespec.calibration import cost_store
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
+from edgespec.modes.speculative import after_request
 from edgespec.sampling import Sampler
 from edgespec.tree.candidates import SourceTree
 from edgespec.tree.controller import TreeBudget
@@ -289,8 +291,6 @@ class TreeMode:
 def engine_tree_costs(engine):
     """The verify-cost curve this engine has learnt (edgespec.calibration), shared with `auto`:
     measured by real passes, never before the first token."""
-    from edgespec.calibration import cost_store
-
     return cost_store(engine).costs
 
 
@@ -316,7 +316,6 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     costs = (
         engine_tree_costs(engine) if o["plan"].shape == "dynamic" and o["budget"] is None else None
     )
-    from edgespec.modes.speculative import after_request
 
     mode = TreeMode(engine.model, drafter, costs=costs, name=name, **o)
     mode.after_request = after_request(engine)

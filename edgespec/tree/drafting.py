@@ -31,6 +31,7 @@ import numpy as np
 
 from edgespec.cache import cache_arrays
 from edgespec.drafters.base import common_prefix
+from edgespec.generate import PREFILL_CHUNK
 from edgespec.kernels import commit_kv, tree_mask
 from edgespec.tree.candidates import SourceTree
 
@@ -111,8 +112,6 @@ class TreeDrafter:
         return idx, val
 
     def begin(self, prompt: list[int]) -> None:
-        from edgespec.generate import PREFILL_CHUNK
-
         self.cache = self.model.make_cache()
         self.fed = []
         body = list(prompt[:-1])
