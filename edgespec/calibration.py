@@ -53,7 +53,10 @@ import mlx.core as mx
 
 from edgespec.adaptive.estimate import Costs
 from edgespec.paths import home as edgespec_home
-from edgespec.tree.controller import TreeCosts, calibrate_tree
+from edgespec.tree import (
+    controller as tree_controller,  # calibrate_tree looked up per call (tests forbid it)
+)
+from edgespec.tree.controller import TreeCosts
 from edgespec.version import __version__
 
 log = logging.getLogger("edgespec.calibration")
@@ -419,16 +422,16 @@ class CostStore:
 
     # ------------------------------------------------------------------ for the batcher
     def publish(self, engine) -> None:
-        """Put the current curve where the batcher prices steps (engine.__dict__
-        "_adaptive_tree_costs"), when it is new or has moved by PUBLISH_CHANGE somewhere
+        """Put the current curve where the batcher prices steps (the engine's
+        `memory.tree_costs`), when it is new or has moved by PUBLISH_CHANGE somewhere
         (each new object makes the batcher rebuild its step costs)."""
         sizes = list(self.costs.sizes)
         now = [self.costs.verify(T) for T in sizes]
         old = self._published
-        if old is not None and engine.__dict__.get("_adaptive_tree_costs") is old and all(
+        if old is not None and engine.memory.tree_costs is old and all(
                 abs(a - b) <= PUBLISH_CHANGE * b for a, b in zip(now, old.verify_s, strict=True)):
             return
-        self._published = engine.__dict__["_adaptive_tree_costs"] = TreeCosts(sizes, now)
+        self._published = engine.memory.tree_costs = TreeCosts(sizes, now)
 
 
 _STORES: weakref.WeakSet = weakref.WeakSet()
@@ -447,7 +450,7 @@ atexit.register(_save_all)
 
 def cost_store(engine) -> CostStore:
     """The engine's CostStore (created on first use: reads the persisted file, measures nothing)."""
-    store = engine.__dict__.get("_cost_store")
+    store = engine.memory.cost_store
     if store is None:
         key = path = None
         if enabled():
@@ -457,7 +460,7 @@ def cost_store(engine) -> CostStore:
                 log.warning("edgespec: no calibration key for this model (%s); costs are learnt in memory only", e)
                 key = None
             path = key_path(key) if key is not None else None
-        store = engine.__dict__["_cost_store"] = CostStore(key, path)
+        store = engine.memory.cost_store = CostStore(key, path)
         store.verifier_bytes = weight_bytes(engine.model)
         if path is not None:
             _STORES.add(store)
@@ -468,7 +471,7 @@ def measure(engine, reps: int = 1) -> CostStore:
     """The explicit measurement (benchmarks, or to fill the curve at once): times tree passes
     over every size of the grid (`calibrate_tree`) and records them as measurements."""
     store = cost_store(engine)
-    tree = calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
+    tree = tree_controller.calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
     for T, v in zip(tree.sizes, tree.verify_s, strict=True):
         store.costs.seen.pop(T, None)
         store.costs.observe(T, v)

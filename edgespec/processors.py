@@ -368,21 +368,22 @@ def make_processors(options, prompt: list[int], tokenizer, vocab_size: int) -> l
     return procs
 
 
-def attach_processors(mode, engine, options, prompt: list[int]):
-    """Put a request's processors between its mode and the verifier (see ProcessedModel); give
-    the sources that declare `grammar` the request's grammar. Returns the wrapper for the mode's
-    token stream (records emitted tokens, adds logprobs), the identity when nothing applies."""
+def wrap_processors(model, mode, engine, options, prompt: list[int]):
+    """A request's processors over `model`, the model its mode runs (see ProcessedModel); the
+    sources that declare `grammar` get the request's grammar. Returns (the model the mode is to
+    run, the wrapper for its token stream: records emitted tokens, adds logprobs), `model` and
+    the identity when nothing applies. The stack is set on the mode by its one composer,
+    edgespec.batch.stack.compose_request."""
     procs = make_processors(options, prompt, engine.tokenizer, engine.model.args.vocab_size)
     if not procs and options.logprobs is None:
-        return lambda steps: steps
-    if getattr(mode, "model", None) is None:
+        return model, lambda steps: steps
+    if model is None:
         raise ValueError(f"mode {getattr(mode, 'name', '?')!r} cannot apply response_format, penalties or "
                          "logprobs (it does not expose its verifier)")
-    pm = ProcessedModel(mode.model, prompt, procs, options.logprobs)
-    mode.model = pm
+    pm = ProcessedModel(model, prompt, procs, options.logprobs)
     grammar = next((p for p in procs if isinstance(p, GrammarProcessor)), None)
     for source in getattr(mode, "sources", ()):
         caps = getattr(source, "caps", None)
         if caps is not None and getattr(caps, "grammar", False):
             source.bind(grammar, len(prompt))
-    return pm.follow
+    return pm, pm.follow

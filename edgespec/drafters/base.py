@@ -191,6 +191,7 @@ class ModelDrafter(CommittedSequence):
     name = "mlx"
     device = "cpu"
     caps = DrafterCaps(forks=True, mlx_model=True, prefix_store=True)
+    vocab_map = None  # a reduced-vocabulary drafter's VocabMap (DistilledDrafter sets its own)
 
     def __init__(self, model, layer_ids: list[int] | None = None):
         self.model = model

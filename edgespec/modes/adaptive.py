@@ -76,7 +76,7 @@ def adaptive_costs(engine, measure: bool = False):
     unless `measure` (benchmarks: time every size now, `calibration.measure`)."""
     store = measure_now(engine) if measure else cost_store(engine)
     store.publish(engine)
-    return engine.__dict__["_adaptive_tree_costs"]
+    return engine.memory.tree_costs
 
 
 def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDecoder:
@@ -119,7 +119,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         drafter=dsrc,
         jacobi=jacobi,
         # What earlier requests measured (acceptance per source, costs, probe waits), per source set.
-        memory=engine.__dict__.setdefault("_adaptive_memory", {}).setdefault(
+        memory=engine.memory.adaptive.setdefault(
             (names, id(drafter) if drafter is not None else None), {}
         ),
         guesses=o.get("guesses", 3),

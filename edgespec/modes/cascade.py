@@ -18,7 +18,6 @@ from edgespec.modes.schema import PIPELINE, Option
 from edgespec.modes.speculative import SpeculativeMode, after_request, engine_costs, engine_memory
 from edgespec.tree.cascade import CascadeDrafter
 
-_ATTR = "_cascade_drafters"
 OPTION_HELP = {
     "mid_layers": "verifier layers the mid level keeps, e.g. 0-5+8+10 (default: the searched self-speculation set)",
     "inner_k": "tokens the tiny drafter proposes per mid-level check (1..8, default 3)",
@@ -67,7 +66,7 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
                    "a feature drafter reads the verifier's hidden states and drafts in mode 'speculative' only")
                 + "; load a distilled or MLX drafter"
             )
-        students = engine.__dict__.setdefault("_cascade_students", {})
+        students = engine.memory.cascade_students
         if student not in students:
             students[student] = load_drafter(engine, str(student))
         tiny = students[student]
@@ -79,7 +78,7 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
     adaptive = bool(opts.get("adaptive", True))
     layers = opts.get("mid_layers")
     key = (id(tiny), str(layers), inner_k, adaptive)
-    store = engine.__dict__.setdefault(_ATTR, {})
+    store = engine.memory.cascade_drafters
     if key not in store:
         if layers is None:
             mid = self_drafter(engine)

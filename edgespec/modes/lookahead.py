@@ -138,5 +138,5 @@ class LookaheadMode:
 )
 def make_lookahead(engine, options):
     o = parse_options(options.mode_options)
-    memory = engine.__dict__.setdefault("_lookahead_memory", {}).setdefault(tuple(sorted(o.items())), {})
+    memory = engine.memory.lookahead.setdefault(tuple(sorted(o.items())), {})
     return LookaheadMode(engine.model, **o, memory=memory)

@@ -384,7 +384,7 @@ def default_pipeline(drafter) -> bool:
 
 def engine_memory(engine, drafter, name: str) -> dict:
     """The per-engine dict a speculative mode keeps its controller in, per drafter and mode."""
-    return engine.__dict__.setdefault("_speculative_memory", {}).setdefault((id(drafter), name), {})
+    return engine.memory.speculative.setdefault((id(drafter), name), {})
 
 
 def prior_costs(curve=None, drafting=None) -> CostModel:

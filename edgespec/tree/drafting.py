@@ -77,7 +77,7 @@ class TreeDrafter:
         self.name = drafter.name
         self.model = model
         self.layer_ids = drafter.layer_ids
-        vmap = getattr(drafter, "vocab_map", None)
+        vmap = drafter.vocab_map
         # Reduced-vocabulary drafters: ids in via the map, slot 0 ("other") never proposed.
         self._to_reduced = mx.array(vmap.to_reduced) if vmap is not None else None
         self._ids = np.asarray(vmap.ids) if vmap is not None else None
