@@ -28,7 +28,7 @@ from edgespec.converters.coreml_program import DrafterShape, build_function, rop
 from edgespec.converters.dense import _dense_params  # noqa: F401  (re-exported)
 from edgespec.models.llama import Model
 
-from edgespec.drafters.coreml import METADATA_KEY
+from edgespec.drafters.coreml_runtime import METADATA_KEY
 from edgespec.errors import ModelLoadError
 from edgespec.safe_write import (
     PID_MARKER,

@@ -13,7 +13,8 @@ from typing import Any
 
 from edgespec.converters.bundle import write_model_files
 from edgespec.converters.coreml_assistant import export_assistant, function_names
-from edgespec.converters.coreml_export import COMPRESS_CHOICES, _dense_params, export_drafter
+from edgespec.converters.coreml_export import COMPRESS_CHOICES, export_drafter
+from edgespec.converters.dense import _dense_params
 from edgespec.converters.hf import read_safetensors
 
 from edgespec.drafters.assistant import check_fit, is_assistant_folder, load_assistant_model

@@ -12,7 +12,7 @@ decoder needs to know about a source is declared, not probed:
 - `cost_per_token`: seconds per proposed token (0 for look-ups); a source
   with a cost is only asked when the planner expects it to pay;
 - `grammar`: the source follows the request's grammar (bound per request with
-  `bind`, see edgespec.processors.attach_processors); it proposes nothing without one;
+  `bind`, see edgespec.processors.wrap_processors); it proposes nothing without one;
 - `vets`: the source also trims other sources' candidates (`vet`) to the prefix the
   request can accept at all, before the verifier pass.
 
