@@ -213,7 +213,7 @@ def main() -> int:
 
     if args.only == "steady":
         return steady(args)
-    from edgespec.default_model import home as edgespec_home
+    from edgespec.paths import home as edgespec_home
     from edgespec.progress import progress_bar
 
     src = Path(args.home).expanduser() if args.home else edgespec_home()

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from edgespec.drafters.base import DrafterCaps
+
 
 def build(folder: Path, hidden: int, layers: int, vocab: int):
     import torch
@@ -75,6 +77,8 @@ class OracleDrafter:
     probability `p_wrong` (point-mass proposals; drafting costs nothing)."""
 
     name, device = "oracle", "none"
+    caps = DrafterCaps(syncs=False, runs_on="host")  # accept() only
+    model, expected_acceptance = None, 0.5
 
     def __init__(self, truth: list[int], vocab: int, p_wrong: float, seed: int = 0):
         self.truth, self.vocab_size, self.p = truth, vocab, p_wrong

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
             for k, v in r["by_source"].items():
                 src[k] += v
     print(f"\nmulti-source accepted tokens by source: {dict(src)}")
-    cas = engine.__dict__.get("_cascade_drafters", {})
+    cas = engine.memory.cascade_drafters
     for d in cas.values():
         print(
             f"cascade: inner acceptance {d.inner_accepted}/{d.inner_drafted}, drafting runs {d.counts}"

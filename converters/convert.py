@@ -18,8 +18,11 @@ from edgespec.converters.bundle import (
     link_or_copy,
     write_model_files,
 )
+from edgespec.converters.drafter_export import write_drafter
+from edgespec.models import get_architecture
 from mlx.utils import tree_flatten
 
+from edgespec.bundle import read_manifest
 from edgespec.errors import ModelLoadError
 from edgespec.loader import build_model, is_gguf
 from edgespec.progress import progress_bar
@@ -160,7 +163,6 @@ def convert(
             )  # fmt: skip
         with progress_bar(total=None, desc="checksums", unit="file", enable=progress) as bar:
             finish_manifest(tmp, manifest, progress=lambda _: bar.update(1))
-    from edgespec.bundle import read_manifest
 
     return read_manifest(out, verify_hashes=False)
 
@@ -186,10 +188,6 @@ def add_drafter(
     files edgespec did not write (a notes.txt dropped into it) is refused, before any work
     and again at the swap: replacing it would delete them.
     """
-    from edgespec.converters.drafter_export import write_drafter
-    from edgespec.models import get_architecture
-
-    from edgespec.bundle import read_manifest
     bundle = Path(bundle).expanduser()
     manifest = read_manifest(bundle, verify_hashes=False)  # sizes checked: no truncated file carried over
     check_replaceable(bundle, force=True, label="BUNDLE")

@@ -60,7 +60,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from edgespec.converters.coreml_export import add_function, finish_package, package_staging
+from edgespec.converters.coreml_export import (
+    COMPRESS_CHOICES,
+    add_function,
+    finish_package,
+    package_staging,
+)
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rope, rope_tables
 
 from edgespec.drafters.assistant import check_fit
@@ -289,6 +294,7 @@ def build_append(mb, types, shape: AssistantShape, S: int, opset):
 def _program(mb, specs, names, body, opset):
     """A one-function MIL program whose inputs are named `names` (mb.program would name them
     after a Python function's parameters; these depend on the assistant's layer types)."""
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     from coremltools.converters.mil.mil import Function, Program
 
     with Function(dict(zip(names, specs, strict=True)), opset) as func:
@@ -334,7 +340,6 @@ def export_assistant(
         raise ValueError(f"need 1 <= context_length ({context_length}) <= {MAX_CONTEXT}")
     if not append_tokens or append_tokens[0] < 1 or append_tokens[-1] > context_length:
         raise ValueError(f"append sizes must be in 1..{context_length}, got {append_tokens}")
-    from edgespec.converters.coreml_export import COMPRESS_CHOICES
 
     if compress not in COMPRESS_CHOICES:
         raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
@@ -346,6 +351,7 @@ def export_assistant(
         for name in linear_weights(shape):  # once: every function refers to the same blobs
             weights[name] = compress_linear(weights[name], compress)
 
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types

@@ -34,7 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from edgespec.converters.coreml_compress import compress_linear
+from edgespec.converters.coreml_compress import compress_linear, decode_packed
+from edgespec.converters.dense import _dense_params
+from edgespec.converters.distill.calibration_text import read_answers
+
+from edgespec.loader import build_model
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HOLDOUT_EVERY = 8
@@ -76,8 +80,6 @@ def calibration_sequences(
     A reduced-vocabulary drafter gets its own ids (the "other" slot for tokens it lacks).
     rows: other {"prompt", "answer"} rows instead (e.g. read_answers of the held-out file).
     """
-    from edgespec.converters.distill.calibration_text import read_answers
-
     seqs = []
     for row in read_answers() if rows is None else rows:
         ids = tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}])
@@ -208,8 +210,6 @@ def compress_model(
     held-back KL before and after, else it is None. progress(done, total, loss) is
     called after each step.
     """
-    from edgespec.converters.coreml_export import _dense_params
-
     dense = _dense_params(model)
     names = linear_weight_names(model)
     packed = {n: compress_linear(dense[n], method) for n in names}
@@ -238,11 +238,6 @@ def greedy_agreement(
     -> {"held_back_greedy": share, "positions": count, "target": AGREEMENT_TARGET}.
     """
     import mlx.core as mx
-    from edgespec.converters.coreml_compress import decode_packed
-    from edgespec.converters.coreml_export import _dense_params
-
-    from edgespec.loader import build_model
-
     if not sequences:
         raise ValueError("greedy agreement needs at least one sequence")
     config = model.args.to_dict()
@@ -290,7 +285,6 @@ def _tune(model, dense, packed, method, train, held, tuning: Tuning, progress):
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    from edgespec.loader import build_model
 
     config = model.args.to_dict()
     teacher = build_model(config, {k: mx.array(v) for k, v in dense.items()}, mx.float32)

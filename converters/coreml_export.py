@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 from edgespec.converters.coreml_program import DrafterShape, build_function, rope_tables
+from edgespec.converters.dense import _dense_params  # noqa: F401  (re-exported)
+from edgespec.models.llama import Model
 
-from edgespec.drafters.coreml import METADATA_KEY
+from edgespec.drafters.coreml_runtime import METADATA_KEY
 from edgespec.errors import ModelLoadError
 from edgespec.safe_write import (
     PID_MARKER,
@@ -91,31 +93,7 @@ def finish_package(ct, desc, default: str, work: Path, meta: dict, out: Path, fo
     install(staged, out, force, label="package")
 
 
-def _dense_params(model) -> dict[str, np.ndarray]:
-    """Every weight of an MLX Llama `Model` as float32 numpy, dequantizing quantized modules."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    out: dict[str, np.ndarray] = {}
-    dequantized = set()
-    for path, m in model.named_modules():
-        if hasattr(m, "scales"):  # QuantizedLinear / QuantizedEmbedding
-            w = mx.dequantize(m.weight, m.scales, getattr(m, "biases", None), m.group_size, m.bits)
-            out[f"{path}.weight"] = np.array(w.astype(mx.float32))
-            if "bias" in m:
-                out[f"{path}.bias"] = np.array(m.bias.astype(mx.float32))
-            dequantized.add(path)
-    for name, v in tree_flatten(model.parameters()):
-        stem, kind = name.rsplit(".", 1)
-        if stem in dequantized and kind in ("weight", "scales", "biases", "bias"):
-            continue  # written above (a dense module's bias, e.g. Qwen2's q/k/v, is kept below)
-        out[name] = np.array(v.astype(mx.float32))
-    return out
-
-
 def drafter_shape(model, context_length: int) -> DrafterShape:
-    from edgespec.models.llama import Model
-
     if not isinstance(model, Model):
         raise ModelLoadError(
             f"cannot export {type(model).__name__} to Core ML: only edgespec's Llama-family "
@@ -283,6 +261,7 @@ def export_drafter(
                 )
     weights = prepare_weights(model, shape, packed)
 
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types

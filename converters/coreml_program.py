@@ -93,6 +93,7 @@ def _linear(mb, x, w, b: np.ndarray | None, name: str):
     if b is not None:
         kw["bias"] = b.astype(np.float16)
     if isinstance(w, dict):
+        # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
         from coremltools.converters.mil.mil import types
         from edgespec.converters.coreml_compress import emit_weight
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from edgespec.converters.convert import convert
+
 from edgespec.default_model import default_bundle_dir, default_gguf_path, variant
 
 
@@ -18,7 +20,6 @@ def default_bundle_path(progress: bool = True) -> Path:
     out = default_bundle_dir()
     if (out / "manifest.json").is_file():
         return out
-    from edgespec.converters.convert import convert
 
     gguf = default_gguf_path(progress)
     if progress:

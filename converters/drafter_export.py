@@ -11,14 +11,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edgespec.drafters.distilled import VOCAB_MAP
+from edgespec.converters.bundle import write_model_files
+from edgespec.converters.coreml_assistant import export_assistant, function_names
+from edgespec.converters.coreml_export import COMPRESS_CHOICES, export_drafter
+from edgespec.converters.dense import _dense_params
+from edgespec.converters.hf import read_safetensors
+
+from edgespec.drafters.assistant import check_fit, is_assistant_folder, load_assistant_model
+from edgespec.drafters.compat import check_compatible
+from edgespec.drafters.distilled import VOCAB_MAP, VocabMap, is_distilled_folder
+from edgespec.drafters.feature import DRAFTER_JSON, is_feature_folder
 from edgespec.errors import ModelLoadError
+from edgespec.loader import LoadedModel, build_model, is_gguf, load, load_model_folder
+from edgespec.progress import progress_bar
 
 
 def load_drafter_source(src: Path):
     """-> (LoadedModel-like: .model, .tokenizer or None). HF folder, GGUF, bundle, or bare MLX folder."""
-    from edgespec.loader import LoadedModel, is_gguf, load, load_model_folder
-
     src = Path(src).expanduser()
     if not src.exists():
         raise ModelLoadError(f"drafter {src}: no such file or folder")
@@ -64,11 +73,6 @@ def write_drafter(
     its Core ML package shaped by them; without them no package is made for it).
     """
     import mlx.core as mx
-    from edgespec.converters.bundle import write_model_files
-    from edgespec.converters.coreml_export import COMPRESS_CHOICES, _dense_params, export_drafter
-
-    from edgespec.drafters.mlx_drafter import check_vocabulary
-
     if compress not in COMPRESS_CHOICES:
         raise ValueError(
             f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}"
@@ -86,9 +90,6 @@ def write_drafter(
 
         return write_mtp_drafter(folder, verifier_hash, coreml=coreml, compress=compress,
                                  context_length=context_length, prefill_chunk=prefill_chunk)
-    from edgespec.drafters.assistant import is_assistant_folder
-    from edgespec.drafters.feature import is_feature_folder
-
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):
@@ -99,19 +100,18 @@ def write_drafter(
     vmap = distilled_vocab_map(Path(src), model)
     if vmap is not None:  # reduced vocabulary: its map names the verifier's tokenizer
         d_hash = json.loads((Path(src) / VOCAB_MAP).read_text()).get("vocab_hash")
-        check_vocabulary(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
+        check_compatible(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
     elif (verifier_tokenizer or tokenizer) is not None and loaded.tokenizer is not None:
         # Same tokenizer, checked id by id; the table may be padded to another size. The
         # drafter is stored at the verifier's width so drafter/ and the Core ML package
         # produce the verifier's logits shape.
-        from edgespec.drafters.mlx_drafter import check_pairing
-
-        check_pairing(loaded.tokenizer, verifier_tokenizer or tokenizer, model.args.vocab_size)
+        check_compatible(model.args.vocab_size, verifier_vocab, drafter_tokenizer=loaded.tokenizer,
+                         verifier_tokenizer=verifier_tokenizer or tokenizer)
         if model.args.vocab_size != verifier_vocab:
             model = fit_vocab(model, verifier_vocab)
     else:
         d_hash = loaded.tokenizer.vocab_hash() if loaded.tokenizer is not None else None
-        check_vocabulary(model.args.vocab_size, verifier_vocab, d_hash, verifier_hash)
+        check_compatible(model.args.vocab_size, verifier_vocab, d_hash, verifier_hash)
     params = {k: mx.array(v).astype(dtype) for k, v in _dense_params(model).items()}
     entry = write_model_files(folder / "drafter", model.args.to_dict(), params, None)
     out = {
@@ -175,9 +175,7 @@ def fit_vocab(model, rows: int):
     Rows past the drafter's own table are ids past the shared tokenizer (padding); as zero rows
     they may be proposed and are then rejected by the verifier, so the output is unchanged."""
     import mlx.core as mx
-    from edgespec.converters.coreml_export import _dense_params
 
-    from edgespec.loader import build_model
 
     params = {}
     for name, w in _dense_params(model).items():
@@ -191,8 +189,6 @@ def fit_vocab(model, rows: int):
 
 def distilled_vocab_map(src: Path, model):
     """The VocabMap of a reduced-vocabulary distilled drafter folder, else None."""
-    from edgespec.drafters.distilled import VocabMap, is_distilled_folder
-
     if not (src.is_dir() and is_distilled_folder(src)):
         return None
     try:
@@ -217,10 +213,6 @@ def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier
     """A feature drafter (edgespec distill --kind feature) goes in as its MLX folder, checked first."""
     import shutil
 
-    from edgespec.drafters.distilled import VocabMap
-    from edgespec.drafters.feature import DRAFTER_JSON
-    from edgespec.drafters.mlx_drafter import check_vocabulary
-
     if compress != "none":
         raise ValueError(f"--drafter-compress applies to Core ML packages; {FEATURE_NO_COREML}")
     try:
@@ -228,9 +220,8 @@ def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     d_hash = json.loads((src / VOCAB_MAP).read_text()).get("vocab_hash")
-    check_vocabulary(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
+    check_compatible(vmap.full_vocab_size, verifier_vocab, d_hash, verifier_hash)
     config = json.loads((src / "config.json").read_text())
-    from edgespec.converters.hf import read_safetensors
 
     read_safetensors([src / "model.safetensors"])  # a truncated or corrupt file fails here, not at load
     (folder / "drafter").mkdir(parents=True, exist_ok=True)
@@ -263,10 +254,8 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
     drafter.mlpackage (converters/coreml_assistant.py) read with the verifier's keys, values
     and hidden state as inputs."""
     import mlx.core as mx
-    from edgespec.converters.bundle import write_model_files
     from mlx.utils import tree_flatten
 
-    from edgespec.drafters.assistant import check_fit, load_assistant_model
 
     if compress != "none" and calibrate:
         raise ValueError("--drafter-calibrate is not implemented for Gemma 4's assistant package (its compression "
@@ -300,9 +289,7 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
     except ImportError:
         raise ModelLoadError("exporting the assistant to Core ML needs coremltools (pip install 'edgespec[convert]'); "
                              "or pass --no-coreml") from None
-    from edgespec.converters.coreml_assistant import export_assistant, function_names
 
-    from edgespec.progress import progress_bar
 
     appends = tuple(s for s in sorted({1, 2, 4, 8, prefill_chunk}) if s <= context_length)
     with progress_bar(total=len(function_names(appends)), desc="exporting assistant to Core ML", unit="function",

@@ -21,16 +21,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from edgespec.converters.mil_ops import OPS
+from edgespec.converters.mil_values import MILExecutorError, _blocks, _slice  # noqa: F401  (re-exported)
 
+from edgespec.drafters.coreml_runtime import logits_rows
 from edgespec.errors import ModelLoadError
-
-
-class MILExecutorError(RuntimeError):
-    """The program uses an op or input this executor does not implement / accept."""
 
 
 def load_program(path: str | Path):
     """-> (spec, MIL program) of a saved .mlpackage; clear ModelLoadError if it is damaged."""
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto.load import load
 
@@ -49,39 +49,11 @@ def load_program(path: str | Path):
 
 
 def _dtype_name(var) -> str:
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     from coremltools.converters.mil.mil import types
 
     t = var.dtype
     return types.builtin_to_string(t) if t is not None else "unknown"
-
-
-def _blocks(small: np.ndarray, full_shape) -> np.ndarray:
-    """Repeat a per-block parameter (each axis divides `full_shape`) up to `full_shape`."""
-    out = small
-    for axis, (n, m) in enumerate(zip(full_shape, small.shape, strict=True)):
-        if n % m:
-            raise MILExecutorError(
-                f"block parameter shape {small.shape} does not tile {tuple(full_shape)}"
-            )
-        if n != m:
-            out = np.repeat(out, n // m, axis=axis)
-    return out
-
-
-def _slice(shape, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
-    idx = []
-    for i, n in enumerate(shape):
-        b, e = int(begin[i]), int(end[i])
-        s = 1 if stride is None else int(stride[i])
-        if begin_mask is not None and begin_mask[i]:
-            b = 0 if s > 0 else n - 1
-        if end_mask is not None and end_mask[i]:
-            e = n if s > 0 else -n - 1
-        if squeeze_mask is not None and squeeze_mask[i]:
-            idx.append(b)
-        else:
-            idx.append(slice(b, e, s))
-    return tuple(idx)
 
 
 class MILExecutor:
@@ -122,6 +94,7 @@ class MILExecutor:
 
     def state_specs(self, function: str = "decode") -> dict[str, tuple[tuple[int, ...], str]]:
         """state name -> (shape, dtype name) of a function's state inputs."""
+        # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
         from coremltools.converters.mil.mil import types
 
         fn = self._function(function)
@@ -180,8 +153,6 @@ class MILExecutor:
         return {v.name: env[v.name] for v in fn.outputs}
 
     def _eval(self, op, env, state):
-        from edgespec.converters.mil_ops import OPS
-
         impl = OPS.get(op.op_type)
         if impl is None:
             raise MILExecutorError(
@@ -221,8 +192,6 @@ class ExecutorBackend:
 
     def call(self, function: str, ids: np.ndarray, position: int) -> np.ndarray:
         """ids (1, T) int32 -> logits (T_out, V) float32."""
-        from edgespec.drafters.coreml import logits_rows
-
         self.calls.append((function, position))
         out = self.executor.run(
             function, {"input_ids": ids, "position": np.array([position], np.int32)}, self.state

@@ -10,7 +10,7 @@ result to the op's declared dtype. Anything outside what the export emits
 from __future__ import annotations
 
 import numpy as np
-from edgespec.converters.mil_executor import MILExecutorError, _blocks, _slice
+from edgespec.converters.mil_values import MILExecutorError, _blocks, _slice
 
 
 def _f(x):

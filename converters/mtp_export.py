@@ -30,9 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from edgespec.converters.coreml_export import (
+    MAX_CONTEXT,
+    add_function,
+    finish_package,
+    package_staging,
+)
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _rope, rope_tables
 
 from edgespec.errors import ModelLoadError
+from edgespec.loader import load_model_folder
+from edgespec.safe_write import check_replaceable, check_writable
 
 KIND = "mtp"
 PACKAGE_FORMAT = 1
@@ -217,15 +225,6 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
                decode_tokens: tuple[int, ...] = (1, 2, 3, 4, 5), vocab_hash: str | None = None,
                force: bool = False) -> dict[str, Any]:
     """Write `out` (.mlpackage) atomically from the verifier `model`'s MTP head; returns its info."""
-    from edgespec.converters.coreml_export import (
-        MAX_CONTEXT,
-        add_function,
-        finish_package,
-        package_staging,
-    )
-
-    from edgespec.safe_write import check_replaceable, check_writable
-
     out = Path(out).expanduser()
     check_replaceable(out, force, label="package")
     check_writable(out, label="package")
@@ -237,6 +236,7 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
     shape = head_shape(model, context_length)
     weights = prepare_weights(model, shape)
 
+    # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
@@ -271,8 +271,6 @@ def write_mtp_drafter(folder: Path, vocab_hash: str, coreml: bool = True, compre
     """The manifest's `drafter` entry for the bundle being written in `folder` (its verifier files
     already there) whose verifier carries its MTP head (the head's weights are the verifier's own,
     in model.safetensors); with `coreml`, drafter.mlpackage too."""
-    from edgespec.loader import load_model_folder
-
     model = load_model_folder(folder)
     if getattr(model, "mtp", None) is None:
         raise ModelLoadError(f"--drafter mtp: the source ({model.args.model_type}) carries no MTP head "

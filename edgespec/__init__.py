@@ -23,8 +23,7 @@ from edgespec.errors import (
 from edgespec.options import GenerateOptions
 from edgespec.processors import Penalties, TokenLogprob
 from edgespec.sampling import SamplingParams
-
-__version__ = "0.1.0"
+from edgespec.version import __version__  # noqa: F401  (edgespec.__version__)
 
 __all__ = [
     "load",

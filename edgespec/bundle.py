@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from edgespec.errors import ModelLoadError
+from edgespec.paths import home
+from edgespec.safe_write import clean_stale_temps, temp_prefix
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -48,8 +50,6 @@ def _identity(st: os.stat_result) -> list[int]:
 
 
 def verified_record_path(folder: Path) -> Path:
-    from edgespec.default_model import home
-
     key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:20]
     return home() / "verified" / f"{key}.json"
 
@@ -67,8 +67,6 @@ def _read_verified(path: Path, folder: str) -> dict[str, list]:
 
 def _write_verified(path: Path, folder: str, files: dict[str, list]) -> None:
     """Best effort, atomic; never over a file that is not such a record (then nothing is written)."""
-    from edgespec.safe_write import clean_stale_temps, temp_prefix
-
     tmp = None
     try:
         if os.path.lexists(path):

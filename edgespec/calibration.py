@@ -52,6 +52,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from edgespec.adaptive.estimate import Costs
+from edgespec.paths import home as edgespec_home
+from edgespec.tree import (
+    controller as tree_controller,  # calibrate_tree looked up per call (tests forbid it)
+)
+from edgespec.tree.controller import TreeCosts
+from edgespec.version import __version__
 
 log = logging.getLogger("edgespec.calibration")
 
@@ -115,17 +121,22 @@ def weight_bytes(model) -> int:
         return 0
 
 
+def _weights_of(drafter):
+    """The drafter's own MLX model (Drafter.model), None for one without weights; priced from any
+    object with a name (a caller's stand-in may declare nothing else)."""
+    return getattr(drafter, "model", None)
+
+
 def drafter_key(drafter) -> str:
     """What tells drafters apart in the persisted file: its name and its weights' size."""
-    name = str(getattr(drafter, "name", type(drafter).__name__))
-    return f"{name}:{weight_bytes(getattr(drafter, 'model', None))}"
+    return f"{drafter.name}:{weight_bytes(_weights_of(drafter))}"
 
 
 def draft_prior(drafter, verifier_bytes: int) -> float:
     """Seconds per drafted token before one is measured, in plain steps: DRAFT_PRIOR_FACTOR x
     the drafter's share of the verifier's weight bytes (decoding small models is about
     reading their weights), within 0.05..1; DRAFT_PRIOR when the share is unknown."""
-    mine = weight_bytes(getattr(drafter, "model", None))
+    mine = weight_bytes(_weights_of(drafter))
     if not mine or not verifier_bytes:
         return DRAFT_PRIOR
     return min(max(DRAFT_PRIOR_FACTOR * mine / verifier_bytes, 0.05), 1.0)
@@ -207,15 +218,11 @@ def cost_key(loaded) -> dict | None:
     ident = model_identity(loaded)
     if ident is None:
         return None
-    from edgespec import __version__
-
     return {"format": FORMAT, "edgespec": __version__, "model": ident, "machine": machine_identity()}
 
 
 def key_path(key: dict, home: Path | None = None) -> Path:
     if home is None:
-        from edgespec.default_model import home as edgespec_home
-
         home = edgespec_home()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key["model"]["name"]))[:60] or "model"
@@ -415,18 +422,16 @@ class CostStore:
 
     # ------------------------------------------------------------------ for the batcher
     def publish(self, engine) -> None:
-        """Put the current curve where the batcher prices steps (engine.__dict__
-        "_adaptive_tree_costs"), when it is new or has moved by PUBLISH_CHANGE somewhere
+        """Put the current curve where the batcher prices steps (the engine's
+        `memory.tree_costs`), when it is new or has moved by PUBLISH_CHANGE somewhere
         (each new object makes the batcher rebuild its step costs)."""
-        from edgespec.tree.controller import TreeCosts
-
         sizes = list(self.costs.sizes)
         now = [self.costs.verify(T) for T in sizes]
         old = self._published
-        if old is not None and engine.__dict__.get("_adaptive_tree_costs") is old and all(
+        if old is not None and engine.memory.tree_costs is old and all(
                 abs(a - b) <= PUBLISH_CHANGE * b for a, b in zip(now, old.verify_s, strict=True)):
             return
-        self._published = engine.__dict__["_adaptive_tree_costs"] = TreeCosts(sizes, now)
+        self._published = engine.memory.tree_costs = TreeCosts(sizes, now)
 
 
 _STORES: weakref.WeakSet = weakref.WeakSet()
@@ -445,7 +450,7 @@ atexit.register(_save_all)
 
 def cost_store(engine) -> CostStore:
     """The engine's CostStore (created on first use: reads the persisted file, measures nothing)."""
-    store = engine.__dict__.get("_cost_store")
+    store = engine.memory.cost_store
     if store is None:
         key = path = None
         if enabled():
@@ -455,7 +460,7 @@ def cost_store(engine) -> CostStore:
                 log.warning("edgespec: no calibration key for this model (%s); costs are learnt in memory only", e)
                 key = None
             path = key_path(key) if key is not None else None
-        store = engine.__dict__["_cost_store"] = CostStore(key, path)
+        store = engine.memory.cost_store = CostStore(key, path)
         store.verifier_bytes = weight_bytes(engine.model)
         if path is not None:
             _STORES.add(store)
@@ -465,10 +470,8 @@ def cost_store(engine) -> CostStore:
 def measure(engine, reps: int = 1) -> CostStore:
     """The explicit measurement (benchmarks, or to fill the curve at once): times tree passes
     over every size of the grid (`calibrate_tree`) and records them as measurements."""
-    from edgespec.tree.controller import calibrate_tree
-
     store = cost_store(engine)
-    tree = calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
+    tree = tree_controller.calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
     for T, v in zip(tree.sizes, tree.verify_s, strict=True):
         store.costs.seen.pop(T, None)
         store.costs.observe(T, v)

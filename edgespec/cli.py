@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from edgespec import __version__
+    from edgespec.version import __version__
 
     return __version__
 

@@ -60,7 +60,7 @@ def calibrate(model, drafter, kmax: int = 8, context: int = 64, reps: int = 3) -
     sampler = Sampler(SamplingParams(temperature=0.0))
     drafter.begin(ids)
     # A feature drafter reads verifier features; any values cost the same to draft from.
-    feed = getattr(drafter, "needs_features", False)
+    feed = drafter.caps.needs_features
     if feed:
         drafter.add_features(mx.zeros((drafter.features_needed(), model.args.hidden_size)))
     k = max(2, min(kmax, 4))

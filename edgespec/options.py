@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.modes import validate_mode_options
 from edgespec.processors import Penalties
 from edgespec.sampling import SamplingParams
+from edgespec.structured import parse_response_format
 
 MAX_LOGPROBS = 20
 
@@ -32,7 +34,6 @@ class GenerateOptions:
             self.stop = [self.stop]
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a string or a list of strings")
-        from edgespec.modes import validate_mode_options
 
         if not isinstance(self.mode, str):
             raise ValueError(f"mode must be a string, got {self.mode!r}")
@@ -40,7 +41,6 @@ class GenerateOptions:
             raise ValueError(f"mode_options must be a dict, got {type(self.mode_options).__name__}")
         # Typed and checked against the mode's declared options, before any model is loaded.
         self.mode_options = validate_mode_options(self.mode, self.mode_options)
-        from edgespec.structured import parse_response_format
 
         self.response_format = parse_response_format(self.response_format)
         lp = self.logprobs

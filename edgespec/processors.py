@@ -34,6 +34,9 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from edgespec.exactness import ExactnessGuard, guard_enabled
+from edgespec.sampling import Sampler
+
 NEG_INF = float("-inf")
 
 
@@ -397,35 +400,31 @@ def make_processors(options, prompt: list[int], tokenizer, vocab_size: int) -> l
     return procs
 
 
-def attach_processors(mode, engine, options, prompt: list[int], sampler=None):
-    """Put a request's processors between its mode and the verifier (see ProcessedModel); give
-    the sources that declare `grammar` the request's grammar. Returns the wrapper for the mode's
-    token stream (records emitted tokens, adds logprobs, runs the exactness guard when it is on:
-    edgespec.exactness), the identity when nothing applies. `sampler`: the request's (the guard
-    recomputes its draws)."""
-    from edgespec.exactness import ExactnessGuard, guard_enabled
-
+def wrap_processors(model, mode, engine, options, prompt: list[int], sampler=None):
+    """A request's processors over `model`, the model its mode runs (see ProcessedModel); the
+    sources that declare `grammar` get the request's grammar. Returns (the model the mode is to
+    run, the wrapper for its token stream: records emitted tokens, adds logprobs, runs the
+    exactness guard when it is on: edgespec.exactness), `model` and the identity when nothing
+    applies. `sampler`: the request's (the guard recomputes its draws). The stack is set on the
+    mode by its one composer, edgespec.batch.stack.compose_request."""
     V = engine.model.args.vocab_size
     procs = make_processors(options, prompt, engine.tokenizer, V)
     guard = None
-    if guard_enabled(engine) and getattr(mode, "model", None) is not None:
-        from edgespec.sampling import Sampler
-
+    if guard_enabled(engine) and model is not None:
         # Without the request's sampler its draws can be recomputed only when its seed is fixed.
         known = sampler is not None or options.sampling.seed is not None
         guard = ExactnessGuard(make_processors(options, prompt, engine.tokenizer, V),
                                sampler if sampler is not None else Sampler(options.sampling),
                                getattr(mode, "name", "?"), len(prompt), draws_known=known)
     if not procs and options.logprobs is None and guard is None:
-        return lambda steps: steps
-    if getattr(mode, "model", None) is None:
+        return model, lambda steps: steps
+    if model is None:
         raise ValueError(f"mode {getattr(mode, 'name', '?')!r} cannot apply response_format, penalties or "
                          "logprobs (it does not expose its verifier)")
-    pm = ProcessedModel(mode.model, prompt, procs, options.logprobs, guard)
-    mode.model = pm
+    pm = ProcessedModel(model, prompt, procs, options.logprobs, guard)
     grammar = next((p for p in procs if isinstance(p, GrammarProcessor)), None)
     for source in getattr(mode, "sources", ()):
         caps = getattr(source, "caps", None)
         if caps is not None and getattr(caps, "grammar", False):
             source.bind(grammar, len(prompt))
-    return pm.follow
+    return pm, pm.follow

@@ -24,7 +24,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from edgespec.kernels import cpu_delta
 from edgespec.kernels.delta import DK_MAX, delta_rule_metal
+from edgespec.kernels.delta_reference import delta_recurrent, delta_step  # noqa: F401  (re-exported)
 from edgespec.kernels.spec import on_metal
 
 LOG_LIMIT = 160  # positions logged before the log restarts at a snapshot
@@ -246,36 +248,6 @@ class ConvCache(StateCache):
 # ---------------------------------------------------------------- gated delta rule
 
 
-def delta_step(S: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array) -> mx.array:
-    """One position of the gated delta rule: S (B, H, Dk, Dv), k (B, H, Dk), v (B, H, Dv),
-    g, beta (B, H) -> S' = exp(g) S + k (beta (v - k^T exp(g) S))^T."""
-    S = S * mx.exp(g)[..., None, None]
-    mem = (k[..., None, :] @ S)[..., 0, :]  # (B, H, Dv)
-    delta = (v - mem) * beta[..., None]
-    return S + k[..., :, None] * delta[..., None, :]
-
-
-def delta_recurrent(q, k, v, g, beta, S, parents: list[int] | None = None):
-    """Position by position: q, k (B, T, H, Dk), v (B, T, H, Dv), g, beta (B, T, H), S (B, H, Dk, Dv)
-    -> outputs (B, T, H, Dv), state after the last position. A tree runs each node from its
-    parent's state."""
-    T = q.shape[1]
-    # A tree keeps only the states some later node branches from (a node whose parent is the
-    # position before it continues from `cur`): the rest are freed as the chain goes on.
-    kept = set() if parents is None else {p for t, p in enumerate(parents) if p >= 0 and p != t - 1}
-    states, outs, cur = {}, [], S
-    for t in range(T):
-        if parents is None or parents[t] == t - 1:
-            prev = cur
-        else:
-            prev = S if parents[t] < 0 else states[parents[t]]
-        cur = delta_step(prev, k[:, t], v[:, t], g[:, t], beta[:, t])
-        outs.append((q[:, t, :, None, :] @ cur)[:, :, 0, :])
-        if t in kept:
-            states[t] = cur
-    return mx.stack(outs, axis=1), cur
-
-
 def delta_rule(q, k, v, g, beta, S, parents: list[int] | None = None, inference: bool = False):
     """The recurrent form's dispatcher: q, k (B, T, Hk, Dk) with Hk dividing v's Hv heads (value
     head h reads key head h // (Hv / Hk)), v (B, T, Hv, Dv), g, beta (B, T, Hv), S (B, Hv, Dk, Dv)
@@ -293,10 +265,8 @@ def delta_rule(q, k, v, g, beta, S, parents: list[int] | None = None, inference:
     if inference and on_metal() and k.shape[-1] <= DK_MAX:
         return delta_rule_metal(q, k, v, g, beta, S, parents)
     if inference and CPU_NATIVE and mx.default_device() == mx.cpu:
-        from edgespec.kernels.cpu_delta import delta_rule_cpu, kernel
-
-        if kernel() is not None:
-            return delta_rule_cpu(q, k, v, g, beta, S, parents)
+        if cpu_delta.kernel() is not None:
+            return cpu_delta.delta_rule_cpu(q, k, v, g, beta, S, parents)
     if Hk != H:
         q, k = mx.repeat(q, H // Hk, axis=2), mx.repeat(k, H // Hk, axis=2)
     return delta_recurrent(q, k, v, g, beta, S, parents)

@@ -37,7 +37,7 @@ class SessionFileError(ValueError):
 def model_fingerprint(engine) -> str:
     """The verifier's identity: configuration, dtype and a sample of every weight tensor's values
     (cheap; two checkpoints of one architecture differ in it)."""
-    fp = engine.__dict__.get("_fingerprint")
+    fp = engine.memory.fingerprint
     if fp is not None:
         return fp
     from mlx.utils import tree_flatten
@@ -49,7 +49,7 @@ def model_fingerprint(engine) -> str:
         h.update(f"{name}:{p.shape}:{p.dtype}".encode())
         h.update(np.array(flat[:16].astype(mx.float32)).tobytes())
         h.update(np.array(flat[-16:].astype(mx.float32)).tobytes())
-    fp = engine.__dict__["_fingerprint"] = h.hexdigest()[:24]
+    fp = engine.memory.fingerprint = h.hexdigest()[:24]
     return fp
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgespec.errors import ContextLengthError, ModelLoadError
+from edgespec.tools import check_message_tool_calls, tool_format
 
 # Texts longer than this are encoded without holding the GIL (see Tokenizer._encode_text).
 LONG_TEXT_CHARS = 16_384
@@ -371,8 +372,6 @@ class Tokenizer:
     @property
     def tool_format(self):
         """How this model writes tool calls (an edgespec.tools.ToolFormat)."""
-        from edgespec.tools import tool_format
-
         return tool_format(self.chat_template)
 
     def encode_chat(self, messages: list[dict[str, str]], context_length: int | None = None,
@@ -402,8 +401,6 @@ def chat_messages(messages) -> list[dict]:
     assistant message may carry `tool_calls` (OpenAI's shape; its content may then be
     None or absent) and a `tool` message answers one (`tool_call_id`). Anything else is a
     ValueError naming the message, never an error from inside the template."""
-    from edgespec.tools import check_message_tool_calls
-
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     out = []

@@ -12,6 +12,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from edgespec.errors import ModelLoadError
+
 # model_type -> module name in edgespec.models
 ARCHITECTURES: dict[str, str] = {
     "llama": "llama",
@@ -45,8 +47,6 @@ def supported_model_types() -> list[str]:
 
 def get_architecture(model_type: str | None) -> ModuleType:
     """The module implementing `model_type`; ModelLoadError naming the supported ones otherwise."""
-    from edgespec.errors import ModelLoadError
-
     name = ARCHITECTURES.get(model_type or "llama")
     if name is None and model_type in DRAFTER_ONLY:
         raise ModelLoadError(f"{model_type!r} is {DRAFTER_ONLY[model_type]}, not a model of its own: load it as the "

@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from edgespec.models import gemma4
+from edgespec.models.base import _harmless
 
 from edgespec.kernels.linear import Linear
 
@@ -65,7 +66,6 @@ class AssistantArgs:
             raise ValueError(f"gemma4_assistant text_config: {', '.join(bad)} not as an assistant has them")
         known = {"model_type", "text_config", "backbone_hidden_size", "use_ordered_embeddings", "num_centroids",
                  "centroid_intermediate_top_k", "tie_word_embeddings"}
-        from edgespec.models.base import _harmless
 
         refused = sorted(k for k, v in config.items() if k not in known and not _harmless(k, v))
         if refused:

@@ -48,6 +48,7 @@ from edgespec.models.base import MLP, DecoderLayer, LayerOptions, OffsetRMSNorm
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.base import ModelArgs as BaseArgs
 
+from edgespec.errors import ModelLoadError
 from edgespec.kernels.linear import Linear
 from edgespec.recurrent import (
     RECURRENT_MAX,
@@ -278,7 +279,6 @@ class Model(BaseModel):
             return {}
         from mlx.utils import tree_flatten
 
-        from edgespec.errors import ModelLoadError
 
         weights = self.mtp_weights(weights)
         head = MTPHead(args, self.attention_layer)

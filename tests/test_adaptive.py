@@ -124,7 +124,7 @@ def test_sampling_follows_the_verifier_law(monkeypatch, broken):
     counts, accepted = Counter(), 0
     runs = 600
     for seed in range(runs):
-        engine.__dict__.pop("_adaptive_memory", None)  # every run starts from the priors: trees early on
+        engine.memory.adaptive.clear()  # every run starts from the priors: trees early on
         mode = make_mode("adaptive", engine, opts)
         stats = GenerationStats()
         it = mode.steps(prompt, Sampler(SamplingParams(**params, seed=seed)), stats)

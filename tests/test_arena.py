@@ -17,6 +17,7 @@ from conftest import make_tiny_engine, make_tiny_model
 
 import edgespec.batch.batcher as batcher_mod
 import edgespec.batch.forward as forward_mod
+import edgespec.batch.policy as policy_mod
 from edgespec.batch import Row, batched_forward
 from edgespec.batch.arena import KVArena, SlotCache
 from edgespec.batch.cost import PassCost, Peer, StepCost, joint_sizes
@@ -263,7 +264,7 @@ def test_a_request_waits_while_the_arena_rows_would_pass_the_budget():
 def test_a_long_request_keeps_its_own_caches_beside_arena_rows(monkeypatch):
     """Requests that may grow past ARENA_POSITIONS keep caches of their own; passes mixing
     them with arena rows gather; every reply equals the request run alone."""
-    monkeypatch.setattr(batcher_mod, "ARENA_POSITIONS", 100)
+    monkeypatch.setattr(policy_mod, "ARENA_POSITIONS", 100)
     engine = make_tiny_engine(3, scale=1.3)
     prompts = [[(5 * i + j) % 50 + 1 for j in range(4 + 9 * i)] for i in range(4)]
     want = [engine.generate(p, max_tokens=20, mode=m).tokens

@@ -17,6 +17,7 @@ from conftest import make_tiny_engine, make_tiny_model
 from stats_support import chisq_pvalue, continuation_law
 
 import edgespec.batch.batcher as batcher_mod
+import edgespec.batch.seq as seq_mod
 from edgespec.batch import MemoryBudgetError, Row, batched_forward, group_rows
 from edgespec.engine import make_options
 from edgespec.kernels import tree_mask
@@ -287,7 +288,7 @@ def test_cancel_callback_in_a_batch_stops_only_that_request(engine):
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(engine, monkeypatch):
-    monkeypatch.setattr(batcher_mod, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(seq_mod, "PREFILL_CHUNK", 8)
     engine.prompt_cache_bytes = 0  # the prompts run twice: the second time must prefill again
     long_prompt = [(5 * j) % 60 + 1 for j in range(70)]
     prompts = PROMPTS[:3] + [long_prompt]

@@ -75,7 +75,7 @@ def test_the_first_auto_request_starts_from_the_prior_and_learns_from_its_rounds
     assert costs.measured(1)  # plain steps are T = 1
     assert any(T > 1 for T in costs.seen), costs.seen  # tree rounds fill their own sizes
     # The batcher prices steps on the curve as learnt (a new object when it moved).
-    curve = engine.__dict__["_adaptive_tree_costs"]
+    curve = engine.memory.tree_costs
     assert curve.verify(1) == pytest.approx(costs.verify(1), rel=cal.PUBLISH_CHANGE + 1e-9)
 
 

@@ -23,13 +23,14 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers import models as tk_models
 
 import edgespec
+from edgespec.batch.stack import compose_request
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter
 from edgespec.engine import Engine
 from edgespec.generate import GenerationStats
 from edgespec.loader import LoadedModel
 from edgespec.modes import make_mode
-from edgespec.processors import Penalties, attach_processors
+from edgespec.processors import Penalties
 from edgespec.sampling import Sampler
 from edgespec.structured import GrammarError, matcher_cache, parse_response_format
 from edgespec.structured.tokens import token_bytes, token_style
@@ -169,7 +170,7 @@ def sample_first(engine, mode_name: str, rf, n: int, runs: int, temperature: flo
     for seed in range(runs):
         opts = edgespec.make_options(mode=mode_name, temperature=temperature, response_format=rf, seed=seed)
         mode = make_mode(engine.resolve_mode(options), engine, opts)
-        follow = attach_processors(mode, engine, opts, ids)
+        follow = compose_request(mode, engine, opts, ids)
         it = follow(mode.steps(ids, Sampler(opts.sampling), GenerationStats()))
         got = tuple(chr(t.id - 1 + 32) for t in itertools.islice(it, n))
         it.close()

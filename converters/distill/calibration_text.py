@@ -27,12 +27,17 @@ import json
 import sys
 from pathlib import Path
 
+from edgespec.converters.distill.data import load_dataset
 from edgespec.converters.distill.prompts import (
     BUILTIN_HELDOUT,
+    builtin_path,
     encode_item,
     jsonl_rows,
     read_prompts,
 )
+
+from edgespec.default_model import load_default
+from edgespec.loader import load
 
 CALIBRATION_ANSWERS = "calibration_answers.jsonl"
 # The same for the held-out prompts: text for measuring compression only (tests, benchmarks),
@@ -43,8 +48,6 @@ HELDOUT_ANSWERS = "calibration_answers_heldout.jsonl"
 def answers_from_data(folder: str | Path, tokenizer, items=None, max_prompt: int = 384) -> list[dict]:
     """-> one row per distinct prompt of `items` (default: the built-in training prompts):
     its greedy answer in the data folder `folder`, as text."""
-    from edgespec.converters.distill.data import load_dataset
-
     items = read_prompts() if items is None else items
     # Only chat prompts have answers; the built-in file repeats a few prompts.
     items = list({it.text: it for it in items if it.kind == "prompt"}.values())
@@ -64,8 +67,6 @@ def answers_from_data(folder: str | Path, tokenizer, items=None, max_prompt: int
 
 def read_answers(path: str | Path | None = None) -> list[dict]:
     """The rows of a calibration answers file (default: the built-in one)."""
-    from edgespec.converters.distill.prompts import builtin_path
-
     path = builtin_path(CALIBRATION_ANSWERS) if path is None else Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such calibration answers file")
@@ -87,12 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout", action="store_true",
                    help="DATA was built on the built-in held-out prompts: write the held-out file")  # fmt: skip
     args = p.parse_args(argv)
-    from edgespec.converters.default_model import default_bundle_path
-    from edgespec.converters.distill.prompts import builtin_path
 
-    from edgespec.loader import load
-
-    tokenizer = load(args.model or default_bundle_path(progress=False), verify_hashes=False).tokenizer
+    # The default model's tokenizer: its bundle when converted, else its GGUF (the same tokenizer).
+    loaded = load(args.model, verify_hashes=False) if args.model else load_default(progress=False, verify_hashes=False)
+    tokenizer = loaded.tokenizer
     items = read_prompts(builtin_path(BUILTIN_HELDOUT)) if args.heldout else None
     rows = answers_from_data(args.data, tokenizer, items)
     out = Path(args.out) if args.out else builtin_path(HELDOUT_ANSWERS if args.heldout else CALIBRATION_ANSWERS)

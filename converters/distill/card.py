@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx.utils import tree_flatten
+
 
 def _table(acc: dict[str, dict[str, float]]) -> str:
     rows = ["| domain | accepted / drafted | rate | tokens per verifier pass |", "| --- | --- | --- | --- |"]
@@ -140,3 +142,16 @@ Prompts not used in training (`{info.get('heldout', '')}`), run through the runt
 {info['recipe']}
 ```
 """
+
+
+def _params(model) -> int:
+    """Parameters of an MLX model (the card's size)."""
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def _count(xs) -> dict[str, int]:
+    """How often each value occurs (the card's examples per domain)."""
+    out: dict[str, int] = {}
+    for x in xs:
+        out[x] = out.get(x, 0) + 1
+    return out

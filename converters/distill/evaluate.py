@@ -115,7 +115,7 @@ def draft_cost(verifier, drafter, context: list[int], k: int = 4, repeats: int =
     cache = verifier.make_cache()
     mx.eval(verifier(mx.array([context]), cache=cache))
     drafter.begin(context)
-    if getattr(drafter, "needs_features", False):
+    if drafter.caps.needs_features:
         from edgespec.converters.distill.features import hidden_features
 
         drafter.add_features(hidden_features(verifier, mx.array([context]))[0, :-1].astype(mx.float32))

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from edgespec.converters.bundle import atomic_folder
+from edgespec.converters.distill.card import _count, _params
+from edgespec.converters.distill.evaluate import acceptance, draft_cost
 from edgespec.converters.distill.feature_train import FeatureBatch, feature_loss, prepare_features
 from edgespec.converters.distill.features import build_features, load_features
 from edgespec.converters.distill.train import train
@@ -73,10 +76,6 @@ def write_feature_folder(folder: Path, model, config: dict, vmap, vocab_hash: st
 
 def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_examples, data_minutes,
                     verifier_path, prompts, heldout, force, recipe, note) -> dict:
-    from edgespec.converters.bundle import atomic_folder
-    from edgespec.converters.distill.evaluate import acceptance, draft_cost
-    from edgespec.converters.distill.pipeline import _count, _params
-
     t0 = time.time()
     feats = []
     for folder in folders:

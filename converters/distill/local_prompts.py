@@ -30,6 +30,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
+
 CONCEPTS = """photosynthesis; inflation; the water cycle; black holes; compound interest; vaccines; climate change;
 machine learning; the immune system; plate tectonics; supply and demand; gravity; electricity; the internet;
 democracy; evolution; DNA; the stock market; renewable energy; the French Revolution; the Roman Empire;
@@ -150,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
                     "Python's site-packages)")
     ap.add_argument("--max-files", type=int, default=4000, help="Python files sampled from the roots")
     args = ap.parse_args(argv)
-    from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
 
     held = {i.text for i in read_prompts(builtin_path(BUILTIN_HELDOUT))}
     rows = build(args.per_domain, args.seed, [Path(r) for r in args.root] if args.root else None, args.max_files,

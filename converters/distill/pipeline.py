@@ -17,13 +17,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from edgespec.converters.bundle import atomic_folder, check_destination
 from edgespec.converters.distill import data as D
+from edgespec.converters.distill.card import _count, _params
+from edgespec.converters.distill.evaluate import acceptance_fast, draft_cost
 from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
 from edgespec.converters.distill.student import init_student, student_config
 from edgespec.converters.distill.train import TrainConfig, prepare, train
 from edgespec.converters.distill.vocab import choose_vocab, token_counts
 from mlx.utils import tree_flatten
 
+from edgespec import loader  # loader.load looked up per call (tests stand in for it)
 from edgespec.drafters.distilled import DistilledDrafter, VocabMap
 
 
@@ -51,10 +55,6 @@ class DistillConfig:
 Progress = Callable[[str, int, int, str], None]  # (stage, done, total, note)
 
 
-def _params(model) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
-
-
 def distill(
     verifier_path: str | Path,
     out: str | Path,
@@ -68,10 +68,6 @@ def distill(
     progress: Progress | None = None,
 ) -> dict:
     """Train a drafter for the verifier at `verifier_path` into folder `out`. Returns the card facts."""
-    from edgespec.converters.bundle import atomic_folder, check_destination
-
-    from edgespec.loader import load
-
     if cfg.kind not in ("student", "feature"):
         raise ValueError(f"drafter kind must be 'student' or 'feature', got {cfg.kind!r}")
     if cfg.unroll < 1 or not cfg.reg_weight >= 0:
@@ -85,7 +81,7 @@ def distill(
     work.mkdir(parents=True, exist_ok=True)
     note = progress or (lambda *a: None)
 
-    loaded = load(verifier_path)
+    loaded = loader.load(verifier_path)
     items = read_prompts(prompts)
     t0 = time.time()
     D.build_dataset(loaded, items, work / "data", cfg.max_new, cfg.topk, cfg.gen_batch,
@@ -183,22 +179,11 @@ def distill(
 
 
 def acceptance_fn(drafter, examples, k):
-    from edgespec.converters.distill.evaluate import acceptance_fast
-
     return acceptance_fast(drafter.model, drafter.vocab_map, examples, k)
 
 
 def cost_fn(model, drafter, ctx, k):
-    from edgespec.converters.distill.evaluate import draft_cost
-
     return draft_cost(model, drafter, ctx, k, repeats=8)
-
-
-def _count(xs):
-    out: dict[str, int] = {}
-    for x in xs:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def recipe_line(argv: list[str]) -> str:

@@ -47,6 +47,9 @@ from array import array
 from collections import Counter
 from pathlib import Path
 
+from edgespec.paths import home
+from edgespec.safe_write import clean_stale_temps, temp_prefix
+
 log = logging.getLogger("edgespec.history")
 
 NGRAMS = (2, 3, 4, 6, 8, 12)  # suffix lengths indexed (longest match wins)
@@ -227,7 +230,6 @@ class HistoryStore:
             self._saving = False
             self._warn_foreign()
             return
-        from edgespec.safe_write import clean_stale_temps, temp_prefix
 
         bounds = list(zip(self._docs, self._docs[1:] + [len(self._tokens)], strict=True))
         parts = [MAGIC2, struct.pack("<I", len(bounds))]
@@ -349,8 +351,6 @@ def make_history(mode: str | None, key: str, max_bytes: int = 64 << 20) -> Histo
         return None
     path = None
     if mode == "disk":
-        from edgespec.default_model import home
-
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:96] or "model"
         path = home() / "history" / f"{safe}.bin"
     return HistoryStore(max_bytes=max_bytes, path=path)

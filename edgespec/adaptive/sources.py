@@ -12,7 +12,7 @@ decoder needs to know about a source is declared, not probed:
 - `cost_per_token`: seconds per proposed token (0 for look-ups); a source
   with a cost is only asked when the planner expects it to pay;
 - `grammar`: the source follows the request's grammar (bound per request with
-  `bind`, see edgespec.processors.attach_processors); it proposes nothing without one;
+  `bind`, see edgespec.processors.wrap_processors); it proposes nothing without one;
 - `vets`: the source also trims other sources' candidates (`vet`) to the prefix the
   request can accept at all, before the verifier pass.
 
@@ -32,6 +32,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from edgespec.calibration import DraftCost
 from edgespec.lookahead.pool import JacobiWindow, NgramPool
 
 
@@ -123,16 +124,14 @@ class DrafterSource:
     def __init__(self, drafter, draft_s=None):
         """draft_s: seconds per drafted token (a number: fixed), a calibration.DraftCost (learnt),
         or None (learnt from nothing)."""
-        from edgespec.calibration import DraftCost
-
-        if getattr(drafter, "needs_features", False):
+        if drafter.caps.needs_features:
             raise ValueError(f"drafter {drafter.name!r} reads verifier features; it drafts in mode 'speculative' only")
-        if not hasattr(drafter, "sync"):
+        if not drafter.caps.syncs:
             raise ValueError(f"drafter {drafter.name!r} cannot follow another source's tokens (no sync)")
         self.drafter = drafter
         self.cost = draft_s if isinstance(draft_s, DraftCost) else DraftCost(
             None if draft_s is None else float(draft_s))
-        self.expected_acceptance = float(getattr(drafter, "expected_acceptance", 0.5))
+        self.expected_acceptance = float(drafter.expected_acceptance)
         self._prompt: list[int] | None = None
         self.last_s = 0.0  # seconds of the last draft call, the drafter's prefill of the prompt excluded
 
@@ -146,9 +145,8 @@ class DrafterSource:
 
     def bind_verifier_cache(self, cache) -> None:
         """The verifier cache of this generation, for a drafter that drafts from it."""
-        bind = getattr(self.drafter, "bind_verifier_cache", None)
-        if bind is not None:
-            bind(cache)
+        if self.drafter.caps.reads_verifier:
+            self.drafter.bind_verifier_cache(cache)
 
     def begin(self, prompt: list[int]) -> None:
         # Deferred to the first draft: a request the drafter never drafts for costs it nothing.

@@ -20,47 +20,50 @@ Outputs are each request's own: a row of a batched pass sees only its own cache
 and mask, and sampling draws with noise keyed by (seed, position)
 (`Sampler.sample_at`), so a request's tokens do not depend on its neighbours.
 A sequence alone runs its model calls exactly as it would without the batcher.
+
+This module is the batch's mechanics: the worker's step loop, resuming sequences, the joint
+passes and the KV arena's rows (about 500 lines: one loop whose parts share the step's state).
+Beside it: the policy (policy.py: admission, the speculation regime, pass pricing), a request
+(request.py), a live sequence and its view of the verifier (seq.py), and the composition of a
+request's model stack (stack.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import itertools
 import logging
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 from greenlet import GreenletExit, greenlet
 
 from edgespec.batch import memory
 from edgespec.batch.arena import KVArena, SlotCache
-from edgespec.batch.cost import PassCost, Peer, StepCost
 from edgespec.batch.forward import Row, batched_forward, group_rows, layer_marks
 from edgespec.batch.guard import SpecGuard
+from edgespec.batch.policy import BatchPolicy
+from edgespec.batch.request import Cancelled, Request
+from edgespec.batch.seq import SeqModel, _Seq
+from edgespec.batch.stack import compose_request
 from edgespec.cache import KVCache
-from edgespec.errors import CallbackError, EngineError
-from edgespec.generate import Chunk, GenerationStats, stream_tokens
+from edgespec.drafters.base import DrafterReuse
+from edgespec.errors import EngineError
+from edgespec.generate import Chunk, stream_tokens
+from edgespec.sampling import Sampler
 
 log = logging.getLogger("edgespec.batch")
 
-PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 IDLE_EXIT_S = 5.0  # an idle worker thread ends after this long
-# A request whose prompt + max_tokens may pass this keeps caches of its own instead of an arena
-# row (the arena's rows are all as long as its longest one).
-ARENA_POSITIONS = 1024
 # A pass is evaluated this many layers at a time, so a request arriving meanwhile starts within
 # a fraction of a step (time to first token under load).
 EVAL_SEGMENT = 6
 READER_GRACE_S = 0.005  # how long a step waits for readers to take the tokens just streamed
 _BATCHERS: weakref.WeakSet = weakref.WeakSet()
-_KEYS = itertools.count()
 
 
 @atexit.register
@@ -69,207 +72,7 @@ def _stop_all() -> None:
         b.stop(2.0)
 
 
-def cancel_callable(cancel) -> Callable[[], bool] | None:
-    """A request's `cancel` as a callable: None, a callable returning a bool, or an Event-like
-    object (anything with `is_set()`, such as threading.Event). Anything else is refused here,
-    at the API boundary, with a ValueError."""
-    if cancel is None or callable(cancel):
-        return cancel
-    is_set = getattr(cancel, "is_set", None)
-    if callable(is_set):
-        return is_set
-    raise ValueError(
-        f"cancel must be a callable returning True to stop, or an Event-like object with is_set() "
-        f"(e.g. threading.Event), got {type(cancel).__name__}: {cancel!r:.60}"
-    )
-
-
-class Cancelled(Exception):
-    """Thrown into a sequence whose client is gone: it stops at its pending model call."""
-
-
-@dataclass
-class Request:
-    """One generation. `emit(kind, payload)` gets ("start", None), ("chunk", Chunk),
-    then ("done", stats) or ("error", exception), from the worker thread."""
-
-    ids: list[int]
-    options: Any  # GenerateOptions
-    mode_name: str
-    emit: Callable[[str, Any], None]
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    cancel_check: Callable[[], bool] | None = None
-    # Flow control for a reader that pulls (Engine.stream): False while it has not taken the
-    # last chunk yet. After each chunk the sequence waits for it (the others go on), so
-    # nothing is generated past the point where the reader would cancel. None = never wait.
-    ready: Callable[[], bool] | None = None
-    need_bytes: int = 0  # its caches' bytes, were they all its own (memory.reserve_bytes)
-    own_bytes: int = 0  # what it holds outside the batch's KV arena
-    arena_positions: int = 0  # positions of an arena row it needs; 0: it keeps caches of its own
-    submitted_at: float = field(default_factory=time.perf_counter)
-    started_at: float | None = None
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    # The error this request ends with when one of its caller's callbacks raised (CallbackError).
-    error: BaseException | None = None
-    _ended: bool = False  # its "done" or "error" was sent
-
-    def __post_init__(self):
-        self.cancel_check = cancel_callable(self.cancel_check)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    def fail(self, error: BaseException) -> None:
-        """End this request with `error` (the first one wins): it is cancelled at its next
-        step, and its caller gets the error instead of "done"."""
-        if self.error is None:
-            self.error = error
-        self._cancelled.set()
-
-    def _callback_failed(self, name: str, e: BaseException) -> None:
-        err = CallbackError(f"the request's {name} callback raised {type(e).__name__}: {e}")
-        err.__cause__ = e
-        log.warning("%s; that request ends, the others go on", err)
-        self.fail(err)
-
-    def _ask(self, name: str, callback: Callable[[], bool]) -> bool:
-        """The caller's yes/no callback; one that raises fails this request (never the worker)
-        and counts as True (stop / go on: either way the request ends next)."""
-        try:
-            return bool(callback())
-        except GreenletExit:
-            raise
-        except BaseException as e:
-            self._callback_failed(name, e)
-            return True
-
-    @property
-    def cancelled(self) -> bool:
-        if self._cancelled.is_set():
-            return True
-        return self.cancel_check is not None and self._ask("cancel", self.cancel_check)
-
-    def is_ready(self) -> bool:
-        """Whether its reader took the last chunk (always, for a reader that does not pull)."""
-        return self.ready is None or self._ask("ready", self.ready)
-
-    def send(self, kind: str, payload: Any) -> None:
-        """Hand one event to the caller's `emit`. The end ("done" or "error") is sent once, and
-        as "error" when a callback failed; an `emit` that raises fails this request alone."""
-        if self._ended:
-            return
-        if kind in ("done", "error"):
-            self._ended = True
-            if kind == "done" and self.error is not None:
-                kind, payload = "error", self.error
-        try:
-            self.emit(kind, payload)
-        except GreenletExit:
-            raise
-        except BaseException as e:
-            if self._ended:  # nobody left to tell
-                log.warning("the request's emit callback raised %s on its %r event: %s",
-                            type(e).__name__, kind, e)
-            else:
-                self._callback_failed("emit", e)
-
-
-class SeqModel:
-    """The verifier as one sequence sees it: calls become rows of the batch's next pass.
-
-    Everything but the call (args, make_cache, layers, head, ...) is the model's own.
-    Calls that cannot join a batch (no cache, a layer subset, several rows) run at once.
-    """
-
-    def __init__(self, model, batcher: Batcher, seq: _Seq | None = None):
-        self._model = model
-        self._batcher = batcher
-        self._seq = seq
-        self.blocked_s = 0.0  # seconds its calls spent waiting for batched passes
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def batch_context(self):
-        """None while this sequence runs alone; else (the other rows as `cost.Peer`s, StepCost,
-        this row's tie-break key) for pricing speculation against the whole batch
-        (edgespec.batch.cost)."""
-        return self._batcher.batch_context(self._seq)
-
-    def make_cache(self):
-        """The model's caches; for a batched sequence, rows of the batch's KV arena when the
-        model's caches are plain KVCaches and the request is short enough (see Batcher)."""
-        caches = self._batcher.engine.make_cache(self._model)
-        if self._seq is None:
-            return caches
-        return self._batcher.arena_caches(self._seq, caches)
-
-    def prefix_reuse(self, cache):
-        """This request's use of the engine's prefix cache for the verifier's `cache`
-        (edgespec.generate.prefill restores and stores through it), or None."""
-        store = self._batcher.engine.prefix_cache
-        if self._seq is None or store is None or not store.enabled or len(cache) != len(self._model.layers):
-            return None
-        from edgespec.prefix_cache import Reuse
-
-        self._seq.reuse = Reuse(store, self._seq.req.stats)
-        return self._seq.reuse
-
-    def speculation_allowed(self) -> bool:
-        """Whether this step's regime lets an adaptive row speculate at all (the batch's
-        measured guard, edgespec.batch.guard); True alone."""
-        return self._seq is None or self._batcher.speculation_allowed()
-
-    def publish_gains(self, gains, extra_s: float = 0.0) -> None:
-        """This row's gain curve and the host seconds a tree round costs it beyond a plain
-        step, for the other rows' joint choice (cost.joint_sizes)."""
-        if self._seq is not None:
-            self._seq.gains, self._seq.extra_s = gains, extra_s
-
-    def __call__(self, inputs, cache=None, mask=None, positions=None, layer_ids=None, return_hidden=False,
-                 last_only=False):
-        if cache is None or layer_ids is not None or inputs.ndim != 2 or inputs.shape[0] != 1 \
-                or isinstance(mask, str):
-            return self._model(inputs, cache, mask=mask, positions=positions, layer_ids=layer_ids,
-                               return_hidden=return_hidden, last_only=last_only)
-        T = inputs.shape[1]
-        b = self._batcher
-        if mask is None and positions is None and T > PREFILL_CHUNK and b.others_live():
-            # A long causal call (a prompt) in chunks, so the others keep decoding meanwhile.
-            outs = []
-            for s in range(0, T, PREFILL_CHUNK):
-                outs.append(b.forward(Row(inputs[:, s : s + PREFILL_CHUNK], cache, return_hidden=return_hidden,
-                                          last_only=last_only)))
-            logits = [o[0] if return_hidden else o for o in outs]
-            logits = logits[-1] if last_only else mx.concatenate(logits, axis=1)
-            if return_hidden:
-                return logits, mx.concatenate([o[1] for o in outs], axis=1)
-            return logits
-        t0 = time.perf_counter()
-        out = b.forward(Row(inputs, cache, mask, positions, return_hidden, last_only))
-        self.blocked_s += time.perf_counter() - t0
-        return out
-
-
-class _Seq:
-    def __init__(self, req: Request, glet: greenlet):
-        self.req, self.glet = req, glet
-        self.value: Any = None  # what the next resume sends: the last request's result
-        self.row: Row | None = None
-        self.started = False
-        self.on_reader = False  # paused after a chunk until its reader takes it
-        self.size = 1  # tokens of its latest model call (what it adds to a step)
-        self.emitted = False  # has streamed a chunk (its prompt is done)
-        self.gains = None  # its latest gain curve (adaptive decoding), see cost.joint_sizes
-        self.extra_s = 0.0  # host seconds its tree round costs beyond a plain step
-        self.key = next(_KEYS)  # admission order: the tie-break of the joint choice
-        self.arena_rows: dict[int, list] = {}  # rows of the batch's KV arena it holds -> its SlotCaches
-        self.reuse = None  # its prefix-cache use (edgespec.prefix_cache.Reuse), once its prompt ran
-        self.drafter_reuse = None  # its drafter's (edgespec.drafters.base.DrafterReuse)
-
-
-class Batcher:
+class Batcher(BatchPolicy):
     """Owns the worker thread; `submit` queues a request, the worker streams it out."""
 
     def __init__(self, engine, max_batch: int | None = None):
@@ -313,21 +116,6 @@ class Batcher:
         """What the live sequences' caches may hold (with the prefix cache's: it gives way,
         see _make_room)."""
         return memory.cache_budget(self.engine, self._free_at_start)
-
-    def submit(self, req: Request) -> None:
-        """Queue `req`; raises MemoryBudgetError when it could never fit."""
-        P, m = len(req.ids), req.options.max_tokens
-        req.need_bytes = memory.reserve_bytes(self.engine, P, m)
-        req.own_bytes, req.arena_positions = req.need_bytes, 0
-        if P + m + memory.TREE <= ARENA_POSITIONS:  # its verifier K/V goes to an arena row
-            req.arena_positions = memory.positions(self.engine, P, m, KVArena.step)
-            req.own_bytes = memory.drafter_kv_per_token(self.engine) * memory.positions(self.engine, P, m)
-        memory.check_fits(req.own_bytes + memory.arena_bytes(self.engine, 1, req.arena_positions), self.budget)
-        with self._cv:
-            self._waiting.append(req)
-            if self._thread is None:
-                self._start_worker()
-            self._cv.notify()
 
     def _start_worker(self) -> None:
         """(lock held)"""
@@ -394,51 +182,6 @@ class Batcher:
                 if self._live:
                     return True
 
-    def _take_waiting(self) -> list[_Seq]:
-        """Admit waiting requests in order while the batch has room and memory (lock held)."""
-        new = []
-        while self._waiting and len(self._live) < self.max_batch:
-            req = self._waiting[0]
-            if req.cancelled:  # its client left while it waited: never touch the model
-                self._waiting.popleft()
-                req.send("chunk", Chunk("", [], "cancelled"))
-                req.send("done", req.stats)
-                continue
-            self._make_room(req)
-            if self._live and self.held_bytes(req) > self.budget:
-                break  # waits for memory (FIFO: nobody overtakes it)
-            self._waiting.popleft()
-            self._reserved += req.own_bytes
-            seq = _Seq(req, None)
-            seq.glet = greenlet(functools.partial(self._run, seq), parent=self._hub)
-            self._live.append(seq)
-            new.append(seq)
-        return new
-
-    def _make_room(self, req: Request) -> None:
-        """The prefix cache (edgespec.prefix_cache) and the drafter's store joined to it hold
-        only what the live sequences and `req` leave of the budget: their least recently used
-        blocks go first."""
-        pc = self.engine.prefix_cache
-        if pc.group_bytes and self.budget != float("inf"):  # the drafter's store too (joined)
-            pc.shrink_to(int(self.budget - self.held_bytes(req)))
-
-    def held_bytes(self, new: Request | None = None) -> int:
-        """Bytes the live sequences' caches may come to hold, with `new` admitted too: each
-        one's own caches at their largest, plus the KV arena with a row for every short
-        request (or the rows it already holds, if more), each row as long as the longest of
-        them (or as it already is)."""
-        short = [s.req.arena_positions for s in self._live if s.req.arena_positions]
-        own = self._reserved
-        if new is not None:
-            own += new.own_bytes
-            if new.arena_positions:
-                short.append(new.arena_positions)
-        a = self._arena
-        rows = max(a.rows if a is not None else 0, len(short))
-        longest = max([a.positions if a is not None else 0, *short])
-        return own + memory.arena_bytes(self.engine, rows, longest)
-
     def _work(self) -> None:
         self._hub = greenlet.getcurrent()
         try:
@@ -494,23 +237,6 @@ class Batcher:
             self._step_body()
         finally:
             self._credit(n, t_step)
-
-    def _credit(self, n: int, t_step: float) -> None:
-        """The tokens committed in this step came from the passes the last step built: credit
-        them, with this step's time, to the regime that planned those passes, when adaptive
-        rows asked for it and neither step ran a prompt's pass (edgespec.batch.guard)."""
-        prev = self._prev
-        clean = all(s.emitted for s in self._live) and self._clean
-        if prev is not None and prev[2] and prev[3] and clean:
-            self.guard.record(prev[1], prev[0], self._step_tokens, time.perf_counter() - t_step)
-        self._prev = (self._regime, n, self._asked, clean)
-
-    def speculation_allowed(self) -> bool:
-        if self._regime is None:  # the step's first ask: the guard's turn (alone: always spec)
-            n = self._step_n
-            self._regime = self.guard.choose(n) if n > 1 else "spec"
-        self._asked = True
-        return self._regime == "spec"
 
     def _step_body(self) -> None:
         self._clean = True
@@ -719,35 +445,15 @@ class Batcher:
             seq.arena_rows[dst] = slots
             held[dst] = seq
 
-    def _step_cost(self) -> StepCost:
-        """step(sizes) on the adaptive decoder's measured pass-cost curve when the engine has
-        one, else on a CPU-like shape (8 tokens ~1.4x one), in relative units."""
-        curve = self.engine.__dict__.get("_adaptive_tree_costs")
-        key = id(curve)
-        if self._cost is None or self._cost[0] != key:
-            pc = PassCost(curve.sizes, curve.verify_s) if curve is not None else PassCost([1, 64], [1.0, 1 + 64 / 20])
-            self._cost = (key, StepCost(pc))
-        return self._cost[1]
-
-    def _pass_cost(self, tokens: int) -> float:
-        return self._step_cost().pass_cost(tokens)
-
-    def batch_context(self, me: _Seq | None):
-        peers = [Peer(s.size, s.gains, s.key, s.extra_s) for s in self._live if s is not me]
-        if not peers or me is None:
-            return None
-        return peers, self._step_cost(), me.key
-
     def _drafter_reuse(self, mode, stats):
         """The request's use of the drafter's prefix store (drafters.base.DrafterReuse), bound
         to the fork of the drafter its mode drafts with; None without one."""
         fork = getattr(mode, "request_drafter", None)
-        if fork is None or fork is self.engine.drafter or not hasattr(fork, "prefix_reuse"):
+        if fork is None or fork is self.engine.drafter or not fork.caps.prefix_store:
             return None  # the engine's own drafter (no fork): shared, nothing of its own to keep
         store = self.engine.drafter_prefix_cache
         if store is None:
             return None
-        from edgespec.drafters.base import DrafterReuse
 
         fork.prefix_reuse = DrafterReuse(store, fork, stats)
         return fork.prefix_reuse
@@ -760,14 +466,10 @@ class Batcher:
         ok = False
         try:
             mode = engine.build_mode(req.options, req.mode_name, stats)
-            if getattr(mode, "model", None) is engine.model:
-                mode.model = SeqModel(engine.model, self, seq)
-            seq.drafter_reuse = self._drafter_reuse(mode, stats)
-            from edgespec.processors import attach_processors
-            from edgespec.sampling import Sampler
-
             sampler = Sampler(req.options.sampling)
-            follow = attach_processors(mode, engine, req.options, req.ids, sampler)
+            follow = compose_request(mode, engine, req.options, req.ids,
+                                     view=lambda model: SeqModel(model, self, seq), sampler=sampler)
+            seq.drafter_reuse = self._drafter_reuse(mode, stats)
             steps = follow(mode.steps(req.ids, sampler, stats))
             chunks = stream_tokens(steps, engine.tokenizer, stats, req.options.max_tokens, req.options.stop,
                                    context_left=engine.context_length - len(req.ids),

@@ -26,6 +26,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from edgespec.benchmark.plots import _pyplot
+from edgespec.engine import make_options
+from edgespec.generate import GenerationStats
+
 POLICIES = {"off": ("plain", {}), "on": ("auto", {"batch_aware": False}), "chosen": ("auto", {})}
 
 
@@ -55,9 +59,6 @@ class Cell:
 def _clients(engine, queues: list[list[list[int]]], mode: str, mode_options: dict, max_tokens: int):
     """One thread per client, each running its queue of prompts back to back.
     -> (per request: (client, index, tokens, ttft, stats, t0, t1)), wall seconds."""
-    from edgespec.engine import make_options
-    from edgespec.generate import GenerationStats
-
     out: list = []
     lock = threading.Lock()
     gate = threading.Barrier(len(queues))
@@ -181,8 +182,6 @@ def format_concurrency(report: dict) -> str:
 
 
 def plot_concurrency(report: dict, path) -> None:
-    from edgespec.benchmark.plots import _pyplot
-
     plt = _pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     levels = report["settings"]["levels"]

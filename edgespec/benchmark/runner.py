@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from edgespec.adaptive.history import HistoryStore
 from edgespec.benchmark.prompts import BenchPrompt
 from edgespec.benchmark.specs import ModeSpec
+from edgespec.engine import make_options
 from edgespec.modes import available_modes
 
 
@@ -109,8 +111,6 @@ def run_benchmark(
     `on_progress(n_done, description)` is called after each generation (and
     with the count of skipped generations when a mode drops out).
     """
-    from edgespec.engine import make_options
-
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if not specs or not specs[0].is_reference:
@@ -255,8 +255,6 @@ class _EarlierPrompts:
         self.replies.setdefault(i, list(tokens))
 
     def before(self, i: int):
-        from edgespec.adaptive.history import HistoryStore
-
         store = self.stores.get(i)
         if store is None:
             store = _ReadOnly(HistoryStore(self.real.max_bytes))

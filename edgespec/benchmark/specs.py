@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.engine import make_options
+
 REFERENCE = "plain"
 
 
@@ -78,7 +80,6 @@ def parse_mode_spec(text: str) -> ModeSpec:
     )
     # Validate the knobs now (before a model is loaded): GenerateOptions checks the mode name,
     # draft_tokens and the options against the mode's declared schema.
-    from edgespec.engine import make_options
 
     make_options(mode=name, draft_tokens=draft_tokens, **options)
     return spec

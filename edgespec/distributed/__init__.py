@@ -16,7 +16,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edgespec.bundle import read_manifest
+from edgespec.distributed.comm import Group
 from edgespec.distributed.errors import EXIT_PEER_LOST, DistributedError
+from edgespec.distributed.model import ShardedModel, follow
+from edgespec.distributed.shard import MODES, load_shard
+from edgespec.distributed.stage import Stage
+from edgespec.drafters import attach_drafter
+from edgespec.engine import Engine
+from edgespec.loader import LoadedModel
+from edgespec.models import get_architecture
+from edgespec.tokenizer import Tokenizer
 
 # The MLX-heavy parts load on first use, so the CLI's parser can import
 # edgespec.distributed.launch without MLX.
@@ -64,12 +74,6 @@ def load_model(path: str | Path, split: str = "pipeline", timeout: float | None 
     the group, then get None. `on_loaded(rank, local_model, plan)` runs on every rank once
     its shard is in memory (measurements).
     """
-    from edgespec.distributed.comm import Group
-    from edgespec.distributed.model import ShardedModel, follow
-    from edgespec.distributed.shard import MODES, load_shard
-    from edgespec.distributed.stage import Stage
-    from edgespec.models import get_architecture
-
     if split not in MODES:
         raise DistributedError(f"distributed split {split!r}: use one of {', '.join(MODES)}")
     group = Group(timeout=timeout, on_lost=on_lost)
@@ -92,12 +96,6 @@ def load(path: str | Path, split: str = "pipeline", drafter=None, history=None,
     it is loaded on rank 0 only.
     """
     import os
-
-    from edgespec.bundle import read_manifest
-    from edgespec.drafters import attach_drafter
-    from edgespec.engine import Engine
-    from edgespec.loader import LoadedModel
-    from edgespec.tokenizer import Tokenizer
 
     path = Path(path).expanduser()
     # every rank checks the bundle before the group forms; rank 0 also checks the hashes

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from edgespec.distributed.errors import DistributedError
+from edgespec.lookahead.memory import parse_size
 
 DISTRIBUTED_HELP = (
     "shard the verifier over the hosts of HOSTFILE (mlx.launch's JSON host list, ring backend) "
@@ -125,7 +126,6 @@ def join_or_launch(args, argv: list[str] | None = None, default_bundle=None):
             argv += ["--model", str(default_bundle())]
         return launch(args.distributed, argv), None
     import edgespec.distributed as dist
-    from edgespec.lookahead.memory import parse_size
 
     if args.model is None:
         from edgespec.default_model import default_bundle_dir

@@ -23,6 +23,7 @@ import weakref
 
 import mlx.core as mx
 
+from edgespec.batch.forward import _GatherCache
 from edgespec.distributed.comm import DistributedError, Group
 from edgespec.distributed.stage import Stage, dtype_name
 
@@ -118,8 +119,6 @@ def apply_ops(ops: list, sets: dict, stage: Stage) -> None:
 
 def gather_views(gather: dict, sets: dict, stage: Stage) -> list:
     """A follower's per-layer views of a batched pass over its copies of the rows' cache sets."""
-    from edgespec.batch.forward import _GatherCache
-
     rows = [sets.setdefault(cid, stage.model.make_cache()) for cid in gather["cids"]]
     return [_GatherCache([r[i] for r in rows], gather["lengths"], gather["s_max"])
             for i in range(stage.plan.num_layers)]

@@ -25,7 +25,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from edgespec.bundle import is_bundle
 from edgespec.distributed.errors import DistributedError
+from edgespec.loader import apply_quantization
+from edgespec.models import model_from_config
+from edgespec.models.experts import SwitchGLU
 
 MODES = ("pipeline", "tensor")
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split
@@ -88,8 +92,6 @@ def pipeline_ranges(layer_bytes: list[int], rest_bytes: int, size: int) -> list[
 
 
 def read_bundle_config(folder: Path) -> dict[str, Any]:
-    from edgespec.bundle import is_bundle
-
     folder = Path(folder).expanduser()
     if not is_bundle(folder):
         raise DistributedError(
@@ -156,8 +158,6 @@ def tensor_config(config: dict[str, Any], size: int) -> dict[str, Any]:
 
 def refuse_unsplittable(model: nn.Module, model_type: str | None, mode: str) -> None:
     """DistributedError naming the architecture and why, for models neither split can run."""
-    from edgespec.models.experts import SwitchGLU
-
     if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
         # the mirrored caches forward K/V operations only; a recurrent state is not split or mirrored
         raise DistributedError(f"distributed verifiers run attention layers only; {model_type!r} has "
@@ -177,9 +177,6 @@ def refuse_unsplittable(model: nn.Module, model_type: str | None, mode: str) -> 
 def load_shard(folder: Path, mode: str, rank: int, size: int):
     """(local model, plan, full config) for this rank, holding only its weights."""
     from mlx.utils import tree_flatten
-
-    from edgespec.loader import apply_quantization
-    from edgespec.models import model_from_config
 
     if mode not in MODES:
         raise DistributedError(f"distributed split {mode!r}: use one of {', '.join(MODES)}")

@@ -25,8 +25,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from edgespec.drafters.base import AcceptsDrafts, Draft
+from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps
+from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
+from edgespec.formats.hf import read_config, read_safetensors
+from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
 
 MODEL_TYPE = "gemma4_assistant"
 
@@ -43,9 +46,6 @@ def is_assistant_folder(path: str | Path) -> bool:
 
 def load_assistant_model(path: str | Path, dtype=None):
     """The assistant's MLX model from its folder (HF checkpoint or an edgespec drafter/ copy)."""
-    from edgespec.formats.hf import read_config, read_safetensors
-    from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
-
     path = Path(path).expanduser()
     config = read_config(path)
     files = sorted(path.glob("*.safetensors"))
@@ -74,9 +74,9 @@ def check_fit(assistant_args, verifier_args) -> dict[str, int]:
         raise ModelLoadError(f"a gemma4_assistant drafts for Gemma 4; the verifier is "
                              f"{getattr(verifier_args, 'model_type', '?')!r}")
     t = assistant_args.text
-    if assistant_args.vocab_size != verifier_args.vocab_size:
-        raise ModelLoadError(f"the assistant's vocabulary has {assistant_args.vocab_size} tokens, "
-                             f"the verifier's {verifier_args.vocab_size}")
+    check_compatible(assistant_args.vocab_size, verifier_args.vocab_size, error=ModelLoadError,
+                     size_message=f"the assistant's vocabulary has {assistant_args.vocab_size} tokens, "
+                                  f"the verifier's {verifier_args.vocab_size}")
     if assistant_args.backbone_hidden_size != verifier_args.hidden_size:
         raise ModelLoadError(f"the assistant was trained on a verifier of width (hidden size) "
                              f"{assistant_args.backbone_hidden_size}, this one is {verifier_args.hidden_size}")
@@ -96,7 +96,8 @@ def check_fit(assistant_args, verifier_args) -> dict[str, int]:
 class AssistantDrafter(AcceptsDrafts):
     """Drafter protocol (begin / draft / accept / sync / close) over Gemma 4's assistant."""
 
-    reads_verifier = True  # drafts from the verifier's live cache: no pipelining, not in tree/cascade
+    # drafts from the verifier's live cache: no pipelining, not in tree/cascade
+    caps = DrafterCaps(reads="verifier_cache", forks=True, modes=CHAIN_MODES)
 
     def __init__(self, assistant, verifier, name: str = "gemma4-assistant"):
         store = check_fit(assistant.args, verifier.args)

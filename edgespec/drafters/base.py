@@ -7,20 +7,26 @@ proposals were kept and `next_token` (the verifier's correction or bonus token)
 follows them. `accept` may also come without a preceding `draft` (n_accepted=0)
 when the verifier stepped alone (controller fallback to plain decoding).
 
-Optional capability: `sync(committed)` sets the committed sequence to any list
-that shares a prefix with what the drafter has seen. The pipelined mode needs it
-to undo a wrong guess; drafters without it run unpipelined.
+What a drafter kind can do beyond that is declared by its class in `caps` (a
+`DrafterCaps`), never probed: whether it has `sync(committed)` (set the committed
+sequence to any list sharing a prefix with what it has seen: pipelining, `auto` and
+the cascade need it), `fork()` (a state of its own per request), what it reads from
+the verifier (`add_features` / `bind_verifier_cache`), whether it is an MLX causal LM
+(tree growing, the cascade's mid level), whether its cache goes through a prefix store,
+where it runs, and the modes it drafts in.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
 
 from edgespec.cache import KVCache, cache_arrays
+from edgespec.generate import PREFILL_CHUNK
+from edgespec.prefix_cache import layer_kinds
 
 
 @dataclass
@@ -31,11 +37,60 @@ class Draft:
     logprobs: mx.array | None
 
 
+CHAIN_MODES = frozenset({"speculative", "auto"})  # modes that draft along the committed sequence
+ALL_MODES = CHAIN_MODES | {"tree", "cascade"}
+READS = ("nothing", "features", "verifier_cache")
+
+
+@dataclass(frozen=True)
+class DrafterCaps:
+    """What a drafter kind can do, declared once by its class (`caps`) and read by the modes,
+    the batch and the engine instead of probing for methods.
+
+    reads: what it takes from the verifier: "nothing"; "features" (the verifier's hidden
+        states of the committed positions, through `features_needed` / `add_features`:
+        drafts in mode 'speculative' only, unpipelined); "verifier_cache" (drafts from the
+        live verifier cache handed over with `bind_verifier_cache`: no pipelining, no trees).
+    syncs: has `sync(committed)` (roll back to any committed sequence).
+    forks: has `fork()`, a state of its own per request (the batch runs several at once).
+    mlx_model: is an MLX causal LM with its own cache (`model`, `layer_ids`, `_forward`,
+        `_trim_to`, `fed`): tree modes grow branches with it, the cascade verifies with it.
+    prefix_store: its cache can go through the drafter prefix store (`prefix_reuse`,
+        `reuses_prefixes()`, `stored_caches()`).
+    runs_on: "mlx", "coreml" or "host" (no model).
+    modes: the modes it drafts in.
+    """
+
+    reads: str = "nothing"
+    syncs: bool = True
+    forks: bool = False
+    mlx_model: bool = False
+    prefix_store: bool = False
+    runs_on: str = "mlx"
+    modes: frozenset = ALL_MODES
+
+    def __post_init__(self):
+        if self.reads not in READS:
+            raise ValueError(f"reads must be one of {READS}, got {self.reads!r}")
+
+    @property
+    def needs_features(self) -> bool:
+        return self.reads == "features"
+
+    @property
+    def reads_verifier(self) -> bool:
+        """Drafts from the verifier's live cache (`bind_verifier_cache`)."""
+        return self.reads == "verifier_cache"
+
+
 @runtime_checkable
 class Drafter(Protocol):
     name: str
     device: str  # "cpu" | "gpu" | "ane" | "none"
     vocab_size: int
+    caps: ClassVar[DrafterCaps]
+    model: object  # its own MLX model (weights), or None
+    expected_acceptance: float  # prior per-token acceptance before any is measured
 
     def begin(self, prompt: list[int]) -> None: ...
 
@@ -49,8 +104,7 @@ class Drafter(Protocol):
 def request_drafter(drafter):
     """The drafter one request drafts with: a fork with a state of its own when the drafter
     has one (`ModelDrafter.fork`), else the engine's drafter itself."""
-    fork = getattr(drafter, "fork", None)
-    return fork() if callable(fork) else drafter
+    return drafter.fork() if drafter is not None and drafter.caps.forks else drafter
 
 
 def fork_backend(backend):
@@ -76,6 +130,8 @@ class AcceptsDrafts:
 
     seq: list[int]
     _last_draft: list[int]
+    model = None  # no MLX model of its own unless a subclass has one
+    expected_acceptance = 0.5
 
     def sync(self, committed: list[int]) -> None:
         raise NotImplementedError
@@ -134,6 +190,8 @@ class ModelDrafter(CommittedSequence):
 
     name = "mlx"
     device = "cpu"
+    caps = DrafterCaps(forks=True, mlx_model=True, prefix_store=True)
+    vocab_map = None  # a reduced-vocabulary drafter's VocabMap (DistilledDrafter sets its own)
 
     def __init__(self, model, layer_ids: list[int] | None = None):
         self.model = model
@@ -192,7 +250,6 @@ class ModelDrafter(CommittedSequence):
         # Prefill all but the last token; it is fed with the first draft step. With the
         # drafter's prefix store, the longest cached prefix is restored first (whole blocks,
         # at most len(prompt) - 1 positions: exactly what the prefill would compute).
-        from edgespec.generate import PREFILL_CHUNK
 
         body = self.seq[:-1]
         reuse = self.prefix_reuse
@@ -266,8 +323,6 @@ class DrafterReuse:
 
     def needs_boundary(self) -> bool:
         """Whether the drafter has state layers (they export only at their offset)."""
-        from edgespec.prefix_cache import layer_kinds
-
         kinds = layer_kinds(self.drafter.stored_caches())
         return kinds is not None and any(k.split(":")[0] != "positions" for k in kinds)
 

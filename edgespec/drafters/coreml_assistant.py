@@ -28,7 +28,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import AcceptsDrafts, Draft, common_prefix
+from edgespec.drafters.base import (
+    CHAIN_MODES,
+    AcceptsDrafts,
+    Draft,
+    DrafterCaps,
+    common_prefix,
+    fork_backend,
+)
+from edgespec.drafters.compat import check_compatible
+from edgespec.drafters.coreml_runtime import CoreMLUnavailable, require_coreml, units_device
 from edgespec.errors import ModelLoadError
 
 KIND = "gemma4_assistant"
@@ -39,9 +48,8 @@ class CoreMLAssistantBackend:
     """The package's functions under Core ML, sharing one state (macOS 15+ only)."""
 
     def __init__(self, path: Path, functions: list[str], compute_units: str):
-        from edgespec.drafters.coreml import CoreMLUnavailable
-
         try:
+            # coremltools is optional (macOS, the convert extra): imported only where a package runs
             import coremltools as ct
         except ImportError:
             raise CoreMLUnavailable("coremltools is not installed; the MLX assistant is used instead") from None
@@ -60,7 +68,8 @@ class CoreMLAssistantBackend:
 class CoreMLAssistantDrafter(AcceptsDrafts):
     """Drafter protocol (begin / draft / accept / sync / close) over an assistant package."""
 
-    reads_verifier = True  # drafts from the verifier's live cache: speculative and auto only
+    # drafts from the verifier's live cache: speculative and auto only, unpipelined
+    caps = DrafterCaps(reads="verifier_cache", forks=True, runs_on="coreml", modes=CHAIN_MODES)
 
     def __init__(self, backend, info: dict[str, Any], verifier, device: str = "ane",
                  name: str = "coreml-gemma4-assistant"):
@@ -70,9 +79,9 @@ class CoreMLAssistantDrafter(AcceptsDrafts):
             raise ModelLoadError(f"not a gemma4_assistant package (kind {info.get('kind')!r})")
         if not hasattr(args, "store_layers"):
             raise ModelLoadError(f"a gemma4_assistant drafts for Gemma 4; the verifier is {args.model_type!r}")
-        if int(info["vocab_size"]) != args.vocab_size:
-            raise ModelLoadError(f"the assistant package's vocabulary has {info['vocab_size']} tokens, "
-                                 f"the verifier's {args.vocab_size}")
+        check_compatible(int(info["vocab_size"]), args.vocab_size, error=ModelLoadError,
+                         size_message=f"the assistant package's vocabulary has {info['vocab_size']} tokens, "
+                                      f"the verifier's {args.vocab_size}")
         if int(info["backbone_hidden_size"]) != args.hidden_size:
             raise ModelLoadError(f"the assistant package reads hidden states of width {info['backbone_hidden_size']}, "
                                  f"the verifier's are {args.hidden_size}")
@@ -98,19 +107,14 @@ class CoreMLAssistantDrafter(AcceptsDrafts):
 
     @classmethod
     def load(cls, path: str | Path, verifier, compute_units: str, info: dict[str, Any]) -> CoreMLAssistantDrafter:
-        from edgespec.drafters.coreml import require_coreml
-
         require_coreml()
         loaded = getattr(verifier, "loaded", verifier)
         backend = CoreMLAssistantBackend(Path(path), list(info["functions"]), compute_units)
-        device = "ane" if "NE" in compute_units or compute_units == "ALL" else "cpu"
-        return cls(backend, info, loaded.model, device, name=f"coreml-gemma4-assistant:{Path(path).name}")
+        return cls(backend, info, loaded.model, units_device(compute_units), name=f"coreml-gemma4-assistant:{Path(path).name}")
 
     def fork(self) -> CoreMLAssistantDrafter:
         """For one request (see drafters.base.ModelDrafter.fork): the same package, a Core ML
         state, verifier cache binding and committed sequence of its own."""
-        from edgespec.drafters.base import fork_backend
-
         twin = copy.copy(self)
         twin.backend = fork_backend(self.backend)
         twin.cache, twin.seq, twin.fed, twin._last_draft = None, [], 0, []

@@ -27,9 +27,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import AcceptsDrafts, Draft, common_prefix
-from edgespec.drafters.distilled import VOCAB_MAP, VocabMap, check_map_vocabulary
+from edgespec.drafters.base import AcceptsDrafts, Draft, DrafterCaps, common_prefix
+from edgespec.drafters.compat import check_compatible, check_map_vocabulary
+from edgespec.drafters.vocab_map import VOCAB_MAP, VocabMap
 from edgespec.errors import ModelLoadError
+from edgespec.formats.hf import read_safetensors
+from edgespec.models.feature_drafter import FeatureDraftModel
+from edgespec.models.llama import ModelArgs
 
 DRAFTER_JSON = "drafter.json"
 FORMAT = "edgespec-feature-drafter"
@@ -55,14 +59,13 @@ class FeatureDrafter(AcceptsDrafts):
     """Speculative drafter reading the verifier's features (mode 'speculative' only)."""
 
     name = "feature"
-    needs_features = True
+    # reads the verifier's features of the committed positions: mode 'speculative' only, unpipelined
+    caps = DrafterCaps(reads="features", modes=frozenset({"speculative"}))
 
     def __init__(self, model, verifier, vocab_map: VocabMap, name: str = "feature"):
-        if vocab_map.full_vocab_size != verifier.args.vocab_size:
-            raise ModelLoadError(
-                f"feature drafter was built for a vocabulary of {vocab_map.full_vocab_size} tokens, "
-                f"the verifier has {verifier.args.vocab_size}"
-            )
+        check_compatible(vocab_map.full_vocab_size, verifier.args.vocab_size, error=ModelLoadError,
+                         size_message=f"feature drafter was built for a vocabulary of {vocab_map.full_vocab_size} "
+                                      f"tokens, the verifier has {verifier.args.vocab_size}")
         if model.args.hidden_size != verifier.args.hidden_size:
             raise ModelLoadError(
                 f"feature drafter reads features of width {model.args.hidden_size}, "
@@ -181,10 +184,6 @@ class FeatureDrafter(AcceptsDrafts):
     @classmethod
     def load(cls, path: str | Path, verifier) -> FeatureDrafter:
         """From a feature drafter folder; `verifier` (Engine or LoadedModel) supplies embedding and head."""
-        from edgespec.formats.hf import read_safetensors
-        from edgespec.models.feature_drafter import FeatureDraftModel
-        from edgespec.models.llama import ModelArgs
-
         path = Path(path).expanduser()
         for name in ("config.json", "model.safetensors", VOCAB_MAP, DRAFTER_JSON):
             if not (path / name).is_file():

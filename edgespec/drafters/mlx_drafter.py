@@ -6,55 +6,17 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from edgespec.bundle import is_bundle, read_manifest
 from edgespec.drafters.base import ModelDrafter
-from edgespec.errors import ModelLoadError, VocabularyMismatchError
+from edgespec.drafters.compat import check_compatible
+from edgespec.errors import ModelLoadError
+from edgespec.formats.hf import read_config
+from edgespec.loader import load_model_folder
+from edgespec.tokenizer import Tokenizer
 
 
 def _device() -> str:
     return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-
-
-def check_vocabulary(drafter_vocab: int, verifier_vocab: int, drafter_hash=None, verifier_hash=None, what="drafter"):
-    """Raise VocabularyMismatchError unless sizes (and hashes, when both are known) agree."""
-    if drafter_vocab != verifier_vocab:
-        raise VocabularyMismatchError(
-            f"the {what} has a vocabulary of {drafter_vocab} tokens, the verifier {verifier_vocab}: "
-            "a drafter must use the verifier's tokenizer"
-        )
-    if drafter_hash and verifier_hash and drafter_hash != verifier_hash:
-        raise VocabularyMismatchError(
-            f"the {what}'s tokenizer (vocab hash {drafter_hash}) differs from the verifier's "
-            f"({verifier_hash}): a drafter must use the verifier's tokenizer"
-        )
-
-
-def check_tokenizers(drafter_tok, verifier_tok, what: str = "drafter") -> None:
-    """Token-by-token check on the ids both tokenizers define; VocabularyMismatchError names the
-    first id whose strings differ (and both strings). Sizes may differ: a family's small and
-    large models share one tokenizer but pad their embedding tables differently."""
-    d_vocab = drafter_tok._tok.get_vocab(with_added_tokens=True)
-    v_vocab = verifier_tok._tok.get_vocab(with_added_tokens=True)
-    d_by_id = {i: t for t, i in d_vocab.items()}
-    v_by_id = {i: t for t, i in v_vocab.items()}
-    shared = min(drafter_tok.vocab_size, verifier_tok.vocab_size)
-    for i in range(shared):
-        a, b = d_by_id.get(i), v_by_id.get(i)
-        if a != b:
-            raise VocabularyMismatchError(
-                f"the {what}'s tokenizer differs from the verifier's at id {i}: {what} {a!r}, verifier {b!r} "
-                f"(checked ids 0..{shared - 1}); a drafter must use the verifier's tokenizer"
-            )
-
-
-def check_pairing(drafter_tok, verifier_tok, drafter_rows: int, what: str = "drafter") -> None:
-    """Tokenizers equal id by id on their shared ids, and the drafter's table covers every
-    verifier token (padded rows past that may differ in number)."""
-    check_tokenizers(drafter_tok, verifier_tok, what)
-    if drafter_rows < verifier_tok.vocab_size:
-        raise VocabularyMismatchError(
-            f"the {what} has a vocabulary of {drafter_rows} tokens, the verifier {verifier_tok.vocab_size}: "
-            "its embedding table must cover every verifier token; a drafter must use the verifier's tokenizer"
-        )
 
 
 class MLXDrafter(ModelDrafter):
@@ -92,11 +54,6 @@ class MLXDrafter(ModelDrafter):
         sides the tokenizers must agree id by id on the ids both define, and the drafter's
         table must cover every verifier token; without one, vocabulary sizes must match.
         """
-        from edgespec.bundle import is_bundle, read_manifest
-        from edgespec.formats.hf import read_config
-        from edgespec.loader import load_model_folder
-        from edgespec.tokenizer import Tokenizer
-
         path = Path(path).expanduser()
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise ModelLoadError(f"{path}: a drafter folder needs config.json and model.safetensors")
@@ -106,10 +63,10 @@ class MLXDrafter(ModelDrafter):
         d_rows = int(cfg.get("vocab_size", -1))
         d_tok = Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
         if d_tok is not None and loaded.tokenizer is not None:
-            check_pairing(d_tok, loaded.tokenizer, d_rows)
+            check_compatible(d_rows, v_rows, drafter_tokenizer=d_tok, verifier_tokenizer=loaded.tokenizer)
         else:
             d_hash = read_manifest(path).get("vocab_hash") if is_bundle(path) else None
             v_hash = (loaded.manifest or {}).get("vocab_hash")
-            check_vocabulary(d_rows, v_rows, d_hash, v_hash)
+            check_compatible(d_rows, v_rows, d_hash, v_hash)
         model = load_model_folder(path)
         return cls(model, name=f"mlx:{path.name}", vocab_size=v_rows)

@@ -28,14 +28,30 @@ same logic runs on a Mac against Core ML and here against the numpy MIL executor
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import AcceptsDrafts, Draft, common_prefix
+from edgespec.drafters.base import (
+    CHAIN_MODES,
+    AcceptsDrafts,
+    Draft,
+    DrafterCaps,
+    common_prefix,
+    fork_backend,
+)
+from edgespec.drafters.coreml_runtime import (  # noqa: F401  (package_hidden/rows re-exported)
+    CoreMLHiddenBackend,
+    package_hidden,
+    package_rows,
+    units_device,
+)
 from edgespec.errors import ModelLoadError
+
+MTP_PACKAGE = "mtp"  # the export info's kind of an MTP head's Core ML package
 
 
 def has_mtp(model) -> bool:
@@ -89,8 +105,6 @@ class CoreMLHead:
         self.offset = 0
 
     def fork(self) -> CoreMLHead:
-        from edgespec.drafters.base import fork_backend
-
         twin = copy.copy(self)
         twin.backend, twin.offset = fork_backend(self.backend), 0
         return twin
@@ -114,21 +128,11 @@ class CoreMLHead:
         return mx.array(logits[-1]), mx.array(g[-1:])[None]
 
 
-def package_hidden(rows: np.ndarray) -> np.ndarray:
-    """(T, E) rows -> the package's channels-first (1, E, 1, T) fp16 input."""
-    return np.ascontiguousarray(rows.T[None, :, None, :]).astype(np.float16)
-
-
-def package_rows(x: np.ndarray) -> np.ndarray:
-    """A package output (1, C, 1, T) -> (T, C) float32."""
-    x = np.asarray(x, np.float32)
-    return x.reshape(x.shape[1], x.shape[3]).T
-
-
 class MTPDrafter(AcceptsDrafts):
     """Drafter protocol (begin / draft / accept / sync / close) over the verifier's MTP head."""
 
-    reads_verifier = True  # drafts from the verifier's live cache: no pipelining, not in tree/cascade
+    # drafts from the verifier's live cache: no pipelining, not in tree/cascade
+    caps = DrafterCaps(reads="verifier_cache", forks=True, modes=CHAIN_MODES)
 
     def __init__(self, verifier, name: str = "mtp", head=None, device: str | None = None):
         """head: an MLXHead (default: the verifier's own MTP module) or a CoreMLHead."""
@@ -222,14 +226,13 @@ class MTPDrafter(AcceptsDrafts):
 
     @classmethod
     def from_package(cls, path: Path, verifier, info: dict[str, Any], compute_units: str) -> MTPDrafter:
-        """The head's Core ML package (Core ML checked available by the caller, drafters.coreml)."""
+        """The head's Core ML package (Core ML checked available by the caller, drafters.registry)."""
         loaded = getattr(verifier, "loaded", verifier)
         model = loaded.model
         if int(info.get("hidden_size", -1)) != model.args.hidden_size:
             raise ModelLoadError(f"{path}: the MTP package reads hidden states of width {info.get('hidden_size')}, "
                                  f"the verifier's are {model.args.hidden_size}")
-        from edgespec.drafters.coreml import CoreMLHiddenBackend
-
         head = CoreMLHead(CoreMLHiddenBackend(path, list(info["functions"]), compute_units), info)
-        device = "ane" if "NE" in compute_units or compute_units == "ALL" else "cpu"
-        return cls(model, name=f"mtp-coreml:{path.name}", head=head, device=device)
+        drafter = cls(model, name=f"mtp-coreml:{path.name}", head=head, device=units_device(compute_units))
+        drafter.caps = replace(cls.caps, runs_on="coreml")
+        return drafter

@@ -10,7 +10,7 @@ under sampling too (see edgespec.rejection).
 
 from __future__ import annotations
 
-from edgespec.drafters.base import Draft, common_prefix
+from edgespec.drafters.base import Draft, DrafterCaps, common_prefix
 
 
 class PromptLookupDrafter:
@@ -18,6 +18,8 @@ class PromptLookupDrafter:
     device = "none"  # no model: a few dictionary look-ups on the host
     vocab_size = 0  # works with any vocabulary
     expected_acceptance = 0.5
+    caps = DrafterCaps(runs_on="host")
+    model = None  # no weights
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
         if not 1 <= ngram_min <= ngram_max <= 16:

@@ -22,7 +22,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from edgespec.controller import expected_tokens
 from edgespec.drafters.base import ModelDrafter
+from edgespec.generate import prefill
+from edgespec.paths import home
+from edgespec.progress import progress_bar
 
 # Written for the search (not the benchmark prompts): chat, code, summary, translation.
 CALIBRATION_PROMPTS = [
@@ -51,8 +55,6 @@ class SelfSpecDrafter(ModelDrafter):
 # ---------------------------------------------------------------------- search
 def calibration_sequences(model, tokenizer, prompts=None, new_tokens: int = 24) -> list[tuple[list[int], int]]:
     """(prompt + verifier greedy continuation, prompt length) for each calibration prompt."""
-    from edgespec.generate import prefill
-
     out = []
     for text in prompts or CALIBRATION_PROMPTS:
         ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if isinstance(text, str) else list(text)
@@ -138,8 +140,6 @@ def modelled_speedup(alpha: float, draft_cost: float, verify_growth: float = 0.0
     draft_cost: drafter token cost / verifier token cost; t_v(K+1) ~ 1 + verify_growth*K
     (a fast BLAS makes extra positions nearly free).
     """
-    from edgespec.controller import expected_tokens
-
     return max(expected_tokens(alpha, k) / (1 + verify_growth * k + k * draft_cost) for k in range(1, kmax + 1))
 
 
@@ -208,8 +208,6 @@ def search_skip_layers(
 
 # ---------------------------------------------------------------------- cache
 def _cache_file(weights_sha: str) -> Path:
-    from edgespec.default_model import home
-
     return home() / "self_spec" / f"{weights_sha[:32]}.json"
 
 
@@ -241,7 +239,6 @@ def skip_set_for(loaded, search: bool = True, progress: bool = True) -> dict | N
             f"self-speculation searches which layers to skip by running them one by one, which "
             f"{loaded.model.args.model_type} cannot (its layers read per-layer inputs and shared keys the whole "
             "forward makes); name the layers instead (cascade's mid_layers option) or load a drafter")
-    from edgespec.progress import progress_bar
 
     steps = len(loaded.model.layers) // 2  # search_skip_layers' default max_skip
     with progress_bar(total=steps, desc="choosing layers to skip (once per model)", unit="layer",

@@ -30,7 +30,7 @@ def library_path(flags: tuple[str, ...], home: Path | None = None) -> Path:
     from edgespec.kernels.native import _cpu_key
 
     if home is None:
-        from edgespec.default_model import home as default_home
+        from edgespec.paths import home as default_home
 
         home = default_home()
     h = hashlib.sha256(SOURCE.read_bytes() + repr((flags, _cpu_key())).encode()).hexdigest()[:16]
@@ -63,8 +63,8 @@ def build(home: Path | None = None) -> Path:
 def kernel():
     """The C function, checked against delta_recurrent on a small tree pass with grouped heads;
     None where it cannot be built or loaded or gives other numbers."""
+    from edgespec.kernels.delta_reference import delta_recurrent
     from edgespec.kernels.native import NativeBuildError
-    from edgespec.recurrent import delta_recurrent
 
     try:
         fn = ctypes.CDLL(str(build())).edgespec_delta_rule

@@ -61,7 +61,7 @@ def _cpu_key() -> str:
 
 def library_path(flags: tuple[str, ...], home: Path | None = None) -> Path:
     if home is None:
-        from edgespec.default_model import home as default_home
+        from edgespec.paths import home as default_home
 
         home = default_home()
     h = hashlib.sha256(SOURCE.read_bytes() + repr((flags, _cpu_key())).encode()).hexdigest()[:16]

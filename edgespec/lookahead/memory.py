@@ -46,10 +46,10 @@ def kv_bytes(args, context: int, itemsize: int = 4) -> int:
 
 def drafter_bytes(drafter, verifier, context: int) -> tuple[int, int]:
     """(weights, KV cache at `context`) the drafter adds to the verifier's own."""
-    model = getattr(drafter, "model", None)
+    model = drafter.model
     if model is None or not hasattr(model, "parameters"):
         return 0, 0  # weight-free (prompt lookup) or not an MLX model (nothing known to count)
-    n_layers = len(getattr(drafter, "layer_ids", None) or model.layers)
+    n_layers = len((drafter.layer_ids if drafter.caps.mlx_model else None) or model.layers)
     own = 0 if model is verifier else tree_bytes(model)
     return own, kv_bytes(model.args, context) * n_layers // max(model.args.num_hidden_layers, 1)
 

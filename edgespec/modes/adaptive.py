@@ -22,10 +22,12 @@ from edgespec.adaptive.sources import (
     JacobiSource,
 )
 from edgespec.calibration import SIZES, cost_store
+from edgespec.calibration import measure as measure_now
 from edgespec.drafters.base import request_drafter
 from edgespec.errors import DrafterRequiredError
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import Option
+from edgespec.modes.tree import MAX_TREE
 
 SOURCES = ("forced", "context", "history", "jacobi", "drafter")
 
@@ -61,7 +63,7 @@ OPTIONS = [
 
 def drafter_usable(drafter) -> bool:
     """Can the adaptive decoder draft with it? (It must follow other sources' tokens.)"""
-    return drafter is not None and hasattr(drafter, "sync") and not getattr(drafter, "needs_features", False)
+    return drafter is not None and drafter.caps.syncs and not drafter.caps.needs_features
 
 
 # Every size up to 16 (a CPU BLAS can run 16 rows faster than 12, and the planner should
@@ -73,16 +75,12 @@ def adaptive_costs(engine, measure: bool = False):
     """The engine's current verify-cost curve (a TreeCosts: sizes, verify_s), as the batcher
     prices steps with it: learnt and persisted (edgespec.calibration); nothing is measured
     unless `measure` (benchmarks: time every size now, `calibration.measure`)."""
-    from edgespec.calibration import measure as measure_now
-
     store = measure_now(engine) if measure else cost_store(engine)
     store.publish(engine)
-    return engine.__dict__["_adaptive_tree_costs"]
+    return engine.memory.tree_costs
 
 
 def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDecoder:
-    from edgespec.modes.tree import MAX_TREE
-
     o = options.mode_options
     wanted = o.get("sources", "auto")
     names = SOURCES if wanted == "auto" else tuple(wanted.split("+"))
@@ -122,7 +120,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         drafter=dsrc,
         jacobi=jacobi,
         # What earlier requests measured (acceptance per source, costs, probe waits), per source set.
-        memory=engine.__dict__.setdefault("_adaptive_memory", {}).setdefault(
+        memory=engine.memory.adaptive.setdefault(
             (names, id(drafter) if drafter is not None else None), {}
         ),
         guesses=o.get("guesses", 3),

@@ -10,12 +10,14 @@ decoding from measured costs.
 
 from __future__ import annotations
 
+from edgespec.drafters.base import request_drafter
+from edgespec.drafters.self_spec import SelfSpecDrafter, self_drafter
 from edgespec.errors import DrafterRequiredError
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
+from edgespec.modes.speculative import SpeculativeMode, after_request, engine_costs, engine_memory
 from edgespec.tree.cascade import CascadeDrafter
 
-_ATTR = "_cascade_drafters"
 OPTION_HELP = {
     "mid_layers": "verifier layers the mid level keeps, e.g. 0-5+8+10 (default: the searched self-speculation set)",
     "inner_k": "tokens the tiny drafter proposes per mid-level check (1..8, default 3)",
@@ -40,20 +42,18 @@ def _layers(text, n: int) -> list[int]:
 
 
 def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
-    from edgespec.drafters.self_spec import SelfSpecDrafter, self_drafter
-
     unknown = set(opts) - set(OPTION_HELP) - {"pipeline"}
     if unknown:
         raise ValueError(
             f"unknown cascade option(s) {sorted(unknown)}; valid: {', '.join(OPTION_HELP)}"
         )
     tiny = engine.drafter
-    if tiny is None or not hasattr(tiny, "sync"):
+    if tiny is None or not tiny.caps.syncs:
         raise DrafterRequiredError(
             "mode 'cascade' needs a tiny drafter that can roll back (a distilled/MLX drafter folder "
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
-    if getattr(tiny, "needs_features", False) or getattr(tiny, "reads_verifier", False):
+    if "cascade" not in tiny.caps.modes:
         # A feature drafter drafts in mode 'speculative' only; the shipped distilled drafter takes its place.
         from edgespec.drafters import load_drafter, shipped_drafter_path
 
@@ -62,11 +62,11 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             raise DrafterRequiredError(
                 f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: "
                 + ("it drafts from the verifier's cache, in modes 'speculative' and 'auto' only"
-                   if getattr(tiny, "reads_verifier", False) else
+                   if tiny.caps.reads_verifier else
                    "a feature drafter reads the verifier's hidden states and drafts in mode 'speculative' only")
                 + "; load a distilled or MLX drafter"
             )
-        students = engine.__dict__.setdefault("_cascade_students", {})
+        students = engine.memory.cascade_students
         if student not in students:
             students[student] = load_drafter(engine, str(student))
         tiny = students[student]
@@ -78,7 +78,7 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
     adaptive = bool(opts.get("adaptive", True))
     layers = opts.get("mid_layers")
     key = (id(tiny), str(layers), inner_k, adaptive)
-    store = engine.__dict__.setdefault(_ATTR, {})
+    store = engine.memory.cascade_drafters
     if key not in store:
         if layers is None:
             mid = self_drafter(engine)
@@ -102,14 +102,6 @@ OPTIONS = [
     options=OPTIONS,
 )
 def make_cascade(engine, options):
-    from edgespec.drafters.base import request_drafter
-    from edgespec.modes.speculative import (
-        SpeculativeMode,
-        after_request,
-        engine_costs,
-        engine_memory,
-    )
-
     drafter = cascade_drafter(engine, options.mode_options)
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
     # Drafted with a fork: concurrent requests of a batch each keep a state of their own.

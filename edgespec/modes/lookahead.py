@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from edgespec.generate import GenerationStats, Token, prefill
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, StepTree, verify_step
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode, validate_mode_options
 from edgespec.modes.schema import Option
 from edgespec.sampling import Sampler
 
@@ -49,8 +49,6 @@ def default_options() -> dict:
 
 def parse_options(mode_options: dict) -> dict:
     """Lookahead settings: the device defaults, overridden by the validated mode_options."""
-    from edgespec.modes import validate_mode_options
-
     return {**default_options(), **validate_mode_options("lookahead", mode_options)}
 
 
@@ -140,5 +138,5 @@ class LookaheadMode:
 )
 def make_lookahead(engine, options):
     o = parse_options(options.mode_options)
-    memory = engine.__dict__.setdefault("_lookahead_memory", {}).setdefault(tuple(sorted(o.items())), {})
+    memory = engine.memory.lookahead.setdefault(tuple(sorted(o.items())), {})
     return LookaheadMode(engine.model, **o, memory=memory)

@@ -1,5 +1,5 @@
 from edgespec.generate import PlainMode
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 
 
 @register_mode("plain", "autoregressive decoding with the verifier alone (the reference)")

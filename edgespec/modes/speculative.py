@@ -26,12 +26,13 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from edgespec.adaptive.estimate import PlainTimer
+from edgespec.adaptive.estimate import Costs, PlainTimer
+from edgespec.calibration import SIZES, DraftCost, cost_store, prior_curve
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft, request_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import Token, prefill, runs_alone
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE
 from edgespec.rejection import rejection_sample
 from edgespec.sampling import Sampler
@@ -126,14 +127,15 @@ class SpeculativeMode:
         if pipeline is None:
             pipeline = default_pipeline(drafter)
         # A feature drafter reads the verifier's hidden states of the committed tokens.
-        self.features = bool(getattr(drafter, "needs_features", False))
+        caps = drafter.caps
+        self.features = caps.needs_features
         if pipeline and self.features:
             pipeline = False  # drafting ahead would need features the verifier has not computed yet
             self._note = f"drafter {drafter.name!r} reads the verifier's features; pipelining off"
-        elif pipeline and getattr(drafter, "reads_verifier", False):
+        elif pipeline and caps.reads_verifier:
             pipeline = False  # it drafts from the verifier's cache, which holds only verified positions
             self._note = f"drafter {drafter.name!r} reads the verifier's cache; pipelining off"
-        elif pipeline and not hasattr(drafter, "sync"):
+        elif pipeline and not caps.syncs:
             pipeline = False  # cannot undo a wrong guess without sync()
             self._note = f"drafter {drafter.name!r} cannot roll back a guess; pipelining off"
         else:
@@ -142,7 +144,7 @@ class SpeculativeMode:
         self.pipeline = bool(pipeline)
         self.costs = costs
         self.after_request = None  # called when a request's rounds end (the engine saves learnt costs)
-        self.prior_alpha = prior_alpha if prior_alpha is not None else getattr(drafter, "expected_acceptance", 0.5)
+        self.prior_alpha = prior_alpha if prior_alpha is not None else drafter.expected_acceptance
 
     # ------------------------------------------------------------------ helpers
     def _learn_verify(self, T: int, seconds: float) -> None:
@@ -181,7 +183,7 @@ class SpeculativeMode:
     def _catch_up(self, worker, seq: list[int], told: int) -> None:
         """Tell the drafter the committed tokens seq[told:] (told < 0: its state is off-path)."""
         if told != len(seq):
-            if told < 0 or hasattr(self.drafter, "sync"):
+            if told < 0 or self.drafter.caps.syncs:
                 worker.call(self.drafter.sync, list(seq))
             else:
                 for t in seq[told:]:
@@ -277,7 +279,7 @@ class SpeculativeMode:
         t0 = time.perf_counter()
         begun = worker.submit(drafter.begin, prompt) if pipelined else None
         cache = self.cache = model.make_cache()  # kept on the mode for inspection (tests)
-        if hasattr(drafter, "bind_verifier_cache"):  # a drafter reading the verifier's keys (Gemma 4's assistant)
+        if drafter.caps.reads_verifier:  # a drafter reading the verifier's keys (Gemma 4's assistant)
             drafter.bind_verifier_cache(cache)
         self._fpend = []
         if self.features:
@@ -377,20 +379,17 @@ class SpeculativeMode:
 
 def default_pipeline(drafter) -> bool:
     """Pipeline when drafter and verifier sit on different devices; on one CPU they compete."""
-    return getattr(drafter, "device", "cpu") not in ("cpu", "none", mx.default_device().type.name)
+    return drafter.device not in ("cpu", "none", mx.default_device().type.name)
 
 
 def engine_memory(engine, drafter, name: str) -> dict:
     """The per-engine dict a speculative mode keeps its controller in, per drafter and mode."""
-    return engine.__dict__.setdefault("_speculative_memory", {}).setdefault((id(drafter), name), {})
+    return engine.memory.speculative.setdefault((id(drafter), name), {})
 
 
 def prior_costs(curve=None, drafting=None) -> CostModel:
     """Costs from a learnt curve (estimate.Costs) and drafting cost (calibration.DraftCost),
     fresh priors when not given: nothing is measured here."""
-    from edgespec.adaptive.estimate import Costs
-    from edgespec.calibration import SIZES, DraftCost, prior_curve
-
     curve = curve if curve is not None else Costs(list(SIZES), prior_curve(SIZES))
     drafting = drafting if drafting is not None else DraftCost()
     verify = [curve.verify(T) for T in range(1, KMAX + 2)]
@@ -401,8 +400,6 @@ def prior_costs(curve=None, drafting=None) -> CostModel:
 def after_request(engine):
     """What a mode calls when a request's rounds end: the engine's learnt costs are
     published for the batcher and written when enough is new (edgespec.calibration)."""
-    from edgespec.calibration import cost_store
-
     def done():
         store = cost_store(engine)
         store.publish(engine)
@@ -416,8 +413,6 @@ def engine_costs(engine, drafter) -> CostModel:
     store, edgespec.calibration: persisted by an earlier process, else a prior that the
     first steps put in seconds); nothing is measured before the first token. Each
     request takes the latest, and its passes and drafts run alone teach the store."""
-    from edgespec.calibration import cost_store
-
     store = cost_store(engine)
     return prior_costs(store.costs, store.draft(drafter))
 
@@ -440,5 +435,5 @@ def make_speculative(engine, options):
     mode.request_drafter = mode.drafter  # the batch binds its prefix reuse
     mode.after_request = after_request(engine)
     # Notes from attaching the drafter (e.g. Core ML unavailable -> MLX copy); apps show each once.
-    mode.extra_notes = list(getattr(engine, "drafter_notes", []))
+    mode.extra_notes = list(engine.drafter_notes)
     return mode

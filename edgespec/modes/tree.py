@@ -27,12 +27,14 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from edgespec.calibration import cost_store
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
-from edgespec.modes import register_mode
+from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
+from edgespec.modes.speculative import after_request
 from edgespec.sampling import Sampler
 from edgespec.tree.candidates import SourceTree
 from edgespec.tree.controller import TreeBudget
@@ -289,25 +291,24 @@ class TreeMode:
 def engine_tree_costs(engine):
     """The verify-cost curve this engine has learnt (edgespec.calibration), shared with `auto`:
     measured by real passes, never before the first token."""
-    from edgespec.calibration import cost_store
-
     return cost_store(engine).costs
 
 
 def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     o = parse_options(options.mode_options, shape, sources)
     drafter = engine.drafter if "drafter" in o["sources"] else None
-    if getattr(drafter, "reads_verifier", False):
+    caps = drafter.caps if drafter is not None else None
+    if caps is not None and caps.reads_verifier:
         raise DrafterRequiredError(
             f"mode {name!r} cannot draft with {drafter.name!r}: it drafts from the verifier's cache of the "
             "committed tokens, not along tree branches; use mode 'speculative' or 'auto', or sources=prompt_lookup+pool")
-    if "drafter" in o["sources"] and (drafter is None or getattr(drafter, "model", None) is None):
+    if "drafter" in o["sources"] and (drafter is None or drafter.model is None):
         raise DrafterRequiredError(
             f"mode {name!r} with source 'drafter' needs an MLX drafter: load with drafter='self' "
             "(skip layers of the verifier) or a drafter folder/bundle, or set "
             "--mode-option sources=prompt_lookup+pool"
         )
-    if getattr(drafter, "needs_features", False):
+    if caps is not None and caps.needs_features:
         raise DrafterRequiredError(
             f"mode {name!r} cannot draft with {drafter.name!r}: a feature drafter reads the verifier's hidden "
             "states and drafts in mode 'speculative' only; use that mode, or drafter='self' for trees"
@@ -315,7 +316,6 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     costs = (
         engine_tree_costs(engine) if o["plan"].shape == "dynamic" and o["budget"] is None else None
     )
-    from edgespec.modes.speculative import after_request
 
     mode = TreeMode(engine.model, drafter, costs=costs, name=name, **o)
     mode.after_request = after_request(engine)

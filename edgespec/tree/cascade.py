@@ -26,18 +26,20 @@ import time
 
 import mlx.core as mx
 
-from edgespec.drafters.base import Draft, common_prefix, request_drafter
+from edgespec.drafters.base import Draft, DrafterCaps, common_prefix, request_drafter
 from edgespec.rejection import rejection_sample
 
 
 class CascadeDrafter:
     device = "cpu"
+    caps = DrafterCaps(forks=True)  # each level forks (request_drafter)
+    model = None  # its levels hold the weights
 
     def __init__(self, mid, tiny, inner_k: int = 3, adaptive: bool = True, probe_every: int = 16):
         for what, d in (("mid", mid), ("tiny", tiny)):
-            if not hasattr(d, "sync"):
+            if not d.caps.syncs:
                 raise ValueError(f"the cascade's {what} drafter {d.name!r} must support sync()")
-        if not hasattr(mid, "_forward"):
+        if not mid.caps.mlx_model:
             raise ValueError(
                 "the cascade's mid level must be an MLX ModelDrafter (it verifies the tiny drafts)"
             )
@@ -47,7 +49,7 @@ class CascadeDrafter:
         self.probe_every = probe_every
         self.name = f"cascade:{tiny.name}>{mid.name}"
         self.vocab_size = mid.vocab_size
-        self.expected_acceptance = getattr(mid, "expected_acceptance", 0.5)
+        self.expected_acceptance = mid.expected_acceptance
         self.rate = {"mid": None, "cascade": None}  # EMA seconds per drafted token
         self.since = {"mid": 0, "cascade": 0}
         self.counts = {"mid": 0, "cascade": 0}

@@ -31,6 +31,7 @@ import numpy as np
 
 from edgespec.cache import cache_arrays
 from edgespec.drafters.base import common_prefix
+from edgespec.generate import PREFILL_CHUNK
 from edgespec.kernels import commit_kv, tree_mask
 from edgespec.tree.candidates import SourceTree
 
@@ -60,23 +61,23 @@ class TreePlan:
 
 class TreeDrafter:
     def __init__(self, drafter):
-        model = getattr(drafter, "model", None)
-        if model is None or not hasattr(model, "make_cache"):
+        model = drafter.model if drafter.caps.mlx_model else None
+        if model is None:
             raise ValueError(
-                f"drafter {getattr(drafter, 'name', drafter)!r} has no MLX model to grow a tree "
+                f"drafter {drafter.name!r} has no MLX model to grow a tree "
                 "with; tree modes need an MLX drafter (distilled, 'self' or an MLX folder)"
             )
         if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
             raise ValueError(
-                f"drafter {getattr(drafter, 'name', drafter)!r} has recurrent layers: a tree drafter grows "
+                f"drafter {drafter.name!r} has recurrent layers: a tree drafter grows "
                 "branches one level per pass, which a recurrent state cannot follow; use mode "
                 "'speculative' or 'auto' (chain drafts), or tree sources=prompt_lookup+pool"
             )
         self.drafter = drafter
-        self.name = getattr(drafter, "name", "drafter")
+        self.name = drafter.name
         self.model = model
-        self.layer_ids = getattr(drafter, "layer_ids", None)
-        vmap = getattr(drafter, "vocab_map", None)
+        self.layer_ids = drafter.layer_ids
+        vmap = drafter.vocab_map
         # Reduced-vocabulary drafters: ids in via the map, slot 0 ("other") never proposed.
         self._to_reduced = mx.array(vmap.to_reduced) if vmap is not None else None
         self._ids = np.asarray(vmap.ids) if vmap is not None else None
@@ -111,8 +112,6 @@ class TreeDrafter:
         return idx, val
 
     def begin(self, prompt: list[int]) -> None:
-        from edgespec.generate import PREFILL_CHUNK
-
         self.cache = self.model.make_cache()
         self.fed = []
         body = list(prompt[:-1])

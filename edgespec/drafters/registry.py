@@ -1,0 +1,181 @@
+"""Which drafter a spec names and how it is loaded: the named shortcuts, then an ordered table of
+drafter kinds, each a (name, detect, load) entry; the first kind whose `detect` accepts a path
+loads it.
+
+    load_drafter(engine, None)             # the bundle's own drafter, else the model's MTP head,
+                                           # else a shipped one, else none
+    load_drafter(engine, "mtp")            # the verifier's multi-token-prediction head (Qwen3.5)
+    load_drafter(engine, "self")           # skip-layer self-speculation (no extra weights)
+    load_drafter(engine, "prompt_lookup")  # n-gram lookup in the prompt
+    load_drafter(engine, "path/to/drafter")
+    load_drafter(engine, "none")
+    attach_drafter(engine, spec)           # the same, attached to the engine (replacing any)
+
+Adding a drafter kind is one module (a class with `caps`, a `load(path, engine)` classmethod
+and a `detect(path)` function, usually reading a marker file of its folder) and one line in
+KINDS below, placed before every entry whose `detect` would also accept its folders (the MLX
+model folder entry accepts any folder, so it stays last). A `detect` must be cheap and must
+not raise for folders of other kinds; a Core ML package's export info (its "kind") is read
+once per path and shared by the package entries (`Candidate.package_kind`). For example a
+kind with a drafter.json marker:
+
+    DrafterKind("dflash", lambda c: not c.is_package and is_dflash_folder(c.path),
+                lambda c, engine: DFlashDrafter.load(c.path, engine)),
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from edgespec.drafters.assistant import AssistantDrafter, is_assistant_folder
+from edgespec.drafters.base import Drafter
+from edgespec.drafters.compat import check_package_vocabulary
+from edgespec.drafters.coreml import CoreMLDrafter
+from edgespec.drafters.coreml_assistant import KIND as ASSISTANT_PACKAGE
+from edgespec.drafters.coreml_assistant import CoreMLAssistantDrafter
+from edgespec.drafters.coreml_runtime import CoreMLUnavailable, open_package, require_coreml
+from edgespec.drafters.distilled import DistilledDrafter, is_distilled_folder
+from edgespec.drafters.feature import FeatureDrafter, is_feature_folder
+from edgespec.drafters.mlx_drafter import MLXDrafter
+from edgespec.drafters.mtp import MTP_PACKAGE, MTPDrafter, has_mtp
+from edgespec.drafters.prompt_lookup import PromptLookupDrafter
+from edgespec.drafters.self_spec import self_drafter
+from edgespec.errors import ModelLoadError
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "drafters"
+
+
+class Candidate:
+    """A path being matched against the kinds, for one engine. A Core ML package is opened once
+    (compute units, Manifest.json, export info, vocabulary against the verifier) the first time
+    an entry asks for its kind."""
+
+    def __init__(self, path: Path, engine, compute_units: str = "CPU_AND_NE"):
+        self.path, self.engine, self.compute_units = path, engine, compute_units
+        self.is_package = path.suffix == ".mlpackage"
+
+    @cached_property
+    def info(self) -> dict[str, Any]:
+        """The package's export info ({} for a package without edgespec's), checked."""
+        self.path, info = open_package(self.path, self.compute_units)
+        check_package_vocabulary(info, self.engine)
+        return info
+
+    @property
+    def package_kind(self) -> str | None:
+        """A package's kind ("drafter" for a plain one), None for a folder."""
+        return (self.info.get("kind") or "drafter") if self.is_package else None
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    detect: Callable[[Candidate], bool]
+    load: Callable[[Candidate, Any], Drafter]
+
+
+def _mtp_package(c: Candidate, engine) -> Drafter:
+    require_coreml()
+    return MTPDrafter.from_package(c.path, engine, c.info, c.compute_units)
+
+
+# Ordered: the first kind that detects a path loads it (see the module docstring).
+KINDS: tuple[DrafterKind, ...] = (
+    # Core ML packages (drafter.mlpackage), by the kind their export info records
+    DrafterKind("coreml-gemma4-assistant", lambda c: c.package_kind == ASSISTANT_PACKAGE,
+                lambda c, e: CoreMLAssistantDrafter.load(c.path, e, c.compute_units, c.info)),
+    DrafterKind("coreml-mtp", lambda c: c.package_kind == MTP_PACKAGE, _mtp_package),
+    DrafterKind("coreml", lambda c: c.is_package,
+                lambda c, e: CoreMLDrafter.from_info(c.path, c.info, c.compute_units)),
+    # MLX folders, by their marker files
+    DrafterKind("gemma4-assistant", lambda c: is_assistant_folder(c.path),  # reads the verifier's cache
+                lambda c, e: AssistantDrafter.load(c.path, e)),
+    DrafterKind("feature", lambda c: is_feature_folder(c.path), lambda c, e: FeatureDrafter.load(c.path, e)),
+    DrafterKind("distilled", lambda c: is_distilled_folder(c.path), lambda c, e: DistilledDrafter.load(c.path, e)),
+    DrafterKind("mlx", lambda c: True, lambda c, e: MLXDrafter.load(c.path, e)),  # any model folder: last
+)
+
+# Named drafters (no path): spec -> engine -> Drafter or None.
+SHORTCUTS: dict[str, Callable[[Any], Drafter | None]] = {
+    "none": lambda engine: None,
+    "self": self_drafter,
+    "mtp": MTPDrafter.load,
+    "prompt_lookup": lambda engine: PromptLookupDrafter(),
+}
+
+
+def load_path(path: str | Path, engine) -> Drafter:
+    """The drafter at `path` (a folder or a .mlpackage), by the first kind that detects it."""
+    cand = Candidate(Path(path).expanduser(), engine)
+    for kind in KINDS:
+        if kind.detect(cand):
+            return kind.load(cand, engine)
+    raise ModelLoadError(f"{path}: not a drafter folder or package")  # unreachable: "mlx" takes any
+
+
+def shipped_drafter_path(engine) -> Path | None:
+    """A distilled drafter shipped with edgespec for this model (edgespec/data/drafters/<name>/)."""
+    loaded = engine.loaded
+    names = []
+    src = (loaded.manifest or {}).get("source") or {}
+    if src.get("name"):
+        names.append(str(src["name"]).split(".")[0])
+    if loaded.path is not None:
+        names.append(Path(loaded.path).name)
+    for name in names + [n.lower() for n in names]:  # shipped folders are lower-case
+        for cand in (DATA / name, DATA / name.rsplit("-", 1)[0]):
+            if (cand / "config.json").is_file() and (cand / "model.safetensors").is_file():
+                return cand
+    return None
+
+
+def _bundle_drafter(engine):
+    """The bundle's own drafter: Core ML (drafter.mlpackage) when it runs here, else drafter/ in MLX."""
+    path = engine.loaded.path
+    if path is None or not Path(path).is_dir():
+        return None
+    folder = Path(path) / "drafter"
+    if (Path(path) / "drafter.mlpackage").exists():
+        try:
+            return load_path(Path(path) / "drafter.mlpackage", engine)
+        except CoreMLUnavailable as e:
+            if folder.is_dir():
+                engine.drafter_notes.append(f"Core ML drafter unavailable ({e}); using its MLX copy")
+    if folder.is_dir():
+        return load_path(folder, engine)
+    return None
+
+
+def load_drafter(engine, spec):
+    """Resolve a drafter spec (see the module docstring) to a Drafter or None."""
+    if spec is None:
+        d = _bundle_drafter(engine)
+        if d is not None:
+            return d
+        if has_mtp(engine.loaded.model):  # a head that ships inside the checkpoint
+            return MTPDrafter.load(engine)
+        shipped = shipped_drafter_path(engine)
+        return load_path(shipped, engine) if shipped is not None else None
+    if not isinstance(spec, (str, Path)):
+        raise ValueError(f"drafter must be None, 'none', 'self', 'prompt_lookup', 'mtp' or a path, got {spec!r}")
+    s = str(spec)
+    if s in SHORTCUTS:
+        return SHORTCUTS[s](engine)
+    path = Path(s).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"drafter {s!r}: no such file or folder (valid: none, self, prompt_lookup, mtp, "
+                             "or a path)")
+    return load_path(path, engine)
+
+
+def attach_drafter(engine, spec=None):
+    """Load the drafter named by `spec` and attach it to the engine (replacing any). Returns it."""
+    old = engine.drafter
+    engine.drafter = load_drafter(engine, spec)
+    if old is not None and old is not engine.drafter:
+        old.close()
+    return engine.drafter
