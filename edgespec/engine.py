@@ -72,6 +72,7 @@ class Engine:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_stats: GenerationStats | None = None
     _notes_said: set = field(default_factory=set, repr=False)
+    load_notes: list = field(default_factory=list, repr=False)  # for the user, from edgespec.load (hub names)
 
     def __post_init__(self):
         from edgespec.kv_quant import check_settings
