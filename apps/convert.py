@@ -167,9 +167,9 @@ def run(args) -> int:
 def _named_source(args):
     """(SRC, --drafter) as local paths: hub names fetched once; a model named on the hub brings the
     drafter paired with it when that is in the cache and no --drafter was given."""
-    from edgespec.hub.names import as_hub_name
-
     from edgespec.apps.common import resolve_model_arg
+
+    from edgespec.hub.names import as_hub_name
 
     src, drafter = args.src, resolve_model_arg(args.drafter, progress=not args.quiet)
     name = as_hub_name(src)

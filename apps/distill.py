@@ -75,10 +75,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from edgespec.apps.common import resolve_model_arg
     from edgespec.converters.distill.pipeline import DistillConfig, distill, recipe_line
     from edgespec.converters.distill.train import TrainConfig
-
-    from edgespec.apps.common import resolve_model_arg
 
     verifier = resolve_model_arg(args.verifier, progress=not args.quiet)
     if verifier is None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from edgespec.errors import EdgespecError, ModelLoadError
 from edgespec.hub import store
@@ -144,6 +145,9 @@ def _hub_error(e: BaseException, name: HubName, endpoint: str | None) -> Edgespe
         return HubError(f"the hub answered {status} for {name.repo_id}; try again later ({cached_description(name)})")
     if isinstance(e, (he.OfflineModeIsEnabled,)):
         return NotStoredError(f"HF_HUB_OFFLINE is set and {name} is not in the cache")
+    if isinstance(e, (httpx2.RemoteProtocolError, httpx2.ReadError)):
+        return HubError(f"the download of {name} was cut off ({type(e).__name__}) after its retries; nothing partial "
+                        f"is kept as complete: `edgespec pull {name}` again fetches only what is missing")
     if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
         return HubError(f"cannot reach the hub for {name} (network: {type(e).__name__}); {cached_description(name)}"
                         "; what was fetched is kept and `edgespec pull` resumes from there")
@@ -326,8 +330,9 @@ def _pair(local: Local, progress: bool, say: Report, fetch: bool) -> list[str]:
         try:
             check_pairing_files(local, d)
         except EdgespecError as e:
-            info = {"kind": "model", "name": pairing.drafter, "verified": False, "error": str(e)}
-            store.write_record(local.name, {**local.record, "drafter": info})
+            local.record = {**local.record, "drafter": {"kind": "model", "name": pairing.drafter, "verified": False,
+                                                       "error": str(e)}}
+            store.write_record(local.name, local.record)
             return [f"{pairing.drafter} does not pair with {local.name}: {e}"]
         info = {"kind": "model", "name": pairing.drafter, "family": pairing.family, "verified": True}
         say(f"{local.name}: paired with drafter {pairing.drafter} (tokenizers checked)")
