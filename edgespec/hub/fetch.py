@@ -121,8 +121,9 @@ def cached_description(name: HubName) -> str:
 # ------------------------------------------------------------------ the hub
 def _hub_error(e: BaseException, name: HubName, endpoint: str | None) -> EdgespecError:
     """One actionable line for what huggingface_hub raised."""
-    import httpx2
     from huggingface_hub import errors as he
+
+    httpx2 = _http_client()
 
     where = f"{endpoint or _default_endpoint()}/{name.repo_id}"
     token = "give a token (HF_TOKEN, or `hf auth login`)"
@@ -157,6 +158,16 @@ def _hub_error(e: BaseException, name: HubName, endpoint: str | None) -> Edgespe
     if isinstance(e, OSError):
         return HubError(f"could not store {name} in {store.settings().cache_dir}: {e.strerror or e}")
     raise e
+
+
+def _http_client():
+    """The HTTP client module huggingface_hub uses (httpx2 in its 2.x releases, httpx before)."""
+    import importlib
+
+    try:
+        return importlib.import_module("httpx2")
+    except ImportError:
+        return importlib.import_module("httpx")
 
 
 def _default_endpoint() -> str:
