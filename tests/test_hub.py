@@ -343,3 +343,48 @@ def test_cli_pull_list_rm_and_one_line_errors(hub, env, capsys, monkeypatch):
     assert Path(other).is_file() and fetch.locate(parse(SMALL)) is not None
     assert [s.name for s in manage.stored_models()] == [SMALL]
     assert main(["rm", BIG, "--yes"]) == 1 and "not stored by name" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the server
+def _served_app(tmp_path, *flags):
+    from edgespec.apps.serve import _shelf, server_defaults
+    from edgespec.apps.server import ServerSettings, create_app
+
+    from edgespec.cli import build_parser
+
+    folder = write_tiny_hf_folder(tmp_path / "served", seed=9)
+    args = build_parser().parse_args(["serve", "--model", str(folder), *flags])
+    settings = ServerSettings(model_id="served", api_key=args.api_key, defaults=server_defaults(args))
+    return _shelf(create_app(edgespec.load(str(folder), progress=False), settings), args, settings)
+
+
+def test_the_server_lists_stored_models_and_answers_with_them(hub, env):
+    from fastapi.testclient import TestClient
+
+    pull(BIG)
+    with TestClient(_served_app(env)) as client:
+        ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert ids == ["served", "default", BIG, SMALL]
+        assert client.get(f"/v1/models/{BIG}").json()["stored"] is True
+        body = {"model": BIG, "prompt": "abc", "max_tokens": 6, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == BIG
+        ref = edgespec.load(BIG, drafter="none", progress=False).generate("abc", max_tokens=6, mode="plain")
+        assert r.json()["choices"][0]["text"] == ref.text
+        hub.reset()
+        r = client.post("/v1/completions", json={**body, "model": "tiny/gguf:Q4_0"})
+        assert r.status_code == 404 and "`edgespec pull tiny/gguf:Q4_0` fetches it" in r.json()["error"]["message"]
+        assert hub.requests == []  # not started with --allow-pull: never fetched
+        assert client.post("/v1/completions", json={**body, "model": "served"}).status_code == 200
+
+
+def test_a_server_allowed_to_pull_fetches_a_named_model_and_keeps_the_api_key(hub, env):
+    from fastapi.testclient import TestClient
+
+    with TestClient(_served_app(env, "--allow-pull", "--api-key", "k")) as client:
+        body = {"model": "tiny/gguf:Q4_0", "prompt": "ab", "max_tokens": 3}
+        assert client.post("/v1/completions", json=body).status_code == 401
+        assert client.get("/v1/models").status_code == 401
+        r = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["model"] == "tiny/gguf:Q4_0"
+        assert [p.rsplit("/", 1)[-1] for p in hub.downloads()] == ["tiny-Q4_0.gguf"]
