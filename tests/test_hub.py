@@ -388,3 +388,26 @@ def test_a_server_allowed_to_pull_fetches_a_named_model_and_keeps_the_api_key(hu
         r = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
         assert r.status_code == 200 and r.json()["model"] == "tiny/gguf:Q4_0"
         assert [p.rsplit("/", 1)[-1] for p in hub.downloads()] == ["tiny-Q4_0.gguf"]
+
+
+# ------------------------------------------------------------------ the default model by name
+@pytest.fixture(scope="module")
+def smollm_on_hub(hub, real_gguf):
+    """The default model's GGUF (as the tests keep it) published on the stand-in hub."""
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
+    hub.repos[name] = Repo({real_gguf.name: real_gguf})
+    return name
+
+
+@pytest.mark.real_model
+def test_the_default_model_by_name_runs_as_by_path_with_no_hub_call(hub, env, smollm_on_hub, real_gguf, real_engine):
+    """Fetched once, then resolved with no hub call to the very file a path names: the same load,
+    so the same time to the first token; and the same reply as the model's bundle."""
+    local = pull(f"{smollm_on_hub}:Q4_1")
+    assert local.path.read_bytes() == real_gguf.read_bytes()
+    hub.reset()
+    assert resolve(f"{smollm_on_hub}:Q4_1").local.path == local.path and hub.requests == []
+    engine = edgespec.load(f"{smollm_on_hub}:Q4_1", drafter="none", progress=False)
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    ref = real_engine.generate(messages=msgs, max_tokens=8, mode="plain").tokens
+    assert engine.generate(messages=msgs, max_tokens=8, mode="plain").tokens == ref and hub.requests == []
