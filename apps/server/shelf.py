@@ -98,9 +98,10 @@ class ModelShelf:
         from edgespec.hub.names import as_hub_name
 
         if model not in stored_names():
-            if as_hub_name(model) is None or not self.allow_pull:
-                hint = (f"`edgespec pull {model}` fetches it (or start the server with --allow-pull)"
-                        if as_hub_name(model) else "use one of: " + ", ".join([*self.served, *stored_names()]))
+            if as_hub_name(model) is None:
+                return await self.primary(scope, replay, send)  # not a hub name: refused as before
+            if not self.allow_pull:
+                hint = f"`edgespec pull {model}` fetches it (or start the server with --allow-pull)"
                 return await _json(send, 404, error_body(404, f"model {model!r} is not stored here; {hint}", "model",
                                                          "model_not_found"))
         try:
