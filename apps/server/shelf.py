@@ -91,8 +91,8 @@ class ModelShelf:
             try:
                 parsed = json.loads(body)
                 model = parsed.get("model") if isinstance(parsed, dict) else None
-            except ValueError:
-                pass  # the served model's app answers malformed JSON
+            except (ValueError, RecursionError):
+                pass  # the served model's app answers malformed or too deeply nested JSON
         if not isinstance(model, str) or model in self.served:
             return await self.primary(scope, replay, send)
         from edgespec.hub.names import as_hub_name
