@@ -411,3 +411,16 @@ def test_the_default_model_by_name_runs_as_by_path_with_no_hub_call(hub, env, sm
     msgs = [{"role": "user", "content": "Name three colors."}]
     ref = real_engine.generate(messages=msgs, max_tokens=8, mode="plain").tokens
     assert engine.generate(messages=msgs, max_tokens=8, mode="plain").tokens == ref and hub.requests == []
+
+
+def test_convert_by_name_stores_the_paired_drafter(hub, env, capsys):
+    from edgespec.cli import main
+
+    pull(BIG)
+    out = env / "bundle"
+    assert main(["convert", BIG, str(out), "--quantize", "none", "--no-coreml", "--quiet"]) == 0
+    assert f"storing the paired drafter {SMALL} in the bundle" in capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (out / "drafter" / "model.safetensors").is_file() and manifest.get("drafter")
+    engine = edgespec.load(str(out), progress=False)
+    assert type(engine.drafter).__name__ == "MLXDrafter"

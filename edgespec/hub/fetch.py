@@ -244,10 +244,13 @@ def _cached(folder: Path, files: list[str]) -> set[str]:
 def _check_architecture(name: HubName, folder: Path) -> None:
     """An unsupported model_type is refused before the weights are fetched."""
     from edgespec.formats.hf import read_config
-    from edgespec.models import get_architecture
+    from edgespec.models import DRAFTER_ONLY, get_architecture
 
+    model_type = read_config(folder).get("model_type")
+    if model_type in DRAFTER_ONLY:
+        return  # a drafter (Gemma 4's assistant): fetched to draft, which the loader checks when attached
     try:
-        get_architecture(read_config(folder).get("model_type"))
+        get_architecture(model_type)
     except ModelLoadError as e:
         raise NothingRunnableError(f"{name.repo_id}: {e}") from None
 
