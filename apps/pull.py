@@ -34,6 +34,6 @@ def run(args) -> int:
     for note in local.notes:
         print(f"edgespec: {note}", file=sys.stderr)
     if not args.quiet:
-        got = f"fetched {human(local.fetched)}" if local.fetched else "nothing fetched (all in the cache)"
+        got = f"fetched {human(local.fetched)}" if local.fetched else "nothing fetched: all in the cache"
         print(f"{name}: {local.kind}, {local.path} ({got})")
     return 0

@@ -137,7 +137,7 @@ def _hub_error(e: BaseException, name: HubName, endpoint: str | None) -> Edgespe
             return HubError(f"{name.repo_id} is private or gated ({status}): accept its license or ask for access on "
                             f"its page ({where}) and {token}")
         return HubError(f"no model named {name.repo_id} on the hub (404; check the spelling; a private repository "
-                        f"needs a token: HF_TOKEN or `hf auth login`)")
+                        f"needs a token: HF_TOKEN or `hf auth login`), and no local file or folder {name} either")
     if isinstance(e, he.HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status in (401, 403):
@@ -279,10 +279,6 @@ def pull(name: HubName | str, progress: bool = True, report: Report | None = Non
     folder = store.snapshot(name.repo_id, commit, cfg.cache_dir)
     fetched = 0
     try:
-        if sel.kind == "safetensors" and "config.json" in sel.files:  # small: read before the weights
-            fetched += _download(name, commit, [f for f in ["config.json"] if not (folder / f).is_file()], sizes,
-                                 cfg, False)
-            _check_architecture(name, folder)
         missing = [f for f in sel.files if f not in _cached(folder, sel.files)]
         need = sum(sizes.get(f, 0) for f in missing)
         free = free_bytes(cfg.cache_dir)
@@ -292,9 +288,15 @@ def pull(name: HubName | str, progress: bool = True, report: Report | None = Non
         if missing:
             say(f"fetching {name}: {len(missing)} file{'s' if len(missing) != 1 else ''}, {human(need)} "
                 f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}) into {cfg.cache_dir}")
-            fetched += _download(name, commit, missing, sizes, cfg, progress)
         else:
             say(f"{name}: already in the cache ({human(sel.size(sizes))})")
+        if sel.kind == "safetensors" and "config.json" in missing:  # small: read before the weights
+            fetched += _download(name, commit, ["config.json"], sizes, cfg, False)
+            missing.remove("config.json")
+        if sel.kind == "safetensors":
+            _check_architecture(name, folder)
+        if missing:
+            fetched += _download(name, commit, missing, sizes, cfg, progress)
     except (EdgespecError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001
@@ -400,7 +402,7 @@ def resolve(name: HubName | str, fetch: bool = True, progress: bool = True, repo
         if not fetch:
             raise NotStoredError(f"{name} is not stored here: `edgespec pull {name}` fetches it")
         local = pull(name, progress=progress, report=report, drafter=False)
-    elif local.record:
+    if local.record:
         store.touch_last_used(name, local.record)
     drafter, notes = _run_drafter(local)
     return Resolved(local, drafter, notes)
