@@ -184,7 +184,8 @@ def run(args) -> int:
         command=reproduce_command(args),
         # As the user named it: a resolved default path would only describe this machine.
         model=args.model or (f"default ({os.path.basename(str(path))})" if path else "default"),
-        model_name=os.path.basename(str(path)) if path else "model",
+        model_name=((engine.loaded.manifest.get("source") or {}).get("hub")  # a hub name, not its snapshot's commit
+                    or (os.path.basename(str(path)) if path else "model")),
         drafter=args.drafter,  # the --drafter spec (for the recommended command line)
         drafter_name=getattr(engine.drafter, "name", None),
         machine=machine_info(),

@@ -11,14 +11,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="edgespec bundle, Hugging Face folder or GGUF file (default: SmolLM2-135M-Instruct, "
-        "downloaded and converted once into the cache folder, $EDGESPEC_HOME or ~/.cache/edgespec)",
+        help="edgespec bundle, Hugging Face folder, GGUF file, or a hub name ORG/NAME[@REVISION][:QUANT] "
+        "(fetched once into the hub cache, then run offline; a local path that exists wins; docs/hub.md) "
+        "(default: SmolLM2-135M-Instruct, downloaded once into $EDGESPEC_HOME or ~/.cache/edgespec)",
     )
     g.add_argument(
         "--drafter",
         default=None,
-        help="drafter for speculative decoding: a drafter folder or bundle, 'self' (skip-layer "
-        "self-speculation), 'prompt_lookup', or 'none'; default: the bundle's own drafter if any",
+        help="drafter for speculative decoding: a drafter folder or bundle, a hub name ORG/NAME, 'self' (skip-layer "
+        "self-speculation), 'prompt_lookup', or 'none'; default: the bundle's own drafter if any, else for "
+        "a model run by name the drafter paired with it when it is in the cache",
     )
     g.add_argument(
         "--memory-budget",
@@ -175,7 +177,22 @@ def load_engine(args, progress: bool = True):
     )
     if budget:
         engine.memory_budget = budget
+    for note in engine.load_notes:
+        print(f"[edgespec] {note}", file=sys.stderr)
     return engine
+
+
+def resolve_model_arg(spec, progress: bool = True):
+    """A model argument as a local path: a hub name (ORG/NAME...) is fetched once into the hub cache,
+    a path is kept as it is (one that exists wins over a name)."""
+    from edgespec.hub.names import as_hub_name
+
+    if as_hub_name(spec) is None:
+        return spec
+    from edgespec.hub.fetch import resolve_path
+
+    report = (lambda m: print(f"edgespec: {m}", file=sys.stderr, flush=True)) if progress else None
+    return resolve_path(spec, progress=progress, report=report)
 
 
 def print_notes(engine, stats) -> None:

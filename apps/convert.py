@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 # Calibration steps for a 4-bit Core ML drafter (converters/coreml_calibrate.py). Measured on the
 # shipped drafter (docs/coreml.md): 200 steps take ~6 min on 2 cores and raise greedy agreement
@@ -20,8 +21,9 @@ DESCRIPTION = (
 def add_arguments(p) -> None:
     p.add_argument(
         "src",
-        help="Hugging Face model folder (config.json + *.safetensors) or .gguf file; "
-        "with --add-drafter: the existing bundle",
+        help="Hugging Face model folder (config.json + *.safetensors), .gguf file, or a hub name "
+        "ORG/NAME[@REVISION][:QUANT] (fetched once; its paired drafter, when in the cache, goes into the "
+        "bundle unless --drafter is given); with --add-drafter: the existing bundle",
     )
     p.add_argument("out", nargs="?", default=None, help="output bundle folder (not with --add-drafter)")
     p.add_argument(
@@ -119,15 +121,16 @@ def run(args) -> int:
     else:
         if args.out is None:
             raise ValueError("OUT is required (edgespec convert SRC OUT, or SRC --add-drafter DRAFTER_SRC)")
+        src, drafter = _named_source(args)
         manifest = convert(
-            args.src,
+            src,
             args.out,
             quantize=args.quantize,
             dtype=args.dtype,
             group_size=args.group_size,
             force=args.force,
             progress=not args.quiet,
-            drafter=args.drafter,
+            drafter=drafter,
             drafter_options=drafter_options,
         )
         out = args.out
@@ -159,6 +162,33 @@ def run(args) -> int:
                 print(f"  warning: that is below {target:.0%}: drafting may accept less; a finer "
                       f"--drafter-compress ({finer}) keeps more (docs/coreml.md)")
     return 0
+
+
+def _named_source(args):
+    """(SRC, --drafter) as local paths: hub names fetched once; a model named on the hub brings the
+    drafter paired with it when that is in the cache and no --drafter was given."""
+    from edgespec.apps.common import resolve_model_arg
+
+    from edgespec.hub.names import as_hub_name
+
+    src, drafter = args.src, resolve_model_arg(args.drafter, progress=not args.quiet)
+    name = as_hub_name(src)
+    if name is None:
+        return src, drafter
+    from edgespec.hub.fetch import resolve
+
+    r = resolve(name, progress=not args.quiet, report=None if args.quiet else _say)
+    for note in r.notes:
+        _say(note)
+    if drafter is None and r.drafter is not None:
+        _say(f"storing the paired drafter {r.drafter.parent.parent.name.split('--', 1)[-1].replace('--', '/')} "
+             "in the bundle")
+        drafter = r.drafter
+    return r.local.path, drafter
+
+
+def _say(message: str) -> None:
+    print(f"edgespec: {message}", file=sys.stderr, flush=True)
 
 
 def gguf_summary(report: dict) -> list[str]:

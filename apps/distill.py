@@ -22,7 +22,8 @@ def _int_list(s: str) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--verifier", default=None, help="verifier bundle / HF folder / GGUF (default: the default model)")
+    p.add_argument("--verifier", default=None, help="verifier bundle / HF folder / GGUF, or a hub name ORG/NAME[:QUANT] "
+                   "(fetched once; default: the default model)")
     p.add_argument("--out", required=True, help="drafter folder to write")
     p.add_argument("--data", default=None, help="your prompts: JSONL with 'prompt' (answered by the verifier) or "
                    "'text' (scored as is) per line, optional 'domain'; or .txt, one prompt per line "
@@ -74,10 +75,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from edgespec.apps.common import resolve_model_arg
     from edgespec.converters.distill.pipeline import DistillConfig, distill, recipe_line
     from edgespec.converters.distill.train import TrainConfig
 
-    verifier = args.verifier
+    verifier = resolve_model_arg(args.verifier, progress=not args.quiet)
     if verifier is None:
         from edgespec.converters.default_model import default_bundle_path
 

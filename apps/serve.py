@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     n.add_argument("--insecure-no-auth", "--allow-anyone", dest="allow_anyone", action="store_true",
                    help="serve a non-loopback --host without --api-key (anyone who reaches the port can use "
                    "the model); without this flag such a server refuses to start")
+    n.add_argument("--allow-pull", action="store_true",
+                   help="a request whose `model` is a hub name not stored here fetches it (otherwise 404); "
+                   "stored models (`edgespec list`) are served on request either way")
     n.add_argument("--max-tokens-limit", type=int, default=8192,
                    help="largest max_tokens a request may ask for (larger ones get a 400)")
     n.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -129,12 +132,38 @@ def run(args) -> int:
     model_id = args.model_id or (engine.loaded.path.name if engine.loaded.path else "model")
     if engine.loaded.path is not None and engine.loaded.path.is_file():
         model_id = args.model_id or engine.loaded.path.stem  # a GGUF file
+    from edgespec.hub.names import as_hub_name
+
+    if args.model_id is None and as_hub_name(args.model) is not None:
+        model_id = str(as_hub_name(args.model))  # the name clients know, not the snapshot's commit
     settings = ServerSettings(model_id=model_id, api_key=args.api_key, max_waiting=args.max_queue,
                               defaults=defaults, max_tokens_limit=args.max_tokens_limit)
     app = create_app(engine, settings)
+    if not args.distributed:  # other models stored by name, on request
+        app = _shelf(app, args, settings)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     print(f"edgespec serve: {model_id} on http://{shown}:{port}/v1", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _shelf(app, args, settings):
+    """The served app behind apps.server.shelf: models stored by name listed and loaded on request."""
+    import copy
+    import dataclasses
+
+    from edgespec.apps.common import load_engine
+    from edgespec.apps.server import create_app
+    from edgespec.apps.server.shelf import ModelShelf
+
+    def make_app(name: str):
+        ns = copy.copy(args)
+        ns.model, ns.drafter = name, None
+        engine = load_engine(ns, progress=False)
+        engine.max_batch = args.max_batch
+        return create_app(engine, dataclasses.replace(settings, model_id=name))
+
+    return ModelShelf(app, (settings.model_id, "default"), make_app, settings.api_key, settings.max_body_bytes,
+                      allow_pull=args.allow_pull)

@@ -76,16 +76,56 @@ def load(
 
     history_mode(history)  # a bad setting fails before the model is fetched or loaded
 
+    from edgespec.hub.names import as_hub_name
+
+    hub, paired, notes = as_hub_name(model), None, []
+    if hub is not None or as_hub_name(drafter) is not None:  # names: resolved (fetched once) before loading
+        from edgespec.hub.fetch import resolve
+
+        report = _stderr if progress else None
+        if as_hub_name(drafter) is not None:
+            drafter = resolve(as_hub_name(drafter), progress=progress, report=report).local.path
+        if hub is not None:
+            resolved = resolve(hub, progress=progress, report=report)
+            model, paired, notes = resolved.local.path, resolved.drafter, resolved.notes
     if model is None:
         from edgespec.default_model import load_default
 
         loaded = load_default(progress=progress, verify_hashes=verify_hashes)
     else:
         loaded = load_any(model, verify_hashes=verify_hashes)
+    if hub is not None:  # named by the hub name, not by the snapshot folder's commit hash
+        loaded.manifest = {**loaded.manifest, "source": {**(loaded.manifest.get("source") or {}),
+                                                         "name": hub.repo_id.split("/")[1], "hub": str(hub)}}
     from edgespec.drafters import attach_drafter
 
     engine = Engine(loaded, history=history, prompt_cache_bytes=prompt_cache_bytes, kv_bits=kv_bits,
                     kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     engine._prompt_cache_limit()  # a bad bound fails here, not at the first request
-    attach_drafter(engine, drafter)
+    if attach_drafter(engine, drafter) is None and drafter is None and paired is not None:
+        notes += _attach_paired(engine, paired)
+    engine.load_notes = notes
     return engine
+
+
+def _stderr(message: str) -> None:
+    import sys
+
+    print(f"edgespec: {message}", file=sys.stderr, flush=True)
+
+
+def _attach_paired(engine: Engine, folder: Path) -> list[str]:
+    """The catalog's drafter for a model run by name, when its weights fit the memory free now;
+    the tokenizer check runs as for any drafter, and a refusal is a note, not an error."""
+    from edgespec.drafters import attach_drafter
+    from edgespec.lookahead.memory import available_memory
+
+    size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    free = available_memory()
+    if free is not None and size > free:
+        return [f"the paired drafter ({size / 1e9:.2f} GB) does not fit the {free / 1e9:.2f} GB free: running without it"]
+    try:
+        attach_drafter(engine, folder)
+    except (VocabularyMismatchError, ModelLoadError) as e:
+        return [f"the paired drafter was not used: {e}"]
+    return []

@@ -21,6 +21,9 @@ SUBCOMMANDS = {
     "bench": "edgespec.apps.bench",
     "distill": "edgespec.apps.distill",
     "cache-prompt": "edgespec.apps.cache_prompt",
+    "pull": "edgespec.apps.pull",
+    "list": "edgespec.apps.models",
+    "rm": "edgespec.apps.rm",
 }
 
 

@@ -112,6 +112,7 @@ class Engine:
     _drafter_prefix_cache: Any = field(default=None, repr=False, init=False)  # (drafter, PrefixCache)
     _batcher: Any = field(default=None, repr=False, init=False)
     last_dropped: int = field(default=0, repr=False, init=False)  # turns the last truncate_oldest dropped
+    load_notes: list = field(default_factory=list, repr=False)  # for the user, from edgespec.load (hub names)
 
     def __post_init__(self):
         check_settings(self.kv_bits, self.kv_group_size, self.quantized_kv_start,

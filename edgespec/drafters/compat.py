@@ -38,7 +38,7 @@ def check_compatible(drafter_vocab: int, verifier_vocab: int, drafter_hash: str 
     given, the check is id by id. size_message: the message of a size mismatch where a drafter
     kind words it its own way (its callers' tests match it)."""
     if drafter_tokenizer is not None and verifier_tokenizer is not None:
-        _same_tokens(drafter_tokenizer, verifier_tokenizer, what)
+        check_tokenizers(drafter_tokenizer, verifier_tokenizer, what)
         if drafter_vocab < verifier_tokenizer.vocab_size:
             raise error(
                 f"the {what} has a vocabulary of {drafter_vocab} tokens, the verifier {verifier_tokenizer.vocab_size}: "
@@ -57,7 +57,7 @@ def check_compatible(drafter_vocab: int, verifier_vocab: int, drafter_hash: str 
         )
 
 
-def _same_tokens(drafter_tok, verifier_tok, what: str) -> None:
+def check_tokenizers(drafter_tok, verifier_tok, what: str = "drafter") -> None:
     """Token-by-token check on the ids both tokenizers define; the error names the first id whose
     strings differ (and both strings)."""
     d_vocab = drafter_tok._tok.get_vocab(with_added_tokens=True)

@@ -43,10 +43,16 @@ public struct EdgespecClient: Sendable {
         try await fetch(get("health"))
     }
 
-    /// `GET /v1/models`: the served model's id, then `"default"`.
+    /// `GET /v1/models`: the served model's id, then `"default"`, then the models stored by hub name.
     public func models() async throws -> [ModelInfo] {
         let list: ModelList = try await fetch(get("v1/models"))
         return list.data
+    }
+
+    /// The models stored on the server's machine by hub name (`edgespec pull ORG/NAME`); any of them
+    /// may be named in a request's `model`.
+    public func storedModels() async throws -> [ModelInfo] {
+        try await models().filter(\.isStored)
     }
 
     /// `GET /v1/models/{id}`.

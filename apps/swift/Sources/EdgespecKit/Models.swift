@@ -859,7 +859,12 @@ public struct ModelInfo: Codable, Sendable, Equatable {
     public let object: String
     public let created: Int
     public let ownedBy: String
-    enum CodingKeys: String, CodingKey { case id, object, created, ownedBy = "owned_by" }
+    /// `true` for a model stored by its hub name (`edgespec pull ORG/NAME`): a request naming it in
+    /// `model` is answered by it (loaded on first use); absent for the model the server started with.
+    public let stored: Bool?
+    enum CodingKeys: String, CodingKey { case id, object, created, ownedBy = "owned_by", stored }
+
+    public var isStored: Bool { stored ?? false }
 }
 
 struct ModelList: Decodable {

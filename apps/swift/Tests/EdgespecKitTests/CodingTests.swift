@@ -9,6 +9,19 @@ final class CodingTests: XCTestCase {
         return try XCTUnwrap(JSONSerialization.jsonObject(with: data) as? [String: Any])
     }
 
+    func testModelListWithStoredModels() throws {
+        let raw = """
+        {"object": "list", "data": [
+          {"id": "tiny", "object": "model", "created": 1, "owned_by": "edgespec"},
+          {"id": "default", "object": "model", "created": 1, "owned_by": "edgespec"},
+          {"id": "Qwen/Qwen3-0.6B", "object": "model", "created": 1, "owned_by": "edgespec", "stored": true}]}
+        """
+        let list = try JSONDecoder().decode(ModelList.self, from: Data(raw.utf8))
+        XCTAssertEqual(list.data.map(\.id), ["tiny", "default", "Qwen/Qwen3-0.6B"])
+        XCTAssertEqual(list.data.filter(\.isStored).map(\.id), ["Qwen/Qwen3-0.6B"])
+        XCTAssertNil(list.data[0].stored)
+    }
+
     func testChatRequestWithEveryOption() throws {
         var request = ChatRequest(
             model: "default", messages: [.system("You are brief."), .user("Name three colours.")],
