@@ -37,6 +37,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from edgespec.errors import EdgespecError
 from edgespec.kernels.spec import KernelSpec, metal, on_metal
 
 TILE = 8  # rows a BLAS call takes in bitwise mode (every call: N x TILE x K)
@@ -56,8 +57,18 @@ def set_enabled(on: bool) -> None:
     that cannot build it fails here (NativeBuildError), not in the middle of a reply."""
     global _enabled
     if on and not on_metal():
-        kernel()
+        from edgespec.kernels.native import NativeBuildError
+
+        try:
+            kernel()
+        except (NativeBuildError, OSError) as e:
+            raise BitwiseUnavailableError(f"bitwise verification needs its native CPU kernel, which cannot "
+                                          f"be built here: {e}") from None
     _enabled = bool(on)
+
+
+class BitwiseUnavailableError(EdgespecError, RuntimeError):
+    """Bitwise mode was asked for where its kernels cannot run (the message says why)."""
 
 
 # ---------------------------------------------------------------- Metal sources
