@@ -188,12 +188,12 @@ def test_real_model_rows_and_auto_equals_plain(real_engine, bitwise):
     model = real_engine.loaded.model
     rng = np.random.default_rng(6)
     prompt = real_engine.encode_prompt(messages=[{"role": "user", "content": PROMPTS[0]}])
-    tokens = [int(x) for x in rng.integers(1, 40000, 8)]
+    tokens = [int(x) for x in rng.integers(1, 40000, 6)]
     assert chain_rows(model, prompt, tokens) == []
-    assert tree_rows(model, prompt, tokens, [-1, 0, 1, 0, 3, 1, 5, 2]) == []
-    assert prefill_rows(model, prompt[:24]) == []
+    assert tree_rows(model, prompt, tokens, [-1, 0, 1, 0, 3, 1]) == []
+    assert prefill_rows(model, prompt[:16]) == []
     for text in PROMPTS:
         ids = real_engine.encode_prompt(messages=[{"role": "user", "content": text}])
-        plain = real_engine.generate(ids, options=make_options(mode="plain", max_tokens=40)).tokens
-        auto = real_engine.generate(ids, options=make_options(mode="auto", max_tokens=40)).tokens
+        plain = real_engine.generate(ids, options=make_options(mode="plain", max_tokens=24)).tokens
+        auto = real_engine.generate(ids, options=make_options(mode="auto", max_tokens=24)).tokens
         assert list(auto) == list(plain), text
