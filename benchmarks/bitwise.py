@@ -71,7 +71,10 @@ def main() -> int:
             seconds[mode, on] += time.perf_counter() - t0
             tokens[mode, on] += len(res.tokens)
             outputs[i, mode, on] = list(res.tokens)
-        print(f"prompt {i + 1}/{len(prompts)} ({p.domain}) done", file=sys.stderr, flush=True)
+        so_far = {v: tokens[v] / seconds[v] for v in variants}
+        print(f"prompt {i + 1}/{len(prompts)} ({p.domain}): on/off so far plain "
+              f"{so_far['plain', True] / so_far['plain', False]:.3f}, auto "
+              f"{so_far['auto', True] / so_far['auto', False]:.3f}", file=sys.stderr, flush=True)
     rate = {v: tokens[v] / seconds[v] for v in variants}
     for v in variants:
         print(f"{v[0]:5s} bitwise {'on ' if v[1] else 'off'}: {tokens[v]} tokens in {seconds[v]:.1f} s, "

@@ -258,36 +258,49 @@ def exact_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     Hk, S = k.shape[1], k.shape[2]
     m, dims, (rows, bh) = attention_inputs(q, k, mask)
     qg = _group_queries(q.astype(mx.float32), Hk)
-    kf, vf = k.astype(mx.float32).reshape(B * Hk, S, D), v.astype(mx.float32).reshape(B * Hk, S, D)
     if on_metal():
+        kf, vf = k.astype(mx.float32).reshape(B * Hk, S, D), v.astype(mx.float32).reshape(B * Hk, S, D)
         out = metal(EXACT_ATTENTION)(
             inputs=[qg, kf, vf, m, mx.array(dims, dtype=mx.int32),
                     mx.array([scale, softcap or 0.0], dtype=mx.float32)],
             grid=(D, rows, bh), threadgroup=(min(D, 32), 1, 1), output_shapes=[(bh, rows, D)],
             output_dtypes=[mx.float32])[0]
     else:
-        out = _cpu_attention(qg, kf, vf, m, dims, scale, softcap)
+        out = _cpu_attention(qg, k.astype(mx.float32), v.astype(mx.float32), m, dims, scale, softcap)
     return _ungroup(out, B, H, T, D, Hk).astype(q.dtype)
 
 
-def _cpu_attention(qg, kf, vf, m, dims, scale, softcap) -> mx.array:
+# Below this many multiply-adds a call (rows x keys x D, all heads) the heads run one after
+# another on the calling thread: handing a decoding step's few heads to the pool costs more
+# than it saves, most of all on a loaded machine.
+POOL_MIN_WORK = 1 << 22
+
+
+def _cpu_attention(qg, k, v, m, dims, scale, softcap) -> mx.array:
+    """The native kernel per (batch, kv head): qg (B*Hk, rows, D); k, v (B, Hk, S, D) as the
+    cache hands them (a view of its buffer: read in place, each head's rows contiguous)."""
     from edgespec.kernels.attention import _pool, _workers
 
     fn = kernel()
     D, R, G, S, Hk, BH, masked, mb = dims
     T = R // G
-    mx.eval(qg, kf, vf, m)
-    qn, kn, vn = (np.ascontiguousarray(np.asarray(a)) for a in (qg, kf, vf))
+    mx.eval(qg, k, v, m)
+    qn = np.ascontiguousarray(np.asarray(qg))  # a view of q may keep its rows apart
+    kn, vn = np.asarray(k), np.asarray(v)
+    if kn.strides[-1] != 4 or vn.strides[-1] != 4:
+        kn, vn = np.ascontiguousarray(kn), np.ascontiguousarray(vn)
     mn = np.ascontiguousarray(np.asarray(m)) if masked else None
     out = np.empty((BH, R, D), np.float32)
 
     def job(i: int) -> None:
-        mask_ptr = None if mn is None else mn[(i // Hk) if mb > 1 else 0].ctypes.data
-        if fn(qn[i].ctypes.data, R, G, kn[i].ctypes.data, D, vn[i].ctypes.data, D, S, D, mask_ptr,
-              S - T, float(scale), float(softcap or 0.0), out[i].ctypes.data) != 0:
+        b, h = divmod(i, Hk)
+        kh, vh = kn[b, h], vn[b, h]
+        mask_ptr = None if mn is None else mn[b if mb > 1 else 0].ctypes.data
+        if fn(qn[i].ctypes.data, R, G, kh.ctypes.data, kh.strides[0] // 4, vh.ctypes.data, vh.strides[0] // 4,
+              S, D, mask_ptr, S - T, float(scale), float(softcap or 0.0), out[i].ctypes.data) != 0:
             raise MemoryError("bitwise attention: no memory for the native kernel's scratch")
 
-    if BH == 1 or _workers() == 1:
+    if BH == 1 or _workers() == 1 or R * S * D * BH < POOL_MIN_WORK:
         for i in range(BH):
             job(i)
     else:
