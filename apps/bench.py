@@ -146,7 +146,13 @@ def run(args) -> int:
         run_benchmark,
         select_prompts,
     )
-    from edgespec.benchmark.format import bugs, format_markdown, format_table, problems, summary_lines
+    from edgespec.benchmark.format import (
+        bugs,
+        format_markdown,
+        format_table,
+        problems,
+        summary_lines,
+    )
     from edgespec.modes import available_modes
     from edgespec.progress import progress_bar
 
