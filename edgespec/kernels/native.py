@@ -59,8 +59,9 @@ def _cpu_key() -> str:
     return f"{platform.machine()} {flags.strip()}"
 
 
-def library_path(flags: tuple[str, ...], home: Path | None = None, source: Path = SOURCE,
+def library_path(flags: tuple[str, ...], home: Path | None = None, source: Path | None = None,
                  stem: str = "libedgespec_attention") -> Path:
+    source = SOURCE if source is None else source  # read at the call: tests swap SOURCE
     if home is None:
         from edgespec.default_model import home as default_home
 
@@ -69,9 +70,11 @@ def library_path(flags: tuple[str, ...], home: Path | None = None, source: Path 
     return Path(home) / "kernels" / f"{stem}-{h}.so"
 
 
-def build(home: Path | None = None, source: Path = SOURCE, stem: str = "libedgespec_attention",
+def build(home: Path | None = None, source: Path | None = None, stem: str = "libedgespec_attention",
           extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library's path, building it first if it is not there."""
+    """The compiled library's path, building it first if it is not there. `source`: a C file
+    (default SOURCE, cpu_attention.c; edgespec/kernels/exact.py builds cpu_exact.c)."""
+    source = SOURCE if source is None else source
     from edgespec.kernels.cpu_blas import BlasShimError, compiler, write_library
 
     paths = {flags + extra_flags: library_path(flags + extra_flags, home, source, stem) for flags in FLAG_SETS}
