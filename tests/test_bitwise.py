@@ -197,3 +197,56 @@ def test_real_model_rows_and_auto_equals_plain(real_engine, bitwise):
         plain = real_engine.generate(ids, options=make_options(mode="plain", max_tokens=24)).tokens
         auto = real_engine.generate(ids, options=make_options(mode="auto", max_tokens=24)).tokens
         assert list(auto) == list(plain), text
+
+
+# ---------------------------------------------------------------- bench: near-ties apart from bugs
+
+
+def _bench_run():
+    from edgespec.benchmark.prompts import BenchPrompt
+    from edgespec.benchmark.runner import BenchRun, RunRecord
+    from edgespec.benchmark.specs import ModeSpec
+
+    prompts = [BenchPrompt("a", None, "chat", id="p0"), BenchPrompt("b", None, "chat", id="p1")]
+    run = BenchRun([ModeSpec("plain", "plain"), ModeSpec("auto", "auto")], prompts, {})
+    run.prompt_ids = [[7, 8], [9]]
+    stats = dict(generated_tokens=3, decode_s=1.0, verifier_passes=3, peak_memory_bytes=0)
+    for i, got in ((0, [1, 5, 3]), (1, [4, 4, 6])):  # prompt 0 flips token 1 (2 -> 5), prompt 1 token 2 (4 -> 6)
+        run.records.append(RunRecord("plain", i, "chat", 0, [1, 2, 3] if i == 0 else [4, 4, 4], "length", 1.0, stats))
+        run.records.append(RunRecord("auto", i, "chat", 0, got, "length", 1.0, stats))
+    return run
+
+
+def _logprobs(ids):
+    lp = np.full(10, -5.0)
+    if ids == [7, 8, 1]:  # prompt 0 after plain's first token: 2 and 5 nearly tied
+        lp[2], lp[5] = -0.9384, -0.93845
+    else:
+        lp[4], lp[6] = -0.2, -3.0
+    return lp
+
+
+def test_bench_classifies_near_ties_apart_from_bugs():
+    from edgespec.benchmark.format import bugs, problems, summary_lines
+    from edgespec.benchmark.report import build_report
+    from edgespec.benchmark.runner import check_equality
+
+    before = exact.enabled()
+    try:
+        exact.set_enabled(False)
+        run = _bench_run()
+        check_equality(run, True, _logprobs)
+        kinds = {m.prompt_index: (m.near_tie, round(m.gap, 5)) for m in run.mismatches}
+        assert kinds == {0: (True, 5e-05), 1: (False, 2.8)}
+        report = build_report(run)
+        assert [m["prompt_index"] for m in bugs(report)] == [1]
+        lines = problems(report)
+        assert any(line.startswith("near-tie: auto differs from plain on prompt p0") for line in lines)
+        assert any(line.startswith("BUG: auto differs from plain on prompt p1") for line in lines)
+        assert "1 near-tie(s)" in summary_lines(report)[0]
+        exact.set_enabled(True)  # with bitwise verification a near-tie flip is a bug too
+        run = _bench_run()
+        check_equality(run, True, _logprobs)
+        assert all(not m.near_tie for m in run.mismatches) and run.status("auto") == "mismatch"
+    finally:
+        exact.set_enabled(before)
