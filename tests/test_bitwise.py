@@ -175,6 +175,21 @@ def test_sliding_window_model(bitwise):
     assert tree_rows(model, prompt, tokens, random_tree(rng, 10)) == []
 
 
+def test_quantized_model(bitwise):
+    # 4-bit weights (as a GGUF or MLX-quantized bundle loads): the edgespec Linear quantizes
+    # into its own QuantizedLinear, which bitwise mode reaches
+    from edgespec.kernels.linear import QuantizedLinear
+
+    model = make_tiny_model(6)
+    nn.quantize(model, group_size=32, bits=4)
+    assert isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
+    rng = np.random.default_rng(6)
+    prompt = [int(x) for x in rng.integers(1, 64, 10)]
+    tokens = [int(x) for x in rng.integers(1, 64, 12)]
+    assert chain_rows(model, prompt, tokens) == []
+    assert tree_rows(model, prompt, tokens, random_tree(rng, 12)) == []
+
+
 # ---------------------------------------------------------------- the default model
 
 PROMPTS = ["Help me write a short, polite email asking my landlord to fix a leaking kitchen tap.",
