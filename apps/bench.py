@@ -106,6 +106,8 @@ def reproduce_command(args) -> str:
         if value is not None and value != default:
             parts += [flag, str(value)]
     parts += [f for f, on in (("--raw", args.raw), ("--no-plots", args.no_plots)) if on]
+    if getattr(args, "bitwise_verify", None) is not None:
+        parts.append("--bitwise-verify" if args.bitwise_verify else "--no-bitwise-verify")
     cmd = shlex.join(parts)
     from edgespec.kernels import cpu_blas
 
@@ -144,7 +146,13 @@ def run(args) -> int:
         run_benchmark,
         select_prompts,
     )
-    from edgespec.benchmark.format import format_markdown, format_table, problems, summary_lines
+    from edgespec.benchmark.format import (
+        bugs,
+        format_markdown,
+        format_table,
+        problems,
+        summary_lines,
+    )
     from edgespec.modes import available_modes
     from edgespec.progress import progress_bar
 
@@ -208,9 +216,9 @@ def run(args) -> int:
         print(
             "!! interrupted: the report covers only the generations that finished", file=sys.stderr
         )
-    if report["equality"]["mismatches"]:
+    if bugs(report):
         print(
-            f"!! {len(report['equality']['mismatches'])} greedy output(s) differ from plain: a decoding bug "
+            f"!! {len(bugs(report))} greedy output(s) differ from plain: a decoding bug "
             "(see the list above and report.json 'equality')",
             file=sys.stderr,
         )

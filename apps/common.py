@@ -36,6 +36,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "only, at most 64 MB), disk (also kept in $EDGESPEC_HOME/history, reloaded next time) or off; "
         "default: $EDGESPEC_HISTORY, else memory. History only shapes drafts, never the output",
     )
+    g.add_argument(
+        "--bitwise-verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bitwise verification: each position of a verifier pass over many tokens gets bitwise "
+        "the logits a one-token pass gives, so speculative modes cannot flip a near-tie of plain "
+        "decoding (costs some speed, docs/bitwise.md); default: $EDGESPEC_BITWISE, else off",
+    )
 
 
 def add_cache_arguments(p: argparse.ArgumentParser, prompt_cache_files: bool = True) -> None:
@@ -174,6 +182,7 @@ def load_engine(args, progress: bool = True):
         args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None),
         prompt_cache_bytes=cache_bytes, kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", 64), quantized_kv_start=getattr(args, "quantized_kv_start", 0),
+        bitwise=getattr(args, "bitwise_verify", None),
     )
     if budget:
         engine.memory_budget = budget

@@ -53,6 +53,7 @@ def load(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    bitwise: bool | None = None,
 ) -> Engine:
     """Load a bundle, HF folder or GGUF file (default: SmolLM2-135M-Instruct) into an Engine.
 
@@ -67,6 +68,9 @@ def load(
     `kv_bits` (8 or 4; None = full precision): store the KV cache quantized in groups of
     `kv_group_size` along the head size, from position `quantized_kv_start` on
     (edgespec.kv_quant). It saves memory on long contexts and changes the output slightly.
+    `bitwise`: bitwise verification (docs/bitwise.md): every row of a verifier pass over many
+    positions is bitwise what a one-token pass gives, so speculation cannot flip a near-tie.
+    A process-wide setting; None = $EDGESPEC_BITWISE (off unless set to 1).
     """
     from edgespec.kv_quant import check_settings
 
@@ -75,6 +79,10 @@ def load(
     from edgespec.loader import load as load_any
 
     history_mode(history)  # a bad setting fails before the model is fetched or loaded
+    if bitwise is not None:
+        from edgespec.kernels import exact
+
+        exact.set_enabled(bitwise)  # builds the CPU kernel now: fails before the model loads
 
     from edgespec.hub.names import as_hub_name
 

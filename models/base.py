@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgespec.cache import KVCache
+from edgespec.kernels import exact
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
 from edgespec.kernels.linear import Linear
@@ -486,7 +487,9 @@ class Attention(nn.Module):
         # A long prompt chunk on the CPU device: see the kernel's notes. Only calls with a cache
         # (inference) take it: numpy has no gradients, and full-sequence calls without a cache
         # (drafter training, calibration) must stay differentiable.
-        if cache is not None and use_numpy_attention(q, k):
+        if exact.enabled():  # bitwise verification: each query row as a one-token pass computes it
+            out = exact.exact_attention(q, k, v, self.scale, mask, self.softcap)
+        elif cache is not None and use_numpy_attention(q, k):
             out = numpy_attention(q, k, v, self.scale, mask, self.softcap)
         elif self.softcap is None:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -642,7 +645,9 @@ class Model(nn.Module):
 
     def project(self, h: mx.array) -> mx.array:
         """Output projection of final-norm hidden states (B, T, E) -> logits (B, T, V)."""
-        if self.args.tie_word_embeddings:
+        if exact.enabled():  # bitwise verification (edgespec/kernels/exact.py)
+            out = exact.output_projection(self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head, h)
+        elif self.args.tie_word_embeddings:
             out = self.model.embed_tokens.as_linear(h)
         else:
             out = self.lm_head(h)

@@ -85,20 +85,28 @@ def problems(report: dict) -> list[str]:
     out = [f"mode {lab} unavailable: {why}" for lab, why in report["unavailable"].items()]
     out += [f"mode {lab} failed: {why}" for lab, why in report["errors"].items()]
     prompts = report["prompts"]
-    shown: dict[str, int] = {}
+    shown: dict[tuple[str, str], int] = {}
     for m in report["equality"]["mismatches"]:
-        shown[m["label"]] = shown.get(m["label"], 0) + 1
-        if shown[m["label"]] > MAX_LISTED:
+        kind = "near-tie" if m.get("near_tie") else "BUG"
+        key = (kind, m["label"])
+        shown[key] = shown.get(key, 0) + 1
+        if shown[key] > MAX_LISTED:
             continue
         p = prompts[m["prompt_index"]]
+        gap = "" if m.get("gap") is None else f", plain's log-prob gap {m['gap']:.2g}"
         out.append(
-            f"BUG: {m['label']} differs from plain on prompt {p['id']} (repeat {m['repeat']}) at token "
-            f"{m['position']}: plain {m['expected']} vs {m['got']} (lengths {m['expected_len']}/{m['got_len']})"
+            f"{kind}: {m['label']} differs from plain on prompt {p['id']} (repeat {m['repeat']}) at token "
+            f"{m['position']}: plain {m['expected']} vs {m['got']} (lengths {m['expected_len']}/{m['got_len']}{gap})"
         )
-    for label, n in shown.items():
+    for (kind, label), n in shown.items():
         if n > MAX_LISTED:
-            out.append(f"BUG: {label}: {n - MAX_LISTED} more mismatch(es) listed in report.json")
+            out.append(f"{kind}: {label}: {n - MAX_LISTED} more mismatch(es) listed in report.json")
     return out
+
+
+def bugs(report: dict) -> list[dict]:
+    """The mismatches that are not near-ties (report["equality"]["mismatches"] entries)."""
+    return [m for m in report["equality"]["mismatches"] if not m.get("near_tie")]
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -106,8 +114,13 @@ def summary_lines(report: dict) -> list[str]:
     eq = report["equality"]
     lines = []
     if eq["checked"]:
-        n_bad = len(eq["mismatches"])
-        verdict = "all identical" if not n_bad else f"{n_bad} MISMATCH(ES) - a decoding bug"
+        n_bad = len(bugs(report))
+        n_tie = len(eq["mismatches"]) - n_bad
+        verdict = "all identical" if not eq["mismatches"] else (
+            (f"{n_bad} MISMATCH(ES) - a decoding bug" if n_bad else "no bug")
+            + (f"; {n_tie} near-tie(s) (plain's two tokens within {eq.get('near_tie_logprob', 1e-3):g} in "
+               "log-prob there: a pass over many positions rounds differently; --bitwise-verify removes "
+               "them)" if n_tie else ""))
         lines.append(
             f"equality check vs plain: {eq['comparisons']} generations compared, {verdict}"
         )

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from edgespec.kernels import exact
 from edgespec.kernels.attention import CPU_NUMPY_MIN_QUERIES, _pool, _workers
 
 # Prompt chunks only, as for attention: verification rounds (at most 64 rows) and decoding
@@ -57,7 +58,9 @@ ACTIVATIONS = tuple(_MLX)
 
 def use_numpy_activation(kind: str, gate: mx.array) -> bool:
     rows = gate.size // gate.shape[-1] if gate.ndim else 0
-    return kind in _NUMPY and rows >= CPU_NUMPY_MIN_ROWS and mx.default_device() == mx.cpu
+    # not in bitwise mode: numpy's exp rounds other than MLX's, which one-token passes use
+    return (kind in _NUMPY and rows >= CPU_NUMPY_MIN_ROWS and mx.default_device() == mx.cpu
+            and not exact.enabled())
 
 
 def gated_activation(kind: str, gate: mx.array, up: mx.array, inference: bool = False) -> mx.array:

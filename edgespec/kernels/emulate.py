@@ -34,6 +34,7 @@ _TYPES = {
     np.dtype(np.uint32): "uint32_t",
     np.dtype(np.int64): "int64_t",
     np.dtype(np.bool_): "bool",
+    np.dtype(np.uint8): "uint8_t",
 }
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from edgespec.kernels import exact
+from edgespec.kernels.spec import on_metal
+
 CPU_SWAP_MAX_ROWS = 64
 
 
@@ -23,7 +26,25 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same quantization) with the CPU few-row product above."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        if exact.enabled():  # bitwise verification: rows independent of the pass width (kernels/exact.py)
+            return exact.exact_linear(x, self["weight"], self["bias"] if "bias" in self else None)
         if x.ndim < 2 or x.size // x.shape[-1] > CPU_SWAP_MAX_ROWS or mx.default_device() != mx.cpu:
             return super().__call__(x)
         y = (self["weight"] @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
         return y + self["bias"] if "bias" in self else y
+
+    def to_quantized(self, *args, **kw):
+        """Quantized as nn.Linear is, into the QuantizedLinear below (bitwise mode reaches it)."""
+        q = super().to_quantized(*args, **kw)
+        q.__class__ = QuantizedLinear
+        return q
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose product keeps rows independent of the pass width in bitwise
+    mode on Metal (edgespec/kernels/exact.py). MLX's CPU product is row by row already."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if exact.enabled() and on_metal():
+            return exact.exact_quantized_linear(x, self)
+        return super().__call__(x)

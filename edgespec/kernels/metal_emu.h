@@ -6,7 +6,7 @@
 // the [[kernel]] / [[buffer(i)]] / [[thread_position_in_grid]] attributes (ignored by
 // g++ with -Wno-attributes), uint / uint2 / uint3 / int2 / int3 vector types with
 // .x .y .z members, metal::min / max / clamp / abs, and the float functions exp, tanh,
-// sqrt, rsqrt that the delta-rule and expert kernels use.
+// sqrt, rsqrt, fma that the delta-rule, expert and bitwise kernels use (INFINITY from <cmath>).
 // Not covered (the kernels must not use them): threadgroup memory shared between
 // threads, barriers, simdgroup functions, atomics, half / bfloat types, vector math.
 // The emulator runs grid threads one after another, so a kernel whose threads read
@@ -27,6 +27,7 @@ struct int3 { int x, y, z; };
 namespace metal {
 using std::abs;
 using std::exp;
+using std::fma;
 using std::sqrt;
 using std::tanh;
 using std::max;

@@ -59,20 +59,25 @@ def _cpu_key() -> str:
     return f"{platform.machine()} {flags.strip()}"
 
 
-def library_path(flags: tuple[str, ...], home: Path | None = None) -> Path:
+def library_path(flags: tuple[str, ...], home: Path | None = None, source: Path | None = None,
+                 stem: str = "libedgespec_attention") -> Path:
+    source = SOURCE if source is None else source  # read at the call: tests swap SOURCE
     if home is None:
         from edgespec.paths import home as default_home
 
         home = default_home()
-    h = hashlib.sha256(SOURCE.read_bytes() + repr((flags, _cpu_key())).encode()).hexdigest()[:16]
-    return Path(home) / "kernels" / f"libedgespec_attention-{h}.so"
+    h = hashlib.sha256(source.read_bytes() + repr((flags, _cpu_key())).encode()).hexdigest()[:16]
+    return Path(home) / "kernels" / f"{stem}-{h}.so"
 
 
-def build(home: Path | None = None) -> Path:
-    """The compiled library's path, building it first if it is not there."""
+def build(home: Path | None = None, source: Path | None = None, stem: str = "libedgespec_attention",
+          extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library's path, building it first if it is not there. `source`: a C file
+    (default SOURCE, cpu_attention.c; edgespec/kernels/exact.py builds cpu_exact.c)."""
+    source = SOURCE if source is None else source
     from edgespec.kernels.cpu_blas import BlasShimError, compiler, write_library
 
-    paths = {flags: library_path(flags, home) for flags in FLAG_SETS}
+    paths = {flags + extra_flags: library_path(flags + extra_flags, home, source, stem) for flags in FLAG_SETS}
     built = next((p for p in paths.values() if p.exists()), None)
     if built is not None:
         return built
@@ -83,7 +88,7 @@ def build(home: Path | None = None) -> Path:
     errors = []
     for flags, out in paths.items():
         def compile_to(tmp: str, flags=flags) -> bool:
-            r = subprocess.run([cc, *flags, "-shared", "-fPIC", "-fvisibility=hidden", "-o", tmp, str(SOURCE)],
+            r = subprocess.run([cc, *flags, "-shared", "-fPIC", "-fvisibility=hidden", "-o", tmp, str(source)],
                                capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-300:]}")
