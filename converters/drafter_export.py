@@ -87,8 +87,13 @@ def write_drafter(
         return write_mtp_drafter(folder, verifier_hash, coreml=coreml, compress=compress,
                                  context_length=context_length, prefill_chunk=prefill_chunk)
     from edgespec.drafters.assistant import is_assistant_folder
+    from edgespec.drafters.dflash import is_dflash_folder
     from edgespec.drafters.feature import is_feature_folder
 
+    if Path(src).is_dir() and is_dflash_folder(src):  # a DFlash block drafter (converters/dflash_export.py)
+        from edgespec.converters.dflash_export import write_dflash_drafter
+
+        return write_dflash_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, coreml, compress)
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):

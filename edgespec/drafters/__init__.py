@@ -103,9 +103,12 @@ def load_drafter(engine, spec):
 def _model_drafter(path: Path, engine):
     """MLX drafter folder: a distilled one (reduced vocab, vocab_map.json) or a plain model."""
     from edgespec.drafters.assistant import AssistantDrafter, is_assistant_folder
+    from edgespec.drafters.dflash import is_dflash_folder, load_dflash
     from edgespec.drafters.distilled import DistilledDrafter, is_distilled_folder
     from edgespec.drafters.feature import FeatureDrafter, is_feature_folder
 
+    if is_dflash_folder(path):  # a DFlash block drafter: reads the verifier's target-layer states
+        return load_dflash(path, engine)
     if is_assistant_folder(path):  # Gemma 4's assistant: reads the verifier's keys and hidden state
         return AssistantDrafter.load(path, engine)
     if is_feature_folder(path):
