@@ -69,9 +69,8 @@ def main() -> None:
                             head_dim=64, intermediate_size=3 * E, num_target_layers=L)
         df = tmp / "d"
         df.mkdir()
-        from mlx.utils import tree_flatten
-
         from edgespec.models.dflash import Model, ModelArgs
+        from mlx.utils import tree_flatten
 
         mx.random.seed(1)
         dm = Model(ModelArgs.from_dict(cfg))

@@ -22,11 +22,11 @@ def write_dflash_drafter(folder: Path, src: Path, verifier_args, verifier_hash: 
                          compress: str) -> dict[str, Any]:
     """Check and write the DFlash drafter `src` into `folder`/drafter; the manifest's `drafter` entry."""
     import mlx.core as mx
+    from edgespec.models.dflash import Model, ModelArgs
     from mlx.utils import tree_flatten
 
     from edgespec.drafters.dflash import CONFIG, check_args
     from edgespec.formats.hf import read_safetensors
-    from edgespec.models.dflash import Model, ModelArgs
 
     if compress != "none":
         raise ValueError(f"--drafter-compress applies to Core ML packages; {DFLASH_NO_COREML}")

@@ -45,11 +45,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from edgespec.models.base import MLP, make_rope
+from edgespec.models.base import ModelArgs as BaseArgs
 
 from edgespec.cache import KVCache
 from edgespec.kernels.linear import Linear
-from edgespec.models.base import MLP, make_rope
-from edgespec.models.base import ModelArgs as BaseArgs
 
 KINDS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 # Fields the reference reads from `dflash_config` before the top level (model.py `_draft_value`).

@@ -82,9 +82,8 @@ def write_reference(folder, kind: str, target_ids, block: int, seed: int = 0, sc
 def write_random(folder, kind: str = "dflash", target_ids=(1, 2), block: int = 8, seed: int = 0, E: int = 64,
                  **extra):
     """A random DFlash folder written from MLX alone (no torch needed)."""
-    from mlx.utils import tree_flatten
-
     from edgespec.models.dflash import Model, ModelArgs
+    from mlx.utils import tree_flatten
 
     cfg = dflash_config(E, kind, target_ids, block, **extra)
     mx.random.seed(seed)
@@ -150,7 +149,7 @@ def test_block_logits_match_the_reference_from_folder_and_bundle(verifier_folder
         d, cache, feats = recorded_states(engine, ids)
         # the recorded rows are the target layers' outputs (HF hidden_states[l + 1]), concatenated
         h, outs = engine.model.embed(mx.array([ids])), []
-        for i, layer in enumerate(engine.model.layers):
+        for layer in engine.model.layers:
             h = layer(h, "causal", None, None)
             outs.append(h)
         want = mx.concatenate([outs[i] for i in target_ids], axis=-1)[0]
@@ -266,7 +265,7 @@ def test_four_requests_at_once_draft_with_forks_of_their_own(verifier_folder, tm
     refs = [engine.generate(p, max_tokens=24, mode="plain").tokens for p in prompts]
     calls = count_drafts(engine.drafter, monkeypatch)
     for mode in ("speculative", "auto"):
-        got = run_at_once(lambda i: engine.generate(prompts[i], max_tokens=24, mode=mode))
+        got = run_at_once(lambda i, mode=mode: engine.generate(prompts[i], max_tokens=24, mode=mode))
         assert [g.tokens for g in got] == refs, mode
         assert sum(g.stats.accepted for g in got) > 0, mode  # the forks found their verifier states
     assert calls
