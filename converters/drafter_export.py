@@ -93,7 +93,8 @@ def write_drafter(
     if Path(src).is_dir() and is_dflash_folder(src):  # a DFlash block drafter (converters/dflash_export.py)
         from edgespec.converters.dflash_export import write_dflash_drafter
 
-        return write_dflash_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, coreml, compress)
+        return write_dflash_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, coreml, compress,
+                                    context_length, prefill_chunk)
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):

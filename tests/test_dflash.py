@@ -141,7 +141,7 @@ def test_block_logits_match_the_reference_from_folder_and_bundle(verifier_folder
 
     ref = write_reference(tmp_path / "dflash", kind, target_ids, block)
     convert(verifier_folder, tmp_path / "bundle", quantize="none", dtype="float32", progress=False,
-            drafter=tmp_path / "dflash")
+            drafter=tmp_path / "dflash", drafter_options={"coreml": False})
     ids = PROMPT[:13]
     for src, kw in ((verifier_folder, {"drafter": tmp_path / "dflash"}), (tmp_path / "bundle", {})):
         engine = load(src, **kw)
@@ -207,7 +207,8 @@ def test_pairing_refused_by_name(verifier_folder, tmp_path):
     from edgespec.converters.convert import convert
 
     with pytest.raises(ModelLoadError, match="mask_token_id"):
-        convert(verifier_folder, tmp_path / "b", quantize="none", dtype="float32", progress=False, drafter=bad_mask)
+        convert(verifier_folder, tmp_path / "b", quantize="none", dtype="float32", progress=False, drafter=bad_mask,
+                drafter_options={"coreml": False})
     engine = load(verifier_folder, drafter=write_random(tmp_path / "ok"))
     for mode in ("tree", "cascade"):
         with pytest.raises(Exception, match="dflash"):
@@ -294,3 +295,91 @@ def test_sampled_output_follows_the_verifiers_law(tmp_path):
     for seed in (1, 2):
         kw = dict(max_tokens=16, temperature=0.8, seed=seed)
         assert engine.generate(prompt, mode="auto", **kw).tokens == engine.generate(prompt, mode="plain", **kw).tokens
+
+
+# ---------------------------------------------------------------- Core ML
+
+
+class ExecutorBlockBackend:
+    """PackageBlock backend running the package with the numpy MIL executor (a Mac runs Core ML)."""
+
+    def __init__(self, path, fp16: bool):
+        from edgespec.converters.mil_executor import MILExecutor
+
+        self.executor = MILExecutor(path, fp16=fp16)
+        self.calls: list[tuple[str, int]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.executor.make_state("feed_1")
+
+    def call(self, function, rows, ids, position):
+        from edgespec.drafters.dflash import package_features
+        from edgespec.drafters.mtp import package_rows
+
+        self.calls.append((function, position))
+        out = self.executor.run(function, {"features": package_features(rows), "input_ids": ids,
+                                           "position": np.array([position], np.int32)}, self.state)
+        return package_rows(out["logits"]), package_rows(out["hidden_out"])
+
+
+@pytest.fixture(scope="module", params=["dflash2"])  # DFlash2: the plain layers plus its convolutions
+def package_bundle(request, verifier_folder, tmp_path_factory):
+    """`edgespec convert MODEL OUT --drafter DFLASH_FOLDER`: drafter/ and drafter.mlpackage."""
+    pytest.importorskip("coremltools")
+    from edgespec.converters.convert import convert
+
+    tmp = tmp_path_factory.mktemp(f"dflash_pkg_{request.param}")
+    src = write_random(tmp / "src", request.param, (0, 3), 8)
+    convert(verifier_folder, tmp / "bundle", quantize="none", dtype="float32", progress=False, drafter=src,
+            drafter_options={"context_length": 48, "prefill_chunk": 8})
+    return tmp / "bundle"
+
+
+def test_exported_package_matches_the_mlx_forward_in_the_mil_executor(package_bundle):
+    from coreml_support import ALLOWED_OPS, rel_err
+
+    from edgespec.drafters.dflash import DFlashDrafter, PackageBlock
+
+    manifest = json.loads((package_bundle / "manifest.json").read_text())
+    info = manifest["drafter"]["coreml"]
+    assert info["kind"] == "dflash" and info["functions"] == ["feed_1", "feed_2", "feed_4", "feed_8"]
+    engine = load(package_bundle)
+    assert isinstance(engine.drafter, DFlashDrafter) and engine.drafter.package is None  # no Core ML here
+    ids = PROMPT[:20]
+    d, cache, feats = recorded_states(engine, ids)
+    want = []
+    d.begin(ids)
+    for a, b in ((0, 11), (11, 14), (14, 19)):  # context over three rounds, a block after each
+        want.append(np.array(d.logits(d.block(ids[b], feats[a:b][None]))))
+    package = package_bundle / "drafter.mlpackage"
+    for fp16, tol in ((False, 3e-3), (True, 1e-2)):
+        backend = ExecutorBlockBackend(package, fp16)
+        ops = {op.op_type for f in backend.executor.functions.values() for op in f.operations}
+        assert ops <= ALLOWED_OPS, ops - ALLOWED_OPS
+        block = PackageBlock(backend, info)
+        block.reset()
+        for (a, b), w in zip(((0, 11), (11, 14), (14, 19)), want, strict=True):
+            got = np.array(block.block(ids[b], feats[a:b][None])[0])
+            assert rel_err(got, w) < tol, (fp16, rel_err(got, w))
+            assert (got.argmax(-1) == w.argmax(-1)).all()
+        assert [c[0] for c in backend.calls] == ["feed_8", "feed_2", "feed_1", "feed_2", "feed_1", "feed_4", "feed_1"]
+        block.trim_to(14)  # a rollback: the last round again
+        assert rel_err(np.array(block.block(ids[19], feats[14:19][None])[0]), want[-1]) < tol
+
+
+def test_speculative_with_the_package_equals_plain(package_bundle):
+    """The drafter over the package (MIL executor standing in for Core ML): greedy output identical
+    to plain with blocks rejected mid-way, its proposals those of the MLX layers."""
+    from edgespec.drafters.dflash import PackageBlock
+
+    info = json.loads((package_bundle / "manifest.json").read_text())["drafter"]["coreml"]
+    engine = load(package_bundle)
+    ref = engine.generate(PROMPT[:9], max_tokens=24, mode="plain").tokens
+    mlx_run = engine.generate(PROMPT[:9], max_tokens=24, mode="speculative", draft_tokens=6)
+    backend = ExecutorBlockBackend(package_bundle / "drafter.mlpackage", fp16=False)
+    engine.drafter.package = PackageBlock(backend, info)
+    spec = engine.generate(PROMPT[:9], max_tokens=24, mode="speculative", draft_tokens=6)
+    assert spec.tokens == ref and spec.stats.drafted > spec.stats.accepted > 0
+    assert spec.stats.accepted_by_position == mlx_run.stats.accepted_by_position
+    assert backend.calls

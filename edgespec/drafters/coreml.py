@@ -225,6 +225,10 @@ class CoreMLDrafter(CommittedSequence):
             raise ModelLoadError(
                 f"{path}: no edgespec export info in the package; re-export it with `edgespec convert`"
             )
+        if info.get("kind") == "dflash":  # a DFlash block drafter: the package in place of its MLX layers
+            from edgespec.drafters.dflash import from_package
+
+            return from_package(path, verifier, info, compute_units)
         if info.get("kind") == "mtp":  # Qwen3.5's MTP head: drafts from the verifier's hidden states
             from edgespec.drafters.mtp import MTPDrafter
 

@@ -168,6 +168,7 @@ class DFlashDrafter(AcceptsDrafts):
         self.vocab_size = verifier.args.vocab_size
         self.vcache = None  # the verifier's cache of the generation this drafter serves
         self.cache: list = []
+        self.package: PackageBlock | None = None  # the Core ML package in place of the MLX layers (from_package)
         self.seq: list[int] = []
         self.fed = 0  # context entries in self.cache (positions 0..fed-1, all on the committed path)
         self._last_draft: list[int] = []
@@ -177,6 +178,7 @@ class DFlashDrafter(AcceptsDrafts):
         """For one request (see drafters.base.ModelDrafter.fork): the same weights, a state of its own."""
         twin = copy.copy(self)
         twin.vcache, twin.cache, twin.seq, twin.fed, twin._last_draft = None, [], [], 0, []
+        twin.package = self.package.fork() if self.package is not None else None
         return twin
 
     def bind_verifier_cache(self, cache) -> None:
@@ -217,6 +219,8 @@ class DFlashDrafter(AcceptsDrafts):
         if not prompt:
             raise ValueError("the drafter needs a non-empty prompt")
         self.cache = self.model.make_cache()
+        if self.package is not None:
+            self.package.reset()
         self.seq = list(prompt)
         self.fed = 0
         self._last_draft = []
@@ -224,6 +228,8 @@ class DFlashDrafter(AcceptsDrafts):
     def _trim_to(self, n: int) -> None:
         for c in self.cache:
             c.trim(c.offset - n)
+        if self.package is not None:
+            self.package.trim_to(n)
         self.fed = n
 
     def draft(self, k: int, sampler) -> Draft:
@@ -231,15 +237,22 @@ class DFlashDrafter(AcceptsDrafts):
         self._last_draft = []
         if k < 1 or n < 2 or not self.cache:
             return Draft([], None)
-        fed = min(self.fed, n - 1)
+        # The package's functions take at least one row: re-feed the last one (rewritten in place).
+        fed = min(self.fed, n - 1 if self.package is None else n - 2)
         rows = self._rows(fed, n - 1)
         if rows is None:  # no recorded states (a pass that kept none): no draft, never a wrong one
             return Draft([], None)
+        if self.package is not None and n - 1 > self.package.context:
+            return Draft([], None)  # past the package's context: no draft (plain steps go on)
         self._trim_to(fed)
-        out = self.block(self.seq[-1], rows)  # (block_size - 1, E)
-        self.fed = n - 1
         m = min(k, self.args.block_size - 1)
-        logits = self.logits(out[:m])  # (m, V)
+        if self.package is not None:
+            logits, out = self.package.block(self.seq[-1], rows)
+            logits, out = logits[:m], out[:m]
+        else:
+            out = self.block(self.seq[-1], rows)  # (block_size - 1, E)
+            logits = self.logits(out[:m])  # (m, V)
+        self.fed = n - 1
         if self.args.kind == "dflash2":
             return self._select(out[:m], logits, sampler)
         lp = sampler.logprobs(logits)  # (m, V) q of every slot at once
@@ -275,6 +288,87 @@ class DFlashDrafter(AcceptsDrafts):
     def close(self) -> None:
         self.vcache = None
         self.cache = []
+
+
+class PackageBlock:
+    """The drafter's layers as its Core ML package (converters/dflash_export.py), through a backend
+    (`call(function, features (S, n*E), block ids (1, L), position) -> (logits (L-1, V), hidden (L-1, E))`):
+    a fixed buffer of `context` slots where rolling back is lowering `offset`. New context rows go
+    in pieces of the package's feed sizes; the block of the last piece is the one used."""
+
+    def __init__(self, backend, info: dict):
+        self.backend = backend
+        self.context = int(info["context_length"])
+        self.sizes = sorted(int(s) for s in info["feed_sizes"])
+        self.block_size, self.mask = int(info["block_size"]), int(info["mask_token_id"])
+        self.offset = 0
+
+    def reset(self) -> None:
+        self.backend.reset()
+        self.offset = 0
+
+    def fork(self) -> PackageBlock:
+        from edgespec.drafters.base import fork_backend
+
+        twin = copy.copy(self)
+        twin.backend, twin.offset = fork_backend(self.backend), 0
+        return twin
+
+    def trim_to(self, n: int) -> None:
+        self.offset = min(self.offset, n)
+
+    def block(self, last: int, features: mx.array) -> tuple[mx.array, mx.array]:
+        """features (1, S, n*E) new context rows (S >= 0) -> (logits (L-1, V), final-norm states (L-1, E))."""
+        rows = np.array(features[0].astype(mx.float32))
+        ids = np.array([[last] + [self.mask] * (self.block_size - 1)], np.int32)
+        if self.offset + len(rows) > self.context:
+            raise ValueError(f"{self.offset + len(rows)} context rows exceed the DFlash package's {self.context}")
+        i, out = 0, None
+        while i < len(rows):
+            left = len(rows) - i
+            S = max([s for s in self.sizes if s <= left], default=self.sizes[0])
+            out = self.backend.call(f"feed_{S}", rows[i : i + S], ids, self.offset)
+            self.offset += S
+            i += S
+        return mx.array(out[0]), mx.array(out[1])
+
+
+def package_features(rows: np.ndarray) -> np.ndarray:
+    """(S, F) rows -> the package's channels-first (1, F, 1, S) fp16 input."""
+    return np.ascontiguousarray(rows.T[None, :, None, :]).astype(np.float16)
+
+
+class CoreMLBlockBackend:
+    """Runs a DFlash package's functions with Core ML (macOS 15+), all sharing one state."""
+
+    def __init__(self, path: Path, functions: list[str], compute_units: str):
+        import coremltools as ct  # available: drafters.coreml.require_coreml ran first
+
+        cu = getattr(ct.ComputeUnit, compute_units)
+        self.models = {f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions}
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.models["feed_1"].make_state()
+
+    def call(self, function: str, rows: np.ndarray, ids: np.ndarray, position: int):
+        from edgespec.drafters.mtp import package_rows
+
+        out = self.models[function].predict({"features": package_features(rows), "input_ids": ids,
+                                             "position": np.array([position], np.int32)}, state=self.state)
+        return package_rows(out["logits"]), package_rows(out["hidden_out"])
+
+
+def from_package(path: Path, verifier, info: dict, compute_units: str) -> DFlashDrafter:
+    """A bundle's DFlash package (Core ML checked available by the caller, drafters.coreml), with
+    the MLX folder beside it (drafter/: the config, DFlash2's selector, the fallback)."""
+    folder = Path(path).parent / "drafter"
+    if not is_dflash_folder(folder):
+        raise ModelLoadError(f"{path}: a DFlash package needs the bundle's drafter/ folder beside it")
+    d = load_dflash(folder, verifier, name=f"dflash-coreml:{Path(path).name}")
+    d.package = PackageBlock(CoreMLBlockBackend(Path(path), list(info["functions"]), compute_units), info)
+    d.device = "ane" if "NE" in compute_units or compute_units == "ALL" else "cpu"
+    return d
 
 
 def reference_round(drafter: DFlashDrafter, features: np.ndarray, last: int) -> list[int]:
