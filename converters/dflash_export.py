@@ -178,7 +178,13 @@ def build_function(mb, types, args, w: dict, vocab: int, tied: bool, context: in
     inputs:  features (1, n*E, 1, S) fp16, input_ids (1, L) int32 (the block), position (1,) int32
     states:  key_cache, value_cache (layers, Hk, D, C) fp16 (the context's keys and values)
     outputs: logits (1, V, 1, L-1) fp16, hidden_out (1, E, 1, L-1) fp16 (slots 1.., final-norm)."""
-    from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _rope, rope_tables
+    from edgespec.converters.coreml_program import (
+        MASK_VALUE,
+        _linear,
+        _rms_norm,
+        _rope,
+        rope_tables,
+    )
     from edgespec.converters.mtp_export import _head_norm
 
     E, H, Hk, D, L = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.block_size
@@ -283,7 +289,12 @@ def export_dflash(model, verifier, out: str | Path, context_length: int = 1024, 
     """Write `out` (.mlpackage) atomically from a models.dflash.Model paired with `verifier`; its info.
 
     Functions `feed_S`, S in FEED_SIZES and `prefill_chunk`: S new context rows, then the block."""
-    from edgespec.converters.coreml_export import MAX_CONTEXT, add_function, finish_package, package_staging
+    from edgespec.converters.coreml_export import (
+        MAX_CONTEXT,
+        add_function,
+        finish_package,
+        package_staging,
+    )
 
     from edgespec.safe_write import check_replaceable, check_writable
 
