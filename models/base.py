@@ -658,6 +658,11 @@ class Model(nn.Module):
         self.record_tap = tap
         return tap
 
+    def stop_recording(self) -> None:
+        """Undo record_hidden (its drafter was replaced): caches made from now on record nothing."""
+        object.__setattr__(self, "record_layers", None)
+        self.record_tap = None
+
     def _put_recorded(self, cache: list, outs: dict[int, mx.array]) -> None:
         """Hand a pass's recorded layer outputs to the tap cache (or, in a batched pass over
         gathered rows, edgespec.batch.forward, to each row's own)."""

@@ -213,6 +213,14 @@ def test_pairing_refused_by_name(verifier_folder, tmp_path):
     for mode in ("tree", "cascade"):
         with pytest.raises(Exception, match="dflash"):
             engine.generate(PROMPT[:5], max_tokens=4, mode=mode)
+    from edgespec.cache import HiddenKVCache
+    from edgespec.drafters import attach_drafter
+
+    assert any(isinstance(c, HiddenKVCache) for c in engine.model.make_cache())
+    attach_drafter(engine, tmp_path / "ok")  # the same drafter again: the old one's close leaves the new recording
+    assert any(isinstance(c, HiddenKVCache) for c in engine.model.make_cache())
+    attach_drafter(engine, "none")  # replaced: the verifier's passes record nothing any more
+    assert not any(isinstance(c, HiddenKVCache) for c in engine.model.make_cache())
 
 
 # ---------------------------------------------------------------- exact drafting
@@ -281,7 +289,7 @@ def test_sampled_output_follows_the_verifiers_law(tmp_path):
     from edgespec.sampling import SamplingParams
 
     verifier = write_tiny_hf_folder(tmp_path / "v", seed=4, vocab_size=8, num_hidden_layers=4, scale=1.0)
-    engine = load(verifier, drafter=write_random(tmp_path / "d", "dflash2", (1, 3), 4, vocab=8, mask=7))
+    engine = load(verifier, drafter=write_random(tmp_path / "d", "dflash2", (1, 3), 4, vocab=8, mask=7, layers=1))
     prompt, params = [1, 5, 2, 7], dict(temperature=1.0)
     law = continuation_law(engine.model, prompt, SamplingParams(**params), 3)
     keys = list(law)

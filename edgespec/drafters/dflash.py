@@ -160,6 +160,7 @@ class DFlashDrafter(AcceptsDrafts):
         self.model, self.verifier, self.name = model, verifier, name
         self.args = model.args
         self.tap = verifier.record_hidden(self.args.target_layer_ids)
+        self._recording = verifier.record_layers  # this drafter's recording (another's is another tuple)
         if self.tap is None:
             raise ModelLoadError(f"{name}: the verifier ({verifier.args.model_type}) has no attention layer "
                                  "whose cache can keep the DFlash drafter's states")
@@ -167,6 +168,7 @@ class DFlashDrafter(AcceptsDrafts):
         self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
         self.vocab_size = verifier.args.vocab_size
         self.vcache = None  # the verifier's cache of the generation this drafter serves
+        self.owner = True  # the engine's drafter (not a request's fork): its close stops the recording
         self.cache: list = []
         self.package: PackageBlock | None = None  # the Core ML package in place of the MLX layers (from_package)
         self.seq: list[int] = []
@@ -178,6 +180,7 @@ class DFlashDrafter(AcceptsDrafts):
         """For one request (see drafters.base.ModelDrafter.fork): the same weights, a state of its own."""
         twin = copy.copy(self)
         twin.vcache, twin.cache, twin.seq, twin.fed, twin._last_draft = None, [], [], 0, []
+        twin.owner = False
         twin.package = self.package.fork() if self.package is not None else None
         return twin
 
@@ -286,8 +289,12 @@ class DFlashDrafter(AcceptsDrafts):
         self.fed = min(self.fed, keep)  # entry j depends on x_0..x_j only
 
     def close(self) -> None:
+        """Called when the engine's drafter is replaced (drafters.attach_drafter): the verifier's
+        passes stop recording the target layers (a request's fork leaves them on)."""
         self.vcache = None
         self.cache = []
+        if self.owner and self.verifier.record_layers is self._recording:
+            self.verifier.stop_recording()
 
 
 class PackageBlock:
