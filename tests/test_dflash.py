@@ -288,8 +288,8 @@ def test_sampled_output_follows_the_verifiers_law(tmp_path):
     from edgespec.options import GenerateOptions
     from edgespec.sampling import SamplingParams
 
-    verifier = write_tiny_hf_folder(tmp_path / "v", seed=4, vocab_size=8, num_hidden_layers=4, scale=1.0)
-    engine = load(verifier, drafter=write_random(tmp_path / "d", "dflash2", (1, 3), 4, vocab=8, mask=7, layers=1))
+    verifier = write_tiny_hf_folder(tmp_path / "v", seed=4, vocab_size=8, num_hidden_layers=2)
+    engine = load(verifier, drafter=write_random(tmp_path / "d", "dflash2", (0, 1), 4, vocab=8, mask=7, layers=1))
     prompt, params = [1, 5, 2, 7], dict(temperature=1.0)
     law = continuation_law(engine.model, prompt, SamplingParams(**params), 3)
     keys = list(law)
