@@ -42,6 +42,9 @@ $(VENV)/.installed: pyproject.toml
 	# installed and do not pull the CUDA build and its NVIDIA libraries (3 GB unused).
 	$(TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
+	# The published DFlash reference the DFlash tests compare with (tests/test_dflash.py): its
+	# model code needs only torch and transformers; its own pins (datasets, tqdm) are not wanted.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "dflash==0.1.0"
 	touch $@
 
 # MLX's CPU products on numpy's OpenBLAS (one OpenBLAS in the process, its few-row

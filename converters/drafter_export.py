@@ -15,10 +15,12 @@ from edgespec.converters.bundle import write_model_files
 from edgespec.converters.coreml_assistant import export_assistant, function_names
 from edgespec.converters.coreml_export import COMPRESS_CHOICES, export_drafter
 from edgespec.converters.dense import _dense_params
+from edgespec.converters.dflash_export import write_dflash_drafter
 from edgespec.converters.hf import read_safetensors
 
 from edgespec.drafters.assistant import check_fit, is_assistant_folder, load_assistant_model
 from edgespec.drafters.compat import check_compatible
+from edgespec.drafters.dflash import is_dflash_folder
 from edgespec.drafters.distilled import VOCAB_MAP, VocabMap, is_distilled_folder
 from edgespec.drafters.feature import DRAFTER_JSON, is_feature_folder
 from edgespec.errors import ModelLoadError
@@ -90,6 +92,9 @@ def write_drafter(
 
         return write_mtp_drafter(folder, verifier_hash, coreml=coreml, compress=compress,
                                  context_length=context_length, prefill_chunk=prefill_chunk)
+    if Path(src).is_dir() and is_dflash_folder(src):  # a DFlash block drafter (converters/dflash_export.py)
+        return write_dflash_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, coreml, compress,
+                                    context_length, prefill_chunk)
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):

@@ -150,3 +150,49 @@ def trim_caches(caches: list[KVCache], n: int) -> None:
 
 def cache_offset(caches: list[KVCache]) -> int:
     return caches[0].offset if caches else 0
+
+
+class HiddenKVCache(KVCache):
+    """A KVCache that also keeps one row of hidden states per position, trimmed, kept and
+    exported with its keys: what a drafter reading the verifier's states finds there (Gemma 4's
+    assistant and Qwen3.5's MTP head: final-norm states; a DFlash drafter: its target layers'
+    outputs, models.base.Model.record_hidden)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden: mx.array | None = None  # (B, capacity, E)
+
+    def put_hidden(self, h: mx.array) -> None:
+        """h (B, T, E): the rows of the last T positions written."""
+        end = self.offset
+        start = end - h.shape[1]
+        if self.hidden is None or end > self.hidden.shape[1]:
+            cap = max(end, self.keys.shape[2] if self.keys is not None else end)
+            grown = mx.zeros((h.shape[0], cap, h.shape[2]), h.dtype)
+            if self.hidden is not None and start > 0:
+                grown[:, :start] = self.hidden[:, :start]
+            self.hidden = grown
+        self.hidden[:, start:end] = h
+
+    def hidden_at(self, i: int) -> mx.array | None:
+        """(B, 1, E) row of position i, or None when not held."""
+        if self.hidden is None or not 0 <= i < min(self.offset, self.hidden.shape[1]):
+            return None
+        return self.hidden[:, i : i + 1]
+
+    def keep(self, start: int, indices) -> None:
+        if self.hidden is not None and list(indices) != list(range(len(indices))):
+            idx = mx.array([start + i for i in indices], dtype=mx.int32)
+            self.hidden[:, start : start + len(indices)] = mx.take(self.hidden, idx, axis=1)
+        super().keep(start, indices)
+
+    def export_span(self, start: int, end: int):
+        kv = super().export_span(start, end)
+        if kv is None or self.hidden is None or end > self.hidden.shape[1]:
+            return kv
+        return (*kv, mx.contiguous(self.hidden[:, start:end]) + 0)
+
+    def import_span(self, parts) -> None:
+        super().import_span(parts[:2])
+        if len(parts) > 2:
+            self.put_hidden(parts[2])

@@ -597,6 +597,12 @@ class Model(nn.Module):
 
     norm: type = nn.RMSNorm
     embed_scale: bool = False  # Gemma: embeddings times sqrt(E)
+    # Set by record_hidden (a DFlash drafter): the layers whose outputs every pass with a cache
+    # records, and the layer whose cache keeps them. An architecture whose own __call__ does not
+    # go through this one's loop declares records_layers = False.
+    records_layers: bool = True
+    record_layers: tuple[int, ...] | None = None
+    record_tap: int | None = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -630,7 +636,50 @@ class Model(nn.Module):
         return self.model.layers
 
     def make_cache(self) -> list:
-        return [layer.make_cache() for layer in self.model.layers]
+        caches = [layer.make_cache() for layer in self.model.layers]
+        if self.record_tap is not None:
+            from edgespec.cache import HiddenKVCache
+
+            caches[self.record_tap] = HiddenKVCache()
+        return caches
+
+    def record_hidden(self, layer_ids: list[int]) -> int | None:
+        """Make the caches made from now on record, on every pass over them (prefill, steps,
+        verification), the outputs of layers `layer_ids` concatenated in that order, (B, T, n*E),
+        in the first layer cache that holds one entry per position (a plain KVCache: its trims and
+        keeps follow the sequence). Returns that layer's index; None (and nothing recorded) when
+        the architecture cannot (`records_layers`) or no layer keeps such a cache."""
+        from edgespec.cache import KVCache
+
+        if not self.records_layers:
+            return None
+        tap = next((i for i, layer in enumerate(self.model.layers) if type(layer.make_cache()) is KVCache), None)
+        if tap is None:
+            return None
+        # object's setattr: nn.Module would file a tuple among the parameters
+        object.__setattr__(self, "record_layers", tuple(int(i) for i in layer_ids))
+        self.record_tap = tap
+        return tap
+
+    def stop_recording(self) -> None:
+        """Undo record_hidden (its drafter was replaced): caches made from now on record nothing."""
+        object.__setattr__(self, "record_layers", None)
+        self.record_tap = None
+
+    def _put_recorded(self, cache: list, outs: dict[int, mx.array]) -> None:
+        """Hand a pass's recorded layer outputs to the tap cache (or, in a batched pass over
+        gathered rows, edgespec.batch.forward, to each row's own)."""
+        from edgespec.cache import HiddenKVCache
+
+        feats = mx.concatenate([outs[i] for i in self.record_layers], axis=-1)
+        tap = cache[self.record_tap]
+        if isinstance(tap, HiddenKVCache):
+            tap.put_hidden(feats)
+            return
+        rows = getattr(tap, "caches", None)  # a batched pass: one cache per row, `lengths` new tokens each
+        for b, (c, t) in enumerate(zip(rows or (), getattr(tap, "lengths", ()), strict=False)):
+            if isinstance(c, HiddenKVCache):
+                c.put_hidden(feats[b : b + 1, :t])
 
     def embed(self, inputs: mx.array) -> mx.array:
         """Token ids (B, T) -> input embeddings (B, T, E)."""
@@ -686,8 +735,14 @@ class Model(nn.Module):
         if mask is None:
             mask = "causal" if inputs.shape[1] > 1 else None
         ids = range(len(self.layers)) if layer_ids is None else layer_ids
+        rec = self.record_layers if layer_ids is None and cache is not None and self.record_tap is not None else None
+        outs: dict[int, mx.array] = {}
         for i in ids:
             h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions)
+            if rec is not None and i in rec:
+                outs[i] = h
+        if rec is not None and len(outs) == len(set(rec)):
+            self._put_recorded(cache, outs)
         if return_hidden:
             h = self.model.norm(h)
             return self.project(h[:, -1:] if last_only else h), h

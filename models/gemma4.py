@@ -31,7 +31,7 @@ from edgespec.models.base import ModelArgs as BaseArgs
 from edgespec.models.base import RoPE, window_mask
 from edgespec.models.experts import SwitchGLU, stack_experts, top_k
 
-from edgespec.cache import KVCache
+from edgespec.cache import HiddenKVCache, KVCache
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
 from edgespec.kernels.linear import Linear
@@ -366,51 +366,6 @@ class SharedKV:
         return 0
 
 
-class HiddenKVCache(KVCache):
-    """Layer 0's cache when an assistant drafts for the model: its keys and values, plus the
-    final-norm hidden state of every position (what the assistant reads at the last one),
-    trimmed, kept and exported with them."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden: mx.array | None = None  # (B, capacity, E)
-
-    def put_hidden(self, h: mx.array) -> None:
-        """h (B, T, E): the rows of the last T positions written."""
-        end = self.offset
-        start = end - h.shape[1]
-        if self.hidden is None or end > self.hidden.shape[1]:
-            cap = max(end, self.keys.shape[2] if self.keys is not None else end)
-            grown = mx.zeros((h.shape[0], cap, h.shape[2]), h.dtype)
-            if self.hidden is not None and start > 0:
-                grown[:, :start] = self.hidden[:, :start]
-            self.hidden = grown
-        self.hidden[:, start:end] = h
-
-    def hidden_at(self, i: int) -> mx.array | None:
-        """(B, 1, E) row of position i, or None when not held."""
-        if self.hidden is None or not 0 <= i < min(self.offset, self.hidden.shape[1]):
-            return None
-        return self.hidden[:, i : i + 1]
-
-    def keep(self, start: int, indices) -> None:
-        if self.hidden is not None and list(indices) != list(range(len(indices))):
-            idx = mx.array([start + i for i in indices], dtype=mx.int32)
-            self.hidden[:, start : start + len(indices)] = mx.take(self.hidden, idx, axis=1)
-        super().keep(start, indices)
-
-    def export_span(self, start: int, end: int):
-        kv = super().export_span(start, end)
-        if kv is None or self.hidden is None or end > self.hidden.shape[1]:
-            return kv
-        return (*kv, mx.contiguous(self.hidden[:, start:end]) + 0)
-
-    def import_span(self, parts) -> None:
-        super().import_span(parts[:2])
-        if len(parts) > 2:
-            self.put_hidden(parts[2])
-
-
 class Body(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -461,6 +416,7 @@ class Model(BaseModel):
         return out
 
     keep_hidden = False  # set by an assistant drafter: layer 0's cache then records hidden states
+    records_layers = False  # its own __call__ and make_cache: no target-layer recording (DFlash drafters refuse it)
 
     def make_cache(self) -> list:
         caches: list = []

@@ -306,7 +306,7 @@ class Model(BaseModel):
         caches = super().make_cache()
         j = self.hidden_layer
         if self.keep_hidden and j is not None:
-            from edgespec.models.gemma4 import HiddenKVCache  # noqa: I001 (a KVCache keeping hidden rows)
+            from edgespec.cache import HiddenKVCache
 
             caches[j] = HiddenKVCache()
         return caches

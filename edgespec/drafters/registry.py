@@ -16,11 +16,11 @@ and a `detect(path)` function, usually reading a marker file of its folder) and 
 KINDS below, placed before every entry whose `detect` would also accept its folders (the MLX
 model folder entry accepts any folder, so it stays last). A `detect` must be cheap and must
 not raise for folders of other kinds; a Core ML package's export info (its "kind") is read
-once per path and shared by the package entries (`Candidate.package_kind`). For example a
-kind with a drafter.json marker:
+once per path and shared by the package entries (`Candidate.package_kind`). DFlash, for
+example (edgespec.drafters.dflash), is these two lines:
 
-    DrafterKind("dflash", lambda c: not c.is_package and is_dflash_folder(c.path),
-                lambda c, engine: DFlashDrafter.load(c.path, engine)),
+    DrafterKind("coreml-dflash", lambda c: c.package_kind == DFLASH_PACKAGE, ...),
+    DrafterKind("dflash", lambda c: is_dflash_folder(c.path), lambda c, e: load_dflash(c.path, e)),
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from edgespec.drafters.coreml import CoreMLDrafter
 from edgespec.drafters.coreml_assistant import KIND as ASSISTANT_PACKAGE
 from edgespec.drafters.coreml_assistant import CoreMLAssistantDrafter
 from edgespec.drafters.coreml_runtime import CoreMLUnavailable, open_package, require_coreml
+from edgespec.drafters.dflash import DFLASH_PACKAGE, from_package, is_dflash_folder, load_dflash
 from edgespec.drafters.distilled import DistilledDrafter, is_distilled_folder
 from edgespec.drafters.feature import FeatureDrafter, is_feature_folder
 from edgespec.drafters.mlx_drafter import MLXDrafter
@@ -89,9 +90,12 @@ KINDS: tuple[DrafterKind, ...] = (
     DrafterKind("coreml-gemma4-assistant", lambda c: c.package_kind == ASSISTANT_PACKAGE,
                 lambda c, e: CoreMLAssistantDrafter.load(c.path, e, c.compute_units, c.info)),
     DrafterKind("coreml-mtp", lambda c: c.package_kind == MTP_PACKAGE, _mtp_package),
+    DrafterKind("coreml-dflash", lambda c: c.package_kind == DFLASH_PACKAGE,
+                lambda c, e: from_package(c.path, e, c.info, c.compute_units)),
     DrafterKind("coreml", lambda c: c.is_package,
                 lambda c, e: CoreMLDrafter.from_info(c.path, c.info, c.compute_units)),
     # MLX folders, by their marker files
+    DrafterKind("dflash", lambda c: is_dflash_folder(c.path), lambda c, e: load_dflash(c.path, e)),
     DrafterKind("gemma4-assistant", lambda c: is_assistant_folder(c.path),  # reads the verifier's cache
                 lambda c, e: AssistantDrafter.load(c.path, e)),
     DrafterKind("feature", lambda c: is_feature_folder(c.path), lambda c, e: FeatureDrafter.load(c.path, e)),
