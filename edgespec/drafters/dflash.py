@@ -52,12 +52,11 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
-from dataclasses import replace
 
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps, common_prefix
 from edgespec.errors import ModelLoadError

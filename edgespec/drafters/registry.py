@@ -84,14 +84,18 @@ def _mtp_package(c: Candidate, engine) -> Drafter:
     return MTPDrafter.from_package(c.path, engine, c.info, c.compute_units)
 
 
+def _dflash_package(c: Candidate, engine) -> Drafter:
+    require_coreml()
+    return from_package(c.path, engine, c.info, c.compute_units)
+
+
 # Ordered: the first kind that detects a path loads it (see the module docstring).
 KINDS: tuple[DrafterKind, ...] = (
     # Core ML packages (drafter.mlpackage), by the kind their export info records
     DrafterKind("coreml-gemma4-assistant", lambda c: c.package_kind == ASSISTANT_PACKAGE,
                 lambda c, e: CoreMLAssistantDrafter.load(c.path, e, c.compute_units, c.info)),
     DrafterKind("coreml-mtp", lambda c: c.package_kind == MTP_PACKAGE, _mtp_package),
-    DrafterKind("coreml-dflash", lambda c: c.package_kind == DFLASH_PACKAGE,
-                lambda c, e: from_package(c.path, e, c.info, c.compute_units)),
+    DrafterKind("coreml-dflash", lambda c: c.package_kind == DFLASH_PACKAGE, _dflash_package),
     DrafterKind("coreml", lambda c: c.is_package,
                 lambda c, e: CoreMLDrafter.from_info(c.path, c.info, c.compute_units)),
     # MLX folders, by their marker files
