@@ -62,7 +62,7 @@ class Case:
     history_warm: bool
     kv_bits: int | None
     batch: int  # rows decoded together (1: alone)
-    drafter: bool
+    drafter: str | None  # None, "model" (a tiny MLX drafter) or "dflash" (a DFlash block drafter)
     prompt: list[int]
     max_tokens: int
     decisions: list = field(default_factory=list)
@@ -73,9 +73,11 @@ class Case:
             feats.append(f"grammar={self.grammar}")
         if self.penalties:
             feats.append(f"penalties={self.penalties}")
-        for name in ("prefix_warm", "history_warm", "drafter"):
+        for name in ("prefix_warm", "history_warm"):
             if getattr(self, name):
                 feats.append(name)
+        if self.drafter:
+            feats.append(f"drafter={self.drafter}")
         if self.kv_bits:
             feats.append(f"kv_bits={self.kv_bits}")
         if self.batch > 1:
@@ -101,7 +103,7 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
         history_warm=r.random() < 0.3,
         kv_bits=8 if verifier == "tiny" and r.random() < 0.15 else None,
         batch=r.choice((1, 1, 1, 3)),
-        drafter=verifier == "tiny" and r.random() < 0.3,
+        drafter=r.choice(("model", "dflash")) if verifier == "tiny" and r.random() < 0.35 else None,
         prompt=prompt,
         max_tokens=r.randrange(8, 40),
     )
@@ -110,16 +112,19 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
 class Verifiers:
     """Engines per (verifier, kv_bits), built once; a fresh engine state per case."""
 
-    def __init__(self, hybrids: dict | None = None):
+    def __init__(self, hybrids: dict | None = None, tmp=None):
         self.hybrids = hybrids or {}  # name -> loaded edgespec engine's LoadedModel
+        self.tmp = tmp  # a folder for the DFlash drafter's files
         self._models: dict = {}
 
     def loaded(self, name: str) -> LoadedModel:
-        if name in ("tiny", "tiny_q"):
+        if name in ("tiny", "tiny_q", "tiny_dflash"):
             if name not in self._models:
-                # tiny_q: head size 32, so its KV cache can be quantized (groups of 32)
-                m = make_tiny_model(0, scale=3.0) if name == "tiny" else make_tiny_model(
-                    0, scale=3.0, hidden_size=128, num_attention_heads=4)
+                # tiny_q: head size 32, so its KV cache can be quantized (groups of 32); tiny_dflash:
+                # its own model (a DFlash drafter makes the verifier record target layers' states)
+                m = {"tiny": lambda: make_tiny_model(0, scale=3.0),
+                     "tiny_q": lambda: make_tiny_model(0, scale=3.0, hidden_size=128, num_attention_heads=4),
+                     "tiny_dflash": lambda: make_tiny_model(0, scale=3.0, num_hidden_layers=4)}[name]()
                 self._models[name] = LoadedModel(m, make_tiny_tokenizer(m.args.vocab_size), None)
             return self._models[name]
         return self.hybrids[name]
@@ -127,11 +132,14 @@ class Verifiers:
     def engine(self, case: Case) -> Engine:
         from edgespec.drafters.base import ModelDrafter
 
-        loaded = self.loaded("tiny_q" if case.kv_bits else case.verifier)
+        dflash = case.drafter == "dflash" and not case.kv_bits
+        loaded = self.loaded("tiny_q" if case.kv_bits else "tiny_dflash" if dflash else case.verifier)
         eng = Engine(loaded, history="memory" if case.history_warm else "off",
                      prompt_cache_bytes=(64 << 20) if case.prefix_warm else 0, kv_bits=case.kv_bits,
                      kv_group_size=32, quantized_kv_start=0, check_exact=True)
-        if case.drafter and case.verifier == "tiny":
+        if dflash:
+            eng.drafter = self._dflash(loaded)
+        elif case.drafter and case.verifier == "tiny":
             if "drafter" not in self._models:
                 self._models["drafter"] = make_tiny_model(5, scale=3.0, num_hidden_layers=1)
 
@@ -140,6 +148,23 @@ class Verifiers:
 
             eng.drafter = FuzzDrafter(self._models["drafter"])
         return eng
+
+
+    def _dflash(self, loaded):
+        """A random DFlash block drafter (tests/test_dflash.write_random) for the tiny_dflash model."""
+        if "dflash" not in self._models:
+            import tempfile
+            from pathlib import Path
+
+            from test_dflash import write_random
+
+            from edgespec.drafters.dflash import load_dflash
+
+            folder = Path(self.tmp or tempfile.mkdtemp()) / "fuzz-dflash"
+            write_random(folder, target_ids=(1, 3), block=8, vocab=loaded.model.args.vocab_size,
+                         mask=loaded.model.args.vocab_size - 1)
+            self._models["dflash"] = load_dflash(folder, loaded)
+        return self._models["dflash"]
 
 
 def _options(case: Case, mode: str, logprobs: int | None = None) -> dict:

@@ -17,8 +17,8 @@ FUZZ_CASES = int(os.environ.get("EDGESPEC_FUZZ_CASES", "60"))
 
 
 @pytest.fixture(scope="module")
-def verifiers():
-    return Verifiers()
+def verifiers(tmp_path_factory):
+    return Verifiers(tmp=tmp_path_factory.mktemp("fuzz"))
 
 
 def _report(rep) -> str:
@@ -34,7 +34,7 @@ def test_auto_equals_plain_under_seeded_decisions(verifiers):
     assert not rep.errors, _report(rep)
     # The cases cover every feature at least once.
     for key in ("grammar=True", "penalties=True", "prefix_warm=True", "history_warm=True", "kv_bits=8",
-                "batch=3", "drafter=True", "greedy=False"):
+                "batch=3", "drafter=model", "drafter=dflash", "greedy=False"):
         assert rep.coverage.get(key, 0) > 0, key
 
 
