@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             runs += 1
             if got.tokens != plain.tokens:
                 bad += 1
-                k = next((i for i, (a, b) in enumerate(zip(plain.tokens, got.tokens)) if a != b),
+                k = next((i for i, (a, b) in enumerate(zip(plain.tokens, got.tokens, strict=False)) if a != b),
                          min(len(plain.tokens), len(got.tokens)))
                 top = plain.logprobs[k].top if k < len(plain.logprobs) else None
                 print(f"DIFF {name} run {r} at token {k}: plain {plain.tokens[k:k + 1]} auto {got.tokens[k:k + 1]} "
