@@ -45,9 +45,10 @@ class GrammarLimits:
 LIMITS = GrammarLimits()
 
 
-def _over(what: str, value: int | float, limit: int | float, field: str) -> GrammarLimitError:
-    return GrammarLimitError(f"response_format: {what} is {value}, over the limit of {limit} "
-                             f"(GrammarLimits.{field})")
+def _over(what: str, value: int | None, limit: int | float, field: str) -> GrammarLimitError:
+    """The refusal, naming the bound (value None: counting stopped at the limit)."""
+    is_ = "is over" if value is None else f"is {value}, over"
+    return GrammarLimitError(f"response_format: {what} {is_} the limit of {limit} (GrammarLimits.{field})")
 
 
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -104,10 +105,10 @@ def check_schema(schema: Any, strict: bool = False, limits: GrammarLimits | None
                              f"boolean, got {type(node).__name__}")
         nodes += 1
         if nodes > lim.max_nodes:
-            raise _over("the number of schemas in the JSON schema", f"over {lim.max_nodes}", lim.max_nodes,
+            raise _over("the number of schemas in the JSON schema", None, lim.max_nodes,
                         "max_nodes")
         if depth > lim.max_depth:
-            raise _over("the JSON schema's nesting depth", f"over {lim.max_depth}", lim.max_depth, "max_depth")
+            raise _over("the JSON schema's nesting depth", None, lim.max_depth, "max_depth")
         t = node.get("type")
         for one in (t if isinstance(t, list) else [t] if t is not None else []):
             if one not in JSON_TYPES:
@@ -125,10 +126,10 @@ def check_schema(schema: Any, strict: bool = False, limits: GrammarLimits | None
         if isinstance(node.get("enum"), list):
             enums += len(node["enum"])
         if alternatives > lim.max_alternatives:
-            raise _over("the number of anyOf/oneOf branches", f"over {lim.max_alternatives}",
+            raise _over("the number of anyOf/oneOf branches", None,
                         lim.max_alternatives, "max_alternatives")
         if enums > lim.max_enum:
-            raise _over("the number of enum values", f"over {lim.max_enum}", lim.max_enum, "max_enum")
+            raise _over("the number of enum values", None, lim.max_enum, "max_enum")
         if isinstance(node.get("pattern"), str):
             check_regex(node["pattern"], lim)
         ref = node.get("$ref")
@@ -170,7 +171,7 @@ def _check_ref_chains(refs: dict[str, set[str]], lim: GrammarLimits) -> None:
                 longest[node] = max((1 + longest.get(t, 0) for t in refs.get(node, ()) if t not in on_path),
                                     default=0)
                 if longest[node] > lim.max_ref_depth:
-                    raise _over("the longest chain of $ref links", f"over {lim.max_ref_depth}",
+                    raise _over("the longest chain of $ref links", None,
                                 lim.max_ref_depth, "max_ref_depth")
                 continue
             if nxt in on_path or nxt in longest or nxt not in refs:
@@ -208,7 +209,7 @@ def check_regex(pattern: str, limits: GrammarLimits | None = None) -> None:
         raise _over("the regex's length", len(pattern), lim.max_regex_bytes, "max_regex_bytes")
     if _repetition(pattern) > lim.max_repetition:
         raise _over("the regex's counted repetitions multiplied through nesting",
-                    f"over {lim.max_repetition}", lim.max_repetition, "max_repetition")
+                    None, lim.max_repetition, "max_repetition")
 
 
 _COUNT = re.compile(r"\{(\d*)(?:,(\d*))?\}")

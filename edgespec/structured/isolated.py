@@ -92,8 +92,18 @@ class IsolatedCompiler:
         self._lock = threading.Lock()
         self.size = workers
         self.crashes = 0  # workers lost to a crash or a timeout (tests read it)
+        self._busy: set[_Worker] = set()
+
+    def busy_pids(self) -> list[int]:
+        """The process ids of the workers compiling now."""
+        return [w.proc.pid for w in list(self._busy)]
 
     def _take(self) -> _Worker:
+        w = self._take_one()
+        self._busy.add(w)
+        return w
+
+    def _take_one(self) -> _Worker:
         with self._lock:
             if self._idle.empty() and self._made < self.size:
                 self._made += 1
@@ -109,6 +119,7 @@ class IsolatedCompiler:
         return w
 
     def _give(self, w: _Worker) -> None:
+        self._busy.discard(w)
         if not w.alive:
             self.crashes += 1
             w = _Worker(self.json_options)
