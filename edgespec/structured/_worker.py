@@ -71,7 +71,8 @@ def compile_source(kind: str, source: str, json_options: dict) -> str:
     import llguidance
 
     M = llguidance.LLMatcher
-    what = {"json_schema": "JSON schema", "json_object": "json_object", "regex": "regex"}.get(kind, "grammar")
+    what = {"json_schema": "JSON schema", "json_object": "json_object", "regex": "regex",
+            "grammar:lark": "lark grammar", "grammar:gbnf": "GBNF grammar"}[kind]
     try:
         if kind in ("json_schema", "json_object"):
             text = M.grammar_from_json_schema(source, defaults=dict(json_options))
@@ -84,7 +85,6 @@ def compile_source(kind: str, source: str, json_options: dict) -> str:
 
                 lark = gbnf_to_lark(source)
             text = M.grammar_from_lark(lark)
-            what = kind.split(":", 1)[1] + " grammar"
         err = M.validate_grammar(text, limits=limits())
     except Exception as e:  # llguidance raises ValueError/RuntimeError (a panic too) with the problem
         raise ValueError(f"response_format: invalid {what}: {short(e)}") from None
@@ -152,6 +152,11 @@ def _serve(rfd: int, wfd: int, json_options: dict) -> None:
 
 def main(json_options: dict) -> None:
     import os
+
+    try:  # a compile competes for the CPU with the server's event loop: the loop goes first
+        os.nice(10)
+    except (OSError, AttributeError):
+        pass
 
     # The protocol owns fds 0 and 1; anything the native code prints goes to stderr.
     rfd, wfd = os.dup(0), os.dup(1)

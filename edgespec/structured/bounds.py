@@ -25,7 +25,7 @@ class GrammarLimitError(ValueError):
 @dataclass
 class GrammarLimits:
     """What one response format may ask for. Defaults are far above what real schemas and
-    grammars use (the 42-schema suite peaks at depth 6, 40 alternatives) and far below
+    grammars use (the 42-schema suite peaks at depth 6, 40 alternatives) and below
     what stalls or crashes the compiler (a 2,500-link `$ref` chain, 5,000 chained rules,
     60,000 alternatives: see docs/structured.md)."""
 
@@ -34,7 +34,9 @@ class GrammarLimits:
     max_ref_depth: int = 64  # the longest chain of $ref links followed one after another
     max_nodes: int = 50_000  # schemas in one JSON schema
     max_rules: int = 2_000  # Lark/GBNF rules
-    max_alternatives: int = 10_000  # '|' of a grammar; anyOf/oneOf branches of a schema
+    # '|' of a grammar; anyOf/oneOf branches of a schema. Below llguidance's 2,000 items per
+    # parser row (max_items_in_row), which a rule's alternatives fill once generation starts.
+    max_alternatives: int = 1_500
     max_enum: int = 10_000  # enum values of a schema, all enums together
     max_regex_bytes: int = 20_000  # one regex (response_format regex, a schema's pattern)
     max_repetition: int = 100_000  # counted repetitions {n} of a regex, multiplied through nesting
