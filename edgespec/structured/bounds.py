@@ -103,8 +103,8 @@ def check_schema(schema: Any, strict: bool = False, limits: GrammarLimits | None
         if isinstance(node, bool):
             continue
         if not isinstance(node, dict):
-            raise ValueError(f"response_format: the JSON schema at '{path or '/'}' must be an object or a "
-                             f"boolean, got {type(node).__name__}")
+            raise ValueError(f"response_format: invalid JSON schema: the schema at '{path or '/'}' must be an "
+                             f"object or a boolean, got {type(node).__name__}")
         nodes += 1
         if nodes > lim.max_nodes:
             raise _over("the number of schemas in the JSON schema", None, lim.max_nodes,
@@ -114,14 +114,14 @@ def check_schema(schema: Any, strict: bool = False, limits: GrammarLimits | None
         t = node.get("type")
         for one in (t if isinstance(t, list) else [t] if t is not None else []):
             if one not in JSON_TYPES:
-                raise ValueError(f"response_format: the JSON schema at '{path or '/'}' has type {one!r}; a type "
-                                 f"is one of {', '.join(JSON_TYPES)}")
+                raise ValueError(f"response_format: invalid JSON schema: the schema at '{path or '/'}' has type "
+                                 f"{one!r}; a type is one of {', '.join(JSON_TYPES)}")
         if strict:
             for k in node:
                 if k not in KNOWN_KEYWORDS and not k.startswith("x-"):
-                    raise ValueError(f"response_format: the JSON schema at '{path or '/'}' has the unknown "
-                                     f"keyword {k!r}; a strict schema may use only JSON Schema's keywords "
-                                     "(its constraint could not be enforced)")
+                    raise ValueError(f"response_format: invalid JSON schema: the schema at '{path or '/'}' has the "
+                                     f"unknown keyword {k!r}; a strict schema may use only JSON Schema's "
+                                     "keywords (its constraint could not be enforced)")
         for k in ("anyOf", "oneOf"):
             if isinstance(node.get(k), list):
                 alternatives += len(node[k])
