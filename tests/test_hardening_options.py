@@ -18,43 +18,56 @@ from edgespec.engine import PROMPT_CACHE_SHARE, PROMPT_CACHE_UNKNOWN_BUDGET
 from edgespec.lookahead.memory import kv_bytes
 
 
-def one_line_refusal(r, *needles) -> str:
-    err = r.stderr.strip()
-    assert r.returncode == 1, (r.returncode, r.stderr)  # not 139 (a segfault), not a traceback
+def one_line_refusal(code: int, err: str, *needles) -> str:
+    err = err.strip()
+    assert code == 1, (code, err)  # not 139 (a segfault), not a traceback
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     for n in needles:
         assert n in err, (n, err)
     return err
 
 
-def test_bad_cli_settings_are_one_line_refusals_before_the_model_loads(tmp_path):
+def test_a_schema_that_crashed_generate_is_a_one_line_refusal(tmp_path):
+    """In a fresh process, as a user runs it: it exited 139 (SIGSEGV) with no message."""
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps(ref_chain(2500)))
+    r = run_cli(["generate", "--model", str(tmp_path / "no-model"), "--prompt", "hi", "--json-schema", str(deep)])
+    one_line_refusal(r.returncode, r.stderr, "--json-schema", str(deep), "GrammarLimits.max_ref_depth")
+
+
+def test_bad_cli_settings_are_one_line_refusals_before_the_model_loads(tmp_path, capsys):
+    from edgespec.cli import main
+
     nowhere = str(tmp_path / "no-model")  # never reached: each refusal comes first
     latin1 = tmp_path / "answer.lark"
     latin1.write_bytes('start: "caf\xe9"'.encode("latin-1"))
-    deep = tmp_path / "deep.json"
-    deep.write_text(json.dumps(ref_chain(2500)))
     empty = tmp_path / "empty.lark"
     empty.write_text('start: a\na: a "x"')
     base = ["generate", "--model", nowhere, "--prompt", "hi"]
-    one_line_refusal(run_cli([*base, "--grammar", str(latin1)]), "--grammar", str(latin1), "UTF-8")
-    one_line_refusal(run_cli([*base, "--json-schema", str(deep)]), "--json-schema", str(deep),
-                     "GrammarLimits.max_ref_depth")
-    one_line_refusal(run_cli([*base, "--grammar", str(empty)]), "--grammar", "accepts no text")
-    one_line_refusal(run_cli([*base, "--quantized-kv-start", "-5"]), "quantized_kv_start", "kv_bits")
-    one_line_refusal(run_cli([*base, "--prompt-cache-bytes", "1" + "0" * 30]), "prompt_cache_bytes",
-                     "more than this machine's memory")
-    one_line_refusal(run_cli([*base, "--prompt-cache-bytes", "1e30"]), "--prompt-cache-bytes")
+
+    def run(*args, needles):
+        code = main([*base, *args])
+        one_line_refusal(code, capsys.readouterr().err, *needles)
+
+    run("--grammar", str(latin1), needles=("--grammar", str(latin1), "UTF-8"))
+    run("--grammar", str(empty), needles=("--grammar", "accepts no text"))
+    run("--quantized-kv-start", "-5", needles=("quantized_kv_start", "kv_bits"))
+    run("--prompt-cache-bytes", "1" + "0" * 30, needles=("prompt_cache_bytes", "more than this machine's memory"))
+    run("--prompt-cache-bytes", "1e30", needles=("--prompt-cache-bytes",))
 
 
-def test_a_bundle_without_its_manifest_loads_with_a_note(tmp_path):
+def test_a_bundle_without_its_manifest_loads_with_a_note(tmp_path, capsys):
+    from edgespec.cli import main
+
     folder = write_tiny_bundle(tmp_path / "tiny")
-    r = run_cli(["generate", "--model", str(folder), "--prompt", "abc", "--max-tokens", "2", "--raw"])
-    assert r.returncode == 0 and "manifest" not in r.stderr, r.stderr
+    args = ["generate", "--model", str(folder), "--prompt", "abc", "--max-tokens", "2", "--raw", "--stats", "none"]
+    assert main(args) == 0
+    assert "manifest" not in capsys.readouterr().err
     os.remove(folder / "manifest.json")
-    r = run_cli(["generate", "--model", str(folder), "--prompt", "abc", "--max-tokens", "2", "--raw"])
-    assert r.returncode == 0, r.stderr
-    notes = [line for line in r.stderr.splitlines() if "manifest.json" in line]
-    assert len(notes) == 1 and "not verified" in notes[0] and str(folder) in notes[0], r.stderr
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "manifest.json" in line]
+    assert len(notes) == 1 and "not verified" in notes[0] and str(folder) in notes[0], err
 
 
 def test_the_default_prompt_cache_bound_is_a_few_contexts_of_the_model(monkeypatch):
