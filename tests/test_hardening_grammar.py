@@ -18,7 +18,8 @@ import pytest
 from conftest import make_tiny_tokenizer
 from test_structured import V, ascii_tokenizer
 
-from edgespec.structured import GrammarLimitError, parse_response_format
+from edgespec.structured import parse_response_format
+from edgespec.structured.bounds import GrammarLimitError
 from edgespec.structured.bounds import LIMITS
 from edgespec.tools import plan_tools
 
