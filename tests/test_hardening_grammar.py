@@ -19,8 +19,7 @@ from conftest import make_tiny_tokenizer
 from test_structured import V, ascii_tokenizer
 
 from edgespec.structured import parse_response_format
-from edgespec.structured.bounds import GrammarLimitError
-from edgespec.structured.bounds import LIMITS
+from edgespec.structured.bounds import LIMITS, GrammarLimitError
 from edgespec.tools import plan_tools
 
 

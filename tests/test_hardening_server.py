@@ -12,7 +12,6 @@ in CI; EDGESPEC_FUZZ_GRAMMAR_CASES=N for a longer run)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -22,7 +21,14 @@ import time
 import httpx
 import pytest
 from server_support import ServerProcess, write_tiny_bundle
-from test_hardening_grammar import EMPTY, OVER_BOUNDS, PYDANTIC_TOOL, alternatives, ref_chain, rule_chain
+from test_hardening_grammar import (
+    EMPTY,
+    OVER_BOUNDS,
+    PYDANTIC_TOOL,
+    alternatives,
+    ref_chain,
+    rule_chain,
+)
 from test_structured import V, ascii_tokenizer
 
 from edgespec.structured.bounds import LIMITS
@@ -116,7 +122,11 @@ def test_health_answers_while_the_heaviest_admitted_grammars_compile(server):
             fresh = {**rf, "title": f"t{attempt}"} if "enum" in rf else \
                 {**rf, "grammar": rf["grammar"] + f"\n// {attempt}"}  # a new grammar each time: not cached
             done: dict = {}
-            t = threading.Thread(target=lambda: done.setdefault("r", chat(server, fresh, max_tokens=1)))
+
+            def post(done=done, fresh=fresh):
+                done["r"] = chat(server, fresh, max_tokens=1)
+
+            t = threading.Thread(target=post)
             t0 = time.perf_counter()
             t.start()
             during = probe_while(t)

@@ -30,7 +30,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgespec.structured.bounds import LIMITS, GrammarLimitError, GrammarLimits, check_grammar, check_regex, check_schema
+from edgespec.structured.bounds import (
+    LIMITS,
+    GrammarLimitError,
+    GrammarLimits,
+    check_grammar,
+    check_regex,
+    check_schema,
+)
 
 # JSON is written the way models usually write it, compact but with a space after ':' and ',':
 # fixed separators make keys and punctuation forced (one continuation), which the forced-token
@@ -225,9 +232,8 @@ def _ll_tokenizer(tokenizer, vocab_size: int | None):
     hit = cache.get(n)
     if hit is not None:
         return hit
-    from edgespec.structured.tokens import token_bytes
-
     from edgespec.structured._worker import build_ll_tokenizer
+    from edgespec.structured.tokens import token_bytes
 
     tokens, special = token_bytes(tokenizer, n)
     eos = sorted(tokenizer.eos_token_ids)

@@ -137,7 +137,7 @@ def _serve(rfd: int, wfd: int, json_options: dict) -> None:
                 p = req[2]
                 backend = Tokenizer.from_str(p["backend"])
                 toks[req[1]] = build_ll_tokenizer(p["tokens"], p["special"], p["eos"], p["bos"], p["n"],
-                                                  lambda s: backend.encode(s, add_special_tokens=False).ids)
+                                                  lambda s, b=backend: b.encode(s, add_special_tokens=False).ids)
                 wr.send(("ok", None))
             elif op == "check":
                 err = first_step_error(toks[req[1]], req[2], tokenized=True)
