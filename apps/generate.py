@@ -124,12 +124,19 @@ def run(args) -> int:
             {"role": "user", "content": prompt}
         ]
         stream = engine.stream(messages=msgs, options=options)
+    from edgespec.structured import GrammarError
+
     try:
         for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     except KeyboardInterrupt:
         sys.stderr.write("\n[stopped]\n")
+    except GrammarError as e:  # the matcher gave up mid-reply (one of llguidance's per-step limits)
+        from edgespec.structured._worker import short
+
+        sys.stdout.write("\n")
+        raise ValueError(f"{_option(args)}: the grammar could not be followed further: {short(e)}") from None
     finally:
         stream.close()
     sys.stdout.write("\n")
