@@ -104,9 +104,10 @@ def first_step_error(ll_tokenizer, text: str, tokenized: bool) -> str | None:
     bits = m.compute_bitmask()
     if m.is_error() or (m.is_stopped() and not m.is_accepting()):
         return "the grammar accepts no text (no reply could ever match it)"
-    eos = set(ll_tokenizer.eos_tokens)
-    allowed = [i for i in range(min(len(bits) * 8, ll_tokenizer.vocab_size)) if bits[i >> 3] >> (i & 7) & 1]
-    if not any(i not in eos for i in allowed) and not m.is_accepting():
+    allowed = int.from_bytes(bits, "little") & ((1 << ll_tokenizer.vocab_size) - 1)  # bit i: token i
+    for e in ll_tokenizer.eos_tokens:
+        allowed &= ~(1 << e)
+    if not allowed and not m.is_accepting():
         return ("the grammar's text cannot be written with this model's tokens" if tokenized
                 else "the grammar accepts no text (no reply could ever match it)")
     return None
