@@ -125,6 +125,23 @@ class ChatSession:
                           {"kind": "chat", "system": self.system, "messages": self.history})
         self.err.write(f"[saved {len(self.history)} messages and {n} cached tokens to {path}]\n")
 
+    def save_at_exit(self, path: str) -> None:
+        """save(), or when `path` cannot be written any more, a new file beside it or under
+        $EDGESPEC_HOME/sessions, said where: the turns are never lost."""
+        from edgespec import sessions
+
+        extra = {"kind": "chat", "system": self.system, "messages": self.history}
+        try:
+            where, n = sessions.save_somewhere(self.engine, path, self.tokens, extra)
+        except (OSError, ValueError) as e:
+            self.err.write(f"error: the conversation could not be saved anywhere ({e})\n")
+            raise
+        if where != sessions.check_destination_path(path):
+            self.err.write(f"[could not save to {path}; saved {len(self.history)} messages and {n} cached tokens "
+                           f"to {where} instead]\n")
+        else:
+            self.err.write(f"[saved {len(self.history)} messages and {n} cached tokens to {path}]\n")
+
     def load(self, path: str) -> None:
         from edgespec import sessions
         from edgespec.tokenizer import chat_messages
@@ -176,6 +193,12 @@ def run(args) -> int:
     from edgespec.apps.common import load_engine
 
     options = options_from_args(args)
+    if args.session:
+        from edgespec import sessions
+
+        # Checked before the model loads, so the turns of the chat can be saved at its end
+        # (a folder that cannot be written, a foreign file: refused now, not at exit).
+        sessions.check_destination(args.session)
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
         from edgespec.converters.default_model import default_bundle_path
@@ -194,7 +217,7 @@ def run(args) -> int:
         return _loop(session, args, engine)
     finally:
         if args.session and session.history:
-            session.save(args.session)
+            session.save_at_exit(args.session)
 
 
 def _loop(session, args, engine) -> int:

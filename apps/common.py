@@ -54,7 +54,8 @@ def add_cache_arguments(p: argparse.ArgumentParser, prompt_cache_files: bool = T
         metavar="SIZE",
         help="memory kept for earlier prompts' and replies' caches, so a request that starts the same "
         "way (the next chat turn, a shared system prompt) runs only what is new, e.g. 500M or 2G; "
-        "0 turns reuse off (default: a fifth of what the memory budget leaves for caches)",
+        "0 turns reuse off (default: two full contexts of the model's KV cache, at most 1G and a fifth of "
+        "what the memory budget leaves for caches; 'memory': that fifth alone)",
     )
     if prompt_cache_files:
         g.add_argument(
@@ -177,7 +178,8 @@ def load_engine(args, progress: bool = True):
 
     budget = parse_size(getattr(args, "memory_budget", None))  # a bad size fails before the model loads
     cache_bytes = getattr(args, "prompt_cache_bytes", None)
-    cache_bytes = None if cache_bytes is None else parse_size(cache_bytes, allow_zero=True, what="--prompt-cache-bytes")
+    if cache_bytes is not None and cache_bytes != "memory":  # "memory": the share of memory (edgespec.load)
+        cache_bytes = parse_size(cache_bytes, allow_zero=True, what="--prompt-cache-bytes")
     engine = edgespec.load(
         args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None),
         prompt_cache_bytes=cache_bytes, kv_bits=getattr(args, "kv_bits", None),
@@ -188,6 +190,11 @@ def load_engine(args, progress: bool = True):
         engine.memory_budget = budget
     for note in engine.load_notes:
         print(f"[edgespec] {note}", file=sys.stderr)
+    from edgespec.bundle import unverified_note
+
+    note = unverified_note(args.model)  # e.g. a bundle whose manifest.json was deleted
+    if note:
+        print(f"[edgespec] note: {note}", file=sys.stderr)
     return engine
 
 

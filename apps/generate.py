@@ -55,9 +55,13 @@ def response_format_from_args(args) -> dict | None:
     if getattr(args, "json_schema", None):
         path = Path(args.json_schema)
         try:
-            schema = json.loads(path.read_text())
+            schema = json.loads(path.read_text(encoding="utf-8"))
         except OSError as e:
             raise ValueError(f"--json-schema {path}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--json-schema {path}: not UTF-8 text (byte {e.start})") from None
+        except RecursionError:
+            raise ValueError(f"--json-schema {path}: nested too deeply to read") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"--json-schema {path}: not valid JSON ({e})") from None
         if not isinstance(schema, dict):
@@ -66,9 +70,11 @@ def response_format_from_args(args) -> dict | None:
     if getattr(args, "grammar", None):
         path = Path(args.grammar)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"--grammar {path}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--grammar {path}: not UTF-8 text (byte {e.start})") from None
         syntax = args.grammar_syntax or {".lark": "lark", ".gbnf": "gbnf"}.get(path.suffix.lower())
         if syntax is None:
             raise ValueError(f"--grammar {path}: say its syntax with --grammar-syntax lark|gbnf "
@@ -79,11 +85,25 @@ def response_format_from_args(args) -> dict | None:
     return None
 
 
+def _option(args) -> str:
+    """The structured-output option given, as typed (for error messages)."""
+    for opt, attr in (("--json-schema", "json_schema"), ("--grammar", "grammar"), ("--regex", "regex")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            return f"{opt} {v}"
+    return "--json"
+
+
 def run(args) -> int:
     from edgespec.apps.common import load_engine
 
     rf = response_format_from_args(args)
-    options = options_from_args(args, **({"response_format": rf} if rf is not None else {}))
+    try:  # compiled now (bounded, in a worker process): a bad grammar fails before the model loads
+        options = options_from_args(args, **({"response_format": rf} if rf is not None else {}))
+    except ValueError as e:
+        if rf is None or not str(e).startswith("response_format"):
+            raise
+        raise ValueError(f"{_option(args)}: {str(e).removeprefix('response_format: ')}") from None
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
         from edgespec.converters.default_model import default_bundle_path
@@ -104,12 +124,19 @@ def run(args) -> int:
             {"role": "user", "content": prompt}
         ]
         stream = engine.stream(messages=msgs, options=options)
+    from edgespec.structured import GrammarError
+
     try:
         for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     except KeyboardInterrupt:
         sys.stderr.write("\n[stopped]\n")
+    except GrammarError as e:  # the matcher gave up mid-reply (one of llguidance's per-step limits)
+        from edgespec.structured._worker import short
+
+        sys.stdout.write("\n")
+        raise ValueError(f"{_option(args)}: the grammar could not be followed further: {short(e)}") from None
     finally:
         stream.close()
     sys.stdout.write("\n")

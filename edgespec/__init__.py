@@ -63,8 +63,9 @@ def load(
     (this process only), "disk" ($EDGESPEC_HOME/history) or "off"; None =
     $EDGESPEC_HISTORY, else "memory". History shapes drafts only, never the output.
     `prompt_cache_bytes`: how much of earlier prompts' and replies' caches to keep for
-    requests that start the same way (edgespec.prefix_cache); None = a share of the memory
-    budget, 0 = off. Reuse never changes the output.
+    requests that start the same way (edgespec.prefix_cache); None = two full contexts of
+    the model's KV cache, at most 1 GiB and a fifth of what the memory budget leaves for
+    caches; "memory" = that fifth alone; 0 = off. Reuse never changes the output.
     `kv_bits` (8 or 4; None = full precision): store the KV cache quantized in groups of
     `kv_group_size` along the head size, from position `quantized_kv_start` on
     (edgespec.kv_quant). It saves memory on long contexts and changes the output slightly.
@@ -75,6 +76,9 @@ def load(
     from edgespec.kv_quant import check_settings
 
     check_settings(kv_bits, kv_group_size, quantized_kv_start)  # before the model loads
+    from edgespec.prefix_cache import check_limit
+
+    check_limit(prompt_cache_bytes)
     from edgespec.adaptive.history import history_mode
     from edgespec.loader import load as load_any
 

@@ -98,6 +98,22 @@ def is_bundle(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file()
 
 
+def unverified_note(path: str | Path | None) -> str | None:
+    """The one-line note for a model folder loaded without a manifest (None otherwise).
+
+    Such a folder is loaded, not refused: without manifest.json a bundle is exactly a
+    Hugging Face folder (config.json, model.safetensors, tokenizer files), which edgespec
+    loads directly; what is lost is the check of every file against its recorded size and
+    SHA-256, and the user is told so."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    if not p.is_dir() or is_bundle(p) or not (p / "config.json").is_file():
+        return None
+    return (f"{p} has no {MANIFEST}: loaded as a Hugging Face folder, its files not verified against "
+            "checksums (`edgespec convert` makes a verified bundle)")
+
+
 def _check_manifest_shape(path: Path, manifest) -> None:
     """The fields `read_manifest` relies on, with the types it relies on (a clear error, not a traceback)."""
     def bad(what: str):

@@ -196,3 +196,10 @@ class HiddenKVCache(KVCache):
         super().import_span(parts[:2])
         if len(parts) > 2:
             self.put_hidden(parts[2])
+
+
+def kv_bytes(args, context: int, itemsize: int = 4) -> int:
+    """K and V of every layer for `context` positions: 2 * L * Hk * D * context * itemsize."""
+    return (
+        2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * context * itemsize
+    )

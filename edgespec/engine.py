@@ -83,7 +83,8 @@ class Engine:
     history: Any = None
     max_batch: int | None = None  # generations decoded together; None = from the memory budget
     # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.prefix_cache):
-    # None = PROMPT_CACHE_SHARE of the memory budget's cache share, 0 = no reuse.
+    # None = edgespec.prefix_cache.default_limit (a few contexts' KV, capped), "memory" =
+    # PROMPT_CACHE_SHARE of the memory budget's cache share, 0 = no reuse.
     prompt_cache_bytes: int | None = None
     # Whether the drafter's own cache is reused too (its store joins the prefix cache's bound);
     # None = $EDGESPEC_DRAFTER_REUSE ("on"/"off", default on). Off: the drafter prefills the
@@ -389,17 +390,16 @@ class Engine:
         return quantize_caches(caches, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def _prompt_cache_limit(self) -> int:
-        if self.prompt_cache_bytes is not None:
-            limit = self.prompt_cache_bytes
-            if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
-                raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0 (0 turns "
-                                 f"prefix reuse off), got {limit!r}")
+        from edgespec.prefix_cache import MEMORY, check_limit, default_limit
+
+        limit = self.prompt_cache_bytes
+        check_limit(limit)
+        if limit is not None and limit != MEMORY:
             return int(limit)
 
         budget = memory.cache_budget(self, memory.free_memory_now() if self.memory_budget is None else None)
-        if budget == float("inf"):
-            return PROMPT_CACHE_UNKNOWN_BUDGET
-        return max(int(budget * PROMPT_CACHE_SHARE), 0)
+        share = PROMPT_CACHE_UNKNOWN_BUDGET if budget == float("inf") else max(int(budget * PROMPT_CACHE_SHARE), 0)
+        return share if limit == MEMORY else default_limit(self, share)
 
     @property
     def batcher(self):

@@ -26,6 +26,9 @@ BITS = (4, 8)
 
 def check_settings(bits, group_size, start, head_dim: int | None = None) -> None:
     if bits is None:
+        if start not in (0, None):  # a setting that would do nothing: say so rather than ignore it
+            raise ValueError(f"quantized_kv_start ({start!r}) applies only to a quantized KV cache: give kv_bits "
+                             "(--kv-bits 8 or 4) too, or leave it out")
         return
     if bits not in BITS:
         raise ValueError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")

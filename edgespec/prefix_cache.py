@@ -33,7 +33,67 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from edgespec.cache import kv_bytes
+
 BLOCK = 32  # tokens per trie edge
+# The default bound: this many full contexts of the verifier's KV cache, at most CAP and
+# at most MEMORY_SHARE of what the memory budget leaves for caches. Enough to keep a few
+# long conversations or system prompts; a 135M model's server no longer grows by gigabytes
+# (the memory share alone let it reach 4.3 GB on a 24 GB machine: docs/prefix_cache.md).
+DEFAULT_CONTEXTS = 2
+DEFAULT_CAP = 1 << 30
+MEMORY_SHARE = 0.2
+MEMORY = "memory"  # prompt_cache_bytes="memory": the share of memory alone (the bound before #43)
+
+
+def check_limit(value) -> None:
+    """A prompt_cache_bytes setting, checked before the model loads: None (the default),
+    "memory", or whole bytes >= 0 and no more than this machine's memory."""
+    import numbers
+
+    if value is None or value == MEMORY:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0 (0 turns prefix reuse off) "
+                         f"or {MEMORY!r}, got {value!r}")
+    total = _total_memory()
+    if total is not None and value > total:
+        raise ValueError(f"prompt_cache_bytes {value} is more than this machine's memory ({total >> 20} MiB); "
+                         "give a size it can hold, e.g. 512M")
+
+
+def _total_memory() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        import os
+
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def default_limit(engine, memory_share: float) -> int:
+    """The default bound in bytes: DEFAULT_CONTEXTS full contexts of the verifier's KV cache
+    (at the engine's KV precision), capped by DEFAULT_CAP and `memory_share` (MEMORY_SHARE of
+    the memory left for caches)."""
+    args = engine.model.args
+    per_context = kv_bytes(args, engine.context_length, _itemsize(engine))
+    if engine.kv_bits is not None:  # bits per value plus a float scale and bias per group
+        per_context = per_context * (engine.kv_bits + 64 / engine.kv_group_size) // (8 * _itemsize(engine))
+    return int(max(min(DEFAULT_CONTEXTS * per_context, DEFAULT_CAP, memory_share), 0))
+
+
+def _itemsize(engine) -> int:
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(engine.model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype.size
+    return 4
 
 
 class _Node:

@@ -8,8 +8,15 @@ cache layout (block size, layer kinds) and the tokens. Loading refuses a file wh
 tokenizer or layout differ from the engine's, with the difference named: restoring another
 model's keys and values would silently change the output.
 
+The header carries a SHA-256 of the tensor data (every tensor's name, shape, dtype and
+bytes): a file whose values were overwritten, its header intact, is refused on load,
+naming the file, and left as it is.
+
 Writes are atomic (a temp file beside the destination, then a rename): a save killed
-midway leaves the previous file whole. A file edgespec did not write is never replaced.
+midway leaves the previous file whole. A file edgespec did not write is never replaced;
+a destination is checked before the work that fills it (check_destination: a writable
+folder, a symlink written through to its target), and a save that still fails at the end
+can go to a new file beside it or under $EDGESPEC_HOME/sessions (save_somewhere).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 FORMAT = "edgespec-cache"
-VERSION = 1
+VERSION = 2  # 2: the header carries the tensor data's checksum
 SUFFIX = ".safetensors"
 
 
@@ -103,18 +110,63 @@ def is_cache_file(path: str | Path) -> bool:
         return False
 
 
+def data_checksum(arrays: dict[str, mx.array]) -> str:
+    """SHA-256 of the tensors (name, shape, dtype and bytes, in name order)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}:{tuple(a.shape)}:{a.dtype}|".encode())
+        h.update(memoryview(np.array(a.reshape(-1).view(mx.uint8))))
+    return h.hexdigest()
+
+
 def check_destination(path: str | Path) -> Path:
-    """Refuse (ValueError) a destination that is not absent or a cache file edgespec wrote."""
-    from edgespec.safe_write import check_protected
+    """The file a save will write (a symlink's target: written through), checked now, before
+    the work that fills it: ValueError/WriteError unless it is absent or a cache file
+    edgespec wrote, in a folder this process can write."""
+    from edgespec.safe_write import check_protected, check_writable
 
     path = Path(path).expanduser()
+    if path.is_symlink():  # write through the link: the file it names is the destination
+        path = Path(os.path.realpath(path))
     check_protected(path, "FILE")
-    if path.is_symlink() or (path.exists() and not path.is_file()):
+    if path.exists() and not path.is_file():
         raise ValueError(f"{path} is not a file; refusing to replace it: choose another file")
     if path.exists() and not is_cache_file(path):
         raise ValueError(f"{path} exists and is not a cache edgespec saved; refusing to replace it: "
                          "choose another file or remove it yourself")
+    check_writable(path, "FILE")
     return path
+
+
+def check_destination_path(path: str | Path) -> Path:
+    """The file a save to `path` writes (a symlink's target), unchecked."""
+    path = Path(path).expanduser()
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def save_somewhere(engine, path: str | Path, tokens: list[int], extra: dict | None = None) -> tuple[Path, int]:
+    """save() to `path`, or when that fails (the folder became read-only, the disk is full,
+    the file was replaced by a foreign one), to a new file beside it, else under
+    $EDGESPEC_HOME/sessions: (where it went, positions saved). Raises only when all fail."""
+    import time
+
+    from edgespec.default_model import home
+
+    path = check_destination_path(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stem = path.name[: -len(SUFFIX)] if path.name.endswith(SUFFIX) else path.name
+    tries = [path, path.with_name(f"{stem}-{stamp}{SUFFIX}"), home() / "sessions" / f"{stem}-{stamp}{SUFFIX}"]
+    first: Exception | None = None
+    for i, p in enumerate(tries):
+        if i and os.path.lexists(p):
+            continue
+        try:
+            return p, save(engine, p, tokens, extra)
+        except (OSError, ValueError) as e:
+            first = first or e
+    assert first is not None
+    raise first
 
 
 def save(engine, path: str | Path, tokens: list[int], extra: dict | None = None) -> int:
@@ -130,7 +182,8 @@ def save(engine, path: str | Path, tokens: list[int], extra: dict | None = None)
             for k, a in enumerate(layer):
                 arrays[f"b{i}.l{j}.{k}"] = a
     info = {"version": VERSION, **identity(engine), "kinds": kinds, "blocks": len(nodes),
-            "positions": positions, "tokens": [int(t) for t in tokens], "extra": extra or {}}
+            "positions": positions, "tokens": [int(t) for t in tokens], "extra": extra or {},
+            "checksum": data_checksum(arrays)}
     from edgespec.safe_write import clean_stale_temps, fix_modes, temp_prefix
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +218,9 @@ def load(engine, path: str | Path, pin: bool = False) -> tuple[list[int], dict, 
         mx.eval(list(arrays.values()))
     except Exception as e:
         raise SessionFileError(f"{path} is damaged ({e})") from None
+    if info.get("checksum") != data_checksum(arrays):
+        raise SessionFileError(f"{path} is damaged: its cached keys and values do not match the checksum it was "
+                               "saved with (changed on disk since); it is left as it is: save the session again")
     kinds = info["kinds"]
     nodes = []
     try:

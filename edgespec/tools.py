@@ -103,6 +103,13 @@ def check_tools(tools) -> list[dict]:
         if desc is not None:
             clean["description"] = desc
         clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        if params is not None:  # checked whatever the tool_choice: the model is shown this schema
+            from edgespec.structured.bounds import check_schema
+
+            try:
+                check_schema(params, strict=fn.get("strict") is True)
+            except ValueError as e:
+                raise ValueError(f"tools[{i}].function.parameters: {str(e).removeprefix('response_format: ')}") from None
         if fn.get("strict") is not None:
             clean["strict"] = bool(fn["strict"])
         out.append({"type": "function", "function": clean})
@@ -389,15 +396,51 @@ def fallback_messages(messages: list[dict], tools: list[dict], fmt: ToolFormat) 
 
 
 # ------------------------------------------------------------------ the plan for one request
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties", "anyOf", "oneOf", "allOf", "$ref",
+         "not", "if")
+
+
+def _closed(schema):
+    """`schema` with every object schema that declares its properties and says nothing
+    about others closed (additionalProperties: false), nested ones too: under properties,
+    items, prefixItems, $defs and anyOf/oneOf branches. An object composed with allOf,
+    $ref, not or if is left as written (closing a part would refuse what the whole allows)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _closed(sub) for name, sub in out[k].items()}
+    for k in ("items", "additionalProperties", "contains"):
+        if isinstance(out.get(k), dict):
+            out[k] = _closed(out[k])
+    for k in ("prefixItems", "anyOf", "oneOf", "items"):
+        if isinstance(out.get(k), list):
+            out[k] = [_closed(sub) for sub in out[k]]
+    is_object = out.get("type") == "object" or (out.get("type") is None and "properties" in out)
+    if is_object and not any(k in out for k in _OPEN):
+        out["additionalProperties"] = False
+    return out
+
+
 def _arguments_schema(tool: dict) -> dict:
     """The schema a constrained call's arguments follow: the function's parameters, with
     no properties beyond those declared unless the schema says otherwise (a function
-    takes the parameters it declares; without this a small model keeps adding keys)."""
-    params = tool["function"]["parameters"]
-    if params.get("type") == "object" and "additionalProperties" not in params and \
-            not any(k in params for k in ("anyOf", "oneOf", "allOf", "$ref", "patternProperties")):
-        params = {**params, "additionalProperties": False}
-    return params
+    takes the parameters it declares; without this a small model keeps adding keys), at
+    every level (a nested object takes what it declares too)."""
+    return _closed(tool["function"]["parameters"])
+
+
+def _rebased(schema, prefix: str):
+    """`schema` with every local $ref ('#...') rewritten to point below `prefix` ('#/$defs/t'):
+    a tool's parameters moved from the root of their own document into the calls' schema,
+    so `#/$defs/Sub` (Pydantic's shape) still finds the tool's own $defs."""
+    if isinstance(schema, dict):
+        return {k: (prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, prefix))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, prefix) for v in schema]
+    return schema
 
 
 def _named_schema(tool: dict) -> dict:
@@ -405,14 +448,32 @@ def _named_schema(tool: dict) -> dict:
 
 
 def _required_schema(tools: list[dict], parallel: bool) -> dict:
-    options = [{"type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "arguments": _arguments_schema(t)},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    defs: dict[str, dict] = {}
+    options = []
+    for i, t in enumerate(tools):
+        args = _arguments_schema(t)
+        if _has_local_ref(args):  # kept whole under $defs, its pointers rebased onto it
+            key = f"tool{i}_{t['function']['name']}"
+            defs[key] = _rebased(args, f"#/$defs/{key}")
+            args = {"$ref": f"#/$defs/{key}"}
+        options.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": args},
+                        "required": ["name", "arguments"], "additionalProperties": False})
     item = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {"type": "array", "items": item, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+def _has_local_ref(schema) -> bool:
+    if isinstance(schema, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _has_local_ref(v)
+                   for k, v in schema.items())
+    if isinstance(schema, list):
+        return any(_has_local_ref(v) for v in schema)
+    return False
 
 
 @dataclass

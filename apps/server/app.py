@@ -163,7 +163,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        plan = _tool_plan(body, engine)
+        plan = await run_in_threadpool(_tool_plan, body, engine)  # checks every tool's schema
         jobs = await _submit(body, messages=body.messages, plan=plan)
         return await _respond(request, body, jobs, _Shape(True, engine.tokenizer, body.logprobs_k(), plan))
 
@@ -174,7 +174,9 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
 
     async def _submit(body, prompt=None, messages=None, plan=None) -> list[Job]:
         _check_model(body.model, model_ids)
-        options = _options(body, settings.defaults, settings.max_tokens_limit, plan)
+        # Off the event loop: a new response format is bounded, then compiled in a worker
+        # process (edgespec.structured), which takes milliseconds to seconds.
+        options = await run_in_threadpool(_options, body, settings.defaults, settings.max_tokens_limit, plan)
         param = "messages" if messages is not None else "prompt"
         tools = plan.render_tools if plan is not None else None
         try:
@@ -538,7 +540,7 @@ async def _sse(jobs: list[Job], firsts: list, base: dict, shape: _Shape, include
                     last["edgespec"] = _edgespec(jobs)
                 yield _event(last)
             else:  # failed mid-stream: the status is sent already, so report in-band
-                yield _event(error_body(500, f"generation failed: {payload}", None, "generation_failed"))
+                yield _event(_error_event(payload))
                 yield "data: [DONE]\n\n"
                 return
         if include_usage:
@@ -550,10 +552,34 @@ async def _sse(jobs: list[Job], firsts: list, base: dict, shape: _Shape, include
             job.cancel()  # no-op once done; otherwise stops a waiting or running job
 
 
+def _error_event(payload) -> dict:
+    """The in-band error of a stream that failed after its 200: a grammar the matcher gave
+    up on (the request's own grammar: 400, short, no matcher state) or a server failure."""
+    from edgespec.structured import GrammarError
+
+    if isinstance(payload, (GrammarError, ValueError, EdgespecError)):
+        return error_body(400, _grammar_message(payload), "response_format" if isinstance(payload, GrammarError)
+                          else None, "grammar_error" if isinstance(payload, GrammarError) else "invalid_request")
+    return error_body(500, f"generation failed: {payload}", None, "generation_failed")
+
+
+def _grammar_message(e) -> str:
+    from edgespec.structured import GrammarError
+    from edgespec.structured._worker import short
+
+    if isinstance(e, GrammarError):
+        return f"response_format: the grammar could not be followed further: {short(e)}"
+    return str(e)
+
+
 def _raise_if_error(event, engine=None) -> None:
+    from edgespec.structured import GrammarError
+
     kind, payload = event
     if kind != "error":
         return
+    if isinstance(payload, GrammarError):
+        raise APIError(400, _grammar_message(payload), "response_format", "grammar_error")
     if isinstance(payload, DrafterRequiredError):
         # The engine's message speaks of load(drafter=...); a server is started with one.
         have = "no drafter" if getattr(engine, "drafter", None) is None else "a drafter this mode cannot use"

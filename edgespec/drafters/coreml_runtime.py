@@ -145,3 +145,28 @@ def open_package(path: str | Path, compute_units: str = "CPU_AND_NE") -> tuple[P
     if not (path / "Manifest.json").is_file():
         raise ModelLoadError(f"{path}: not a Core ML .mlpackage (no Manifest.json)")
     return path, read_package_info(path)
+
+
+def package_features(rows: np.ndarray) -> np.ndarray:
+    """(S, F) rows -> the package's channels-first (1, F, 1, S) fp16 input."""
+    return np.ascontiguousarray(rows.T[None, :, None, :]).astype(np.float16)
+
+
+class CoreMLBlockBackend:
+    """Runs a DFlash package's functions (edgespec.drafters.dflash) with Core ML (macOS 15+), all
+    sharing one state."""
+
+    def __init__(self, path: Path, functions: list[str], compute_units: str):
+        import coremltools as ct  # optional (macOS): require_coreml ran first (drafters.registry)
+
+        cu = getattr(ct.ComputeUnit, compute_units)
+        self.models = {f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions}
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.models["feed_1"].make_state()
+
+    def call(self, function: str, rows: np.ndarray, ids: np.ndarray, position: int):
+        out = self.models[function].predict({"features": package_features(rows), "input_ids": ids,
+                                             "position": np.array([position], np.int32)}, state=self.state)
+        return package_rows(out["logits"]), package_rows(out["hidden_out"])

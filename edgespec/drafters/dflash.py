@@ -59,6 +59,7 @@ import mlx.core as mx
 import numpy as np
 
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps, common_prefix
+from edgespec.drafters.coreml_runtime import CoreMLBlockBackend, package_features  # noqa: F401
 from edgespec.errors import ModelLoadError
 
 CONFIG = "config.json"
@@ -342,32 +343,6 @@ class PackageBlock:
             self.offset += S
             i += S
         return mx.array(out[0]), mx.array(out[1])
-
-
-def package_features(rows: np.ndarray) -> np.ndarray:
-    """(S, F) rows -> the package's channels-first (1, F, 1, S) fp16 input."""
-    return np.ascontiguousarray(rows.T[None, :, None, :]).astype(np.float16)
-
-
-class CoreMLBlockBackend:
-    """Runs a DFlash package's functions with Core ML (macOS 15+), all sharing one state."""
-
-    def __init__(self, path: Path, functions: list[str], compute_units: str):
-        import coremltools as ct  # available: drafters.coreml.require_coreml ran first
-
-        cu = getattr(ct.ComputeUnit, compute_units)
-        self.models = {f: ct.models.MLModel(str(path), compute_units=cu, function_name=f) for f in functions}
-        self.reset()
-
-    def reset(self) -> None:
-        self.state = self.models["feed_1"].make_state()
-
-    def call(self, function: str, rows: np.ndarray, ids: np.ndarray, position: int):
-        from edgespec.drafters.mtp import package_rows
-
-        out = self.models[function].predict({"features": package_features(rows), "input_ids": ids,
-                                             "position": np.array([position], np.int32)}, state=self.state)
-        return package_rows(out["logits"]), package_rows(out["hidden_out"])
 
 
 def from_package(path: Path, verifier, info: dict, compute_units: str) -> DFlashDrafter:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 
+from edgespec.cache import kv_bytes  # noqa: F401  (re-exported: the memory accounting's unit)
+
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -35,13 +37,6 @@ def tree_bytes(module) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-
-def kv_bytes(args, context: int, itemsize: int = 4) -> int:
-    """K and V of every layer for `context` positions: 2 * L * Hk * D * context * itemsize."""
-    return (
-        2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * context * itemsize
-    )
 
 
 def drafter_bytes(drafter, verifier, context: int) -> tuple[int, int]:

@@ -11,10 +11,15 @@
 
 `parse_response_format` checks it and compiles it to an llguidance grammar
 (without a tokenizer: it runs in make_options, before any model is touched);
-bad schemas, patterns and grammars raise ValueError naming the problem.
+bad schemas, patterns and grammars raise ValueError naming the problem, and so does a
+grammar that accepts no text. Untrusted input is bounded first (bounds.py: size,
+nesting, `$ref` chains, rules, alternatives, enums; GrammarLimitError names the limit),
+then compiled in a worker process with a time bound (isolated.py), so a native crash or
+stall of llguidance never reaches the calling process.
 `Grammar.matcher(tokenizer, vocab_size)` gives a fresh matcher for one request:
 the compiled matcher is cached per (grammar, tokenizer) and copied (deep_copy),
-so a schema is compiled once per tokenizer. Why llguidance: docs/structured.md.
+so a schema is compiled once per tokenizer (first checked in a worker: it compiles for this
+tokenizer and its first step allows a token). Why llguidance: docs/structured.md.
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from edgespec.structured.bounds import (
+    LIMITS,
+    GrammarLimitError,
+    GrammarLimits,
+    check_grammar,
+    check_regex,
+    check_schema,
+)
 
 # JSON is written the way models usually write it, compact but with a space after ':' and ',':
 # fixed separators make keys and punctuation forced (one continuation), which the forced-token
@@ -35,7 +49,12 @@ CACHE_SIZE = 256
 
 
 class GrammarError(RuntimeError):
-    """The grammar matcher failed during generation (fails that request alone)."""
+    """The grammar matcher failed during generation (fails that request alone; the server
+    answers it as the request's error, 400, not as its own failure)."""
+
+
+__all__ = ["CACHE_SIZE", "KINDS", "LIMITS", "Grammar", "GrammarError", "GrammarLimitError", "GrammarLimits",
+           "ll_tokenizer", "matcher_cache", "parse_response_format"]
 
 
 def _llg():
@@ -65,25 +84,51 @@ def _schema_of(value) -> dict | None:
     return None
 
 
-def _check(text: str, what: str) -> str:
-    err = _llg().LLMatcher.validate_grammar(text)
-    if err and not err.startswith("WARNING"):
-        raise ValueError(f"response_format: invalid {what}: {err}")
-    return text
-
-
-def _json_grammar(schema: Any, what: str) -> str:
+def _json_text(schema: Any, strict: bool) -> str:
+    """A JSON schema checked against the bounds, as JSON text."""
     if isinstance(schema, bool) or not isinstance(schema, dict):
         raise ValueError(f"response_format: the JSON schema must be an object (a dict), got {type(schema).__name__}")
     try:
         text = json.dumps(schema)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"response_format: the JSON schema is not serialisable as JSON ({e})") from None
-    try:
-        g = _llg().LLMatcher.grammar_from_json_schema(text, defaults=dict(JSON_OPTIONS))
-    except Exception as e:  # llguidance raises ValueError/RuntimeError with the schema's problem
-        raise ValueError(f"response_format: invalid {what}: {e}") from None
-    return _check(g, what)
+    if len(text) > LIMITS.max_bytes:
+        raise GrammarLimitError(f"response_format: the JSON schema's size in bytes is {len(text)}, over the limit "
+                                f"of {LIMITS.max_bytes} (GrammarLimits.max_bytes)")
+    check_schema(schema, strict)
+    return text
+
+
+_compiler = None
+_compiler_lock = threading.Lock()
+
+
+def _isolated():
+    global _compiler
+    with _compiler_lock:
+        if _compiler is None:
+            from edgespec.structured.isolated import IsolatedCompiler
+
+            _compiler = IsolatedCompiler(JSON_OPTIONS)
+        return _compiler
+
+
+def _compile(kind: str, source: str) -> str:
+    """llguidance grammar text for `source` (bounded already), checked to accept some text:
+    in a worker process (LIMITS.isolate), else here on a deep stack."""
+    if LIMITS.isolate:
+        return _isolated().compile(kind, source)
+    from edgespec.structured import _worker
+    from edgespec.structured.isolated import on_deep_stack
+
+    def run():
+        text = _worker.compile_source(kind, source, JSON_OPTIONS)
+        err = _worker.first_step_error(_worker.byte_tokenizer(), text, tokenized=False)
+        if err:
+            raise ValueError(f"response_format: {err}")
+        return text
+
+    return on_deep_stack(run)
 
 
 @dataclass(frozen=True)
@@ -115,7 +160,7 @@ def parse_response_format(rf: Any) -> Grammar | None:
         raise ValueError(f"response_format type {kind!r} is not supported; use one of {', '.join(KINDS)}, "
                          "or give a JSON schema")
     if kind not in KINDS:  # a plain JSON schema ({"type": "object", ...}, {"anyOf": [...]}, ...)
-        return _compiled("json_schema", rf, rf.get("title"))
+        return _compiled("json_schema", rf, rf.get("title"), bool(rf.get("strict")))
     if kind == "text":
         return None
     if kind == "json_object":
@@ -129,7 +174,7 @@ def parse_response_format(rf: Any) -> Grammar | None:
                              "{'name': ..., 'schema': {...}}")
         schema = spec["schema"]
         schema = _schema_of(schema) or schema
-        return _compiled("json_schema", schema, spec.get("name"))
+        return _compiled("json_schema", schema, spec.get("name"), spec.get("strict") is True)
     if kind == "regex":
         pattern = rf.get("pattern", rf.get("regex"))
         if not isinstance(pattern, str) or not pattern:
@@ -144,38 +189,26 @@ def parse_response_format(rf: Any) -> Grammar | None:
     return _compiled("grammar:" + syntax, grammar, None)
 
 
-def _compiled(kind: str, source: Any, name: str | None) -> Grammar:
-    key = (kind, source if isinstance(source, str) else json.dumps(source, sort_keys=True))
+def _compiled(kind: str, source: Any, name: str | None, strict: bool = False) -> Grammar:
+    if kind in ("json_schema", "json_object"):
+        text = _json_text(source, strict)
+    elif kind == "regex":
+        check_regex(source)
+        text = source
+    else:
+        check_grammar(source, kind.split(":", 1)[1])
+        text = source
+    key = (kind, text, strict)
     with _parse_lock:
         hit = _parse_cache.get(key)
         if hit is not None:
             _parse_cache.move_to_end(key)
             return hit
-    llg = _llg()
+    compiled = _compile(kind, text)
     if kind in ("json_schema", "json_object"):
-        text = _json_grammar(source, "JSON schema" if kind == "json_schema" else "json_object")
-        g = Grammar(kind, text, source, name)
-    elif kind == "regex":
-        try:
-            text = llg.LLMatcher.grammar_from_regex(source)
-        except Exception as e:
-            raise ValueError(f"response_format: invalid regex {source!r}: {e}") from None
-        g = Grammar("regex", _check(text, f"regex {source!r}"))
+        g = Grammar(kind, compiled, source, name)
     else:
-        syntax = kind.split(":", 1)[1]
-        lark = source
-        if syntax == "gbnf":
-            from llguidance.gbnf_to_lark import gbnf_to_lark
-
-            try:
-                lark = gbnf_to_lark(source)
-            except Exception as e:
-                raise ValueError(f"response_format: invalid GBNF grammar: {e}") from None
-        try:
-            text = llg.LLMatcher.grammar_from_lark(lark)
-        except Exception as e:
-            raise ValueError(f"response_format: invalid {syntax} grammar: {e}") from None
-        g = Grammar("grammar", _check(text, f"{syntax} grammar"))
+        g = Grammar("regex" if kind == "regex" else "grammar", compiled)
     with _parse_lock:
         _parse_cache[key] = g
         while len(_parse_cache) > CACHE_SIZE:
@@ -199,28 +232,16 @@ def _ll_tokenizer(tokenizer, vocab_size: int | None):
     hit = cache.get(n)
     if hit is not None:
         return hit
+    from edgespec.structured._worker import build_ll_tokenizer
     from edgespec.structured.tokens import token_bytes
 
-    llg = _llg()
     tokens, special = token_bytes(tokenizer, n)
     eos = sorted(tokenizer.eos_token_ids)
     if not eos:
         raise ValueError("constrained decoding needs a tokenizer with an EOS token (it ends the reply "
                          "when the grammar is complete)")
-
-    class _Vocab:  # what llguidance.TokenizerWrapper reads
-        eos_token_id = eos[0]
-        bos_token_id = tokenizer.bos_token_id
-        special_token_ids = special
-
-        def __call__(self, s):
-            if isinstance(s, (bytes, bytearray)):
-                s = bytes(s).decode("utf-8", errors="replace")
-            return tokenizer.encode(s, add_special_tokens=False)
-
-    vocab = _Vocab()
-    vocab.tokens = tokens
-    lt = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n, eos_token=eos)
+    lt = build_ll_tokenizer(tokens, special, eos, tokenizer.bos_token_id, n,
+                            lambda s: tokenizer.encode(s, add_special_tokens=False))
     cache[n] = lt
     return lt
 
@@ -241,10 +262,21 @@ class _MatcherCache:
             if hit is not None and hit[0] is tokenizer:
                 self._d.move_to_end(key)
                 return hit[1].deep_copy()
-        llg = _llg()
-        m = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar.text, log_level=0)
+        from edgespec.structured import _worker
+        from edgespec.structured.isolated import on_deep_stack, tokenizer_payload
+
+        lt = ll_tokenizer(tokenizer, vocab_size)
+        if LIMITS.isolate:  # proven harmless (and quick) for this tokenizer in a worker first
+            n = vocab_size if vocab_size is not None else tokenizer.vocab_size
+            _isolated().check(tokenizer_payload(tokenizer, n), grammar.text)
+        else:
+            err = on_deep_stack(_worker.first_step_error, lt, grammar.text, True)
+            if err:
+                raise ValueError(f"response_format: {err}")
+        m = on_deep_stack(lambda: _llg().LLMatcher(lt, grammar.text, log_level=0, limits=_worker.limits()))
         if m.is_error():
-            raise ValueError(f"response_format: the grammar does not compile for this tokenizer: {m.get_error()}")
+            raise ValueError(f"response_format: the grammar does not compile for this tokenizer: "
+                             f"{_worker.short(m.get_error())}")
         with self._lock:
             self.compiles += 1
             self._d[key] = (tokenizer, m)
