@@ -1,4 +1,5 @@
-"""edgespec: on-device LLM inference with lossless speculative and lookahead decoding.
+"""edgespec's public API: `load()` gives an Engine for on-device LLM inference with lossless
+speculative and lookahead decoding.
 
     import edgespec
     engine = edgespec.load()                  # default model (SmolLM2-135M-Instruct)

@@ -1,4 +1,4 @@
-"""Gemma 4 (text; `gemma4_text`, and the language model of `gemma4`).
+"""The Gemma 4 architecture (text; `gemma4_text`, and the language model of `gemma4`).
 
 What differs from Gemma 3:
 - norms multiply by w (not 1 + w); values get a scale-free RMSNorm too; attention scale 1

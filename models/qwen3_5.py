@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense text model; `qwen3_5_text`, and the text part of `qwen3_5`).
+"""The Qwen3.5 architecture (dense text model; `qwen3_5_text`, and the text part of `qwen3_5`).
 
 Gated DeltaNet layers (linear attention) interleaved with gated full attention:
 - linear_attention: in_proj_qkv -> depthwise causal conv (width linear_conv_kernel_dim) ->

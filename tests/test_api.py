@@ -122,17 +122,17 @@ def test_an_open_stream_does_not_hold_the_engine(engine):
 
 
 def test_docs_api_examples_run(engine, monkeypatch, capsys):
-    """Every Python block of the README's "Python API" section runs (against the tiny bundle)."""
+    """Every Python block of docs/api.md's "Python API" section runs (against the tiny bundle)."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     doc = readme.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
     assert len(blocks) >= 5
     monkeypatch.setattr(edgespec, "load", lambda *a, **k: engine)
     for code in blocks:
-        exec(compile(code, "README.md", "exec"), {"__name__": "docs_example"})
+        exec(compile(code, "docs/api.md", "exec"), {"__name__": "docs_example"})
     out = capsys.readouterr().out
     assert "tokens before the deadline" in out and "plain" in out
 

@@ -446,7 +446,7 @@ def test_oversized_body_is_refused(server):
 
 
 def test_swift_example_request_shape(server, engine):
-    """The body the README's Swift ChatRequest encodes (nil optionals omitted), parsed line by
+    """The body docs/swift.md's ChatRequest encodes (nil optionals omitted), parsed line by
     line as its client does."""
     body = {"model": "default", "messages": MSGS, "stream": True, "max_tokens": 12,
             "stream_options": {"include_usage": True}}

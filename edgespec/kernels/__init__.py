@@ -1,4 +1,4 @@
-"""Custom kernels for the hot spots of tree / lookahead steps.
+"""Custom kernels for the hot spots of decoding (tree / lookahead steps first), each with an MLX reference.
 
 Each kernel is a Metal source string (`KernelSpec`) run through
 `mx.fast.metal_kernel` on Apple GPUs, with a pure-MLX reference of identical

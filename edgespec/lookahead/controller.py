@@ -1,4 +1,4 @@
-"""Deciding on the fly which kind of step pays.
+"""Lookahead's step controller: which kind of step pays, decided on the fly from measured tokens/s.
 
 - "full": the Jacobi window plus the pooled candidates (the whole lookahead step);
 - "lean": the pooled candidates only (prompt-lookup-like; cheap when copying);

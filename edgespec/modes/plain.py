@@ -1,3 +1,5 @@
+"""Mode "plain": autoregressive decoding with the verifier alone, the reference every mode equals."""
+
 from edgespec.generate import PlainMode
 from edgespec.modes.registry import register_mode
 
