@@ -25,12 +25,12 @@ def register_mode(name: str, description: str, options: list[Option] | tuple = (
 
 
 def available_modes() -> list[str]:
-    return list(MODES)
+    return sorted(MODES)  # one order wherever they are listed (help, errors), whatever the import order
 
 
 def check_mode(name: str) -> str:
     if name != AUTO and name not in MODES:
-        raise ValueError(f"unknown decoding mode {name!r}; choose one of: {AUTO}, {', '.join(MODES)}")
+        raise ValueError(f"unknown decoding mode {name!r}; choose one of: {AUTO}, {', '.join(available_modes())}")
     return name
 
 
