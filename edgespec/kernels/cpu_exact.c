@@ -35,43 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define W 8
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-static inline vf splat(float x) { return x - (vf){}; }
-
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-/* exp(x) for x <= 0, lane-wise: cpu_attention.c's (Cephes expf coefficients, -87 and below
- * give 0); the same operations in every lane, so a value's result does not depend on its lane. */
-static inline vf vexp_neg(vf x) {
-    const vf lo = splat(-87.0f);
-    const vi dead = x < lo; /* all ones where x < -87 (and -inf) */
-    x = (vf)(((vi)x & ~dead) | ((vi)lo & dead));
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf t = x * splat(1.44269504088896341f) + magic;
-    vf n = t - magic;
-    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-    vf z = r * r;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * z + r + splat(1.0f);
-    /* t's bits are 0x4B400000 + n for |n| < 2^22; 2^n is (n + 127) << 23 (n >= -126 here) */
-    vi e = ((vi)t - 0x4B400000 + 127) << 23;
-    vf y = p * (vf)e;
-    return (vf)((vi)y & ~dead);
-}
+#include "cpu_simd.h"
 
 __attribute__((visibility("default"))) int edgespec_exact_attention(
     const float *q, int64_t rows, int64_t group, const float *k, int64_t ldk, const float *v, int64_t ldv,

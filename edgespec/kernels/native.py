@@ -30,6 +30,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import warnings
 from collections.abc import Callable
@@ -66,7 +67,11 @@ def library_path(flags: tuple[str, ...], home: Path | None = None, source: Path 
         from edgespec.paths import home as default_home
 
         home = default_home()
-    h = hashlib.sha256(source.read_bytes() + repr((flags, _cpu_key())).encode()).hexdigest()[:16]
+    text = source.read_bytes()
+    # The headers it includes by name (cpu_simd.h), beside it: a change to one rebuilds.
+    headers = b"".join((source.parent / name.decode()).read_bytes()
+                       for name in re.findall(rb'#include "([^"]+)"', text) if (source.parent / name.decode()).is_file())
+    h = hashlib.sha256(text + headers + repr((flags, _cpu_key())).encode()).hexdigest()[:16]
     return Path(home) / "kernels" / f"{stem}-{h}.so"
 
 
