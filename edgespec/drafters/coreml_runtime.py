@@ -8,6 +8,7 @@ here on Linux against the numpy MIL executor (tests) and on a Mac against Core M
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from edgespec.drafters.base import fork_backend
 from edgespec.errors import EdgespecError, ModelLoadError
 
 METADATA_KEY = "edgespec.coreml"  # the package's user-defined metadata entry (JSON info dict)
@@ -170,3 +172,28 @@ class CoreMLBlockBackend:
         out = self.models[function].predict({"features": package_features(rows), "input_ids": ids,
                                              "position": np.array([position], np.int32)}, state=self.state)
         return package_rows(out["logits"]), package_rows(out["hidden_out"])
+
+
+class PackageCursor:
+    """A stateful package's position through a backend: a fixed buffer of `context` slots where
+    rolling back is lowering `offset` (stale slots are masked). The MTP head's and the DFlash
+    drafter's packages (drafters.mtp.CoreMLHead, drafters.dflash.PackageBlock) build on it."""
+
+    def __init__(self, backend, info: dict[str, Any]):
+        self.backend = backend
+        self.context = int(info["context_length"])
+        self.offset = 0
+
+    def reset(self) -> None:
+        self.backend.reset()
+        self.offset = 0
+
+    def fork(self):
+        """For one request: the same loaded functions, a state of its own at position 0."""
+        twin = copy.copy(self)
+        twin.backend, twin.offset = fork_backend(self.backend), 0
+        return twin
+
+    def trim_to(self, n: int) -> None:
+        self.offset = min(self.offset, n)
+

@@ -59,7 +59,7 @@ import mlx.core as mx
 import numpy as np
 
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps, common_prefix
-from edgespec.drafters.coreml_runtime import CoreMLBlockBackend, package_features  # noqa: F401
+from edgespec.drafters.coreml_runtime import CoreMLBlockBackend, PackageCursor, package_features  # noqa: F401
 from edgespec.errors import ModelLoadError
 
 CONFIG = "config.json"
@@ -302,32 +302,16 @@ class DFlashDrafter(AcceptsDrafts):
             self.verifier.stop_recording()
 
 
-class PackageBlock:
+class PackageBlock(PackageCursor):
     """The drafter's layers as its Core ML package (converters/dflash_export.py), through a backend
     (`call(function, features (S, n*E), block ids (1, L), position) -> (logits (L-1, V), hidden (L-1, E))`):
     a fixed buffer of `context` slots where rolling back is lowering `offset`. New context rows go
     in pieces of the package's feed sizes; the block of the last piece is the one used."""
 
     def __init__(self, backend, info: dict):
-        self.backend = backend
-        self.context = int(info["context_length"])
+        super().__init__(backend, info)
         self.sizes = sorted(int(s) for s in info["feed_sizes"])
         self.block_size, self.mask = int(info["block_size"]), int(info["mask_token_id"])
-        self.offset = 0
-
-    def reset(self) -> None:
-        self.backend.reset()
-        self.offset = 0
-
-    def fork(self) -> PackageBlock:
-        from edgespec.drafters.base import fork_backend
-
-        twin = copy.copy(self)
-        twin.backend, twin.offset = fork_backend(self.backend), 0
-        return twin
-
-    def trim_to(self, n: int) -> None:
-        self.offset = min(self.offset, n)
 
     def block(self, last: int, features: mx.array) -> tuple[mx.array, mx.array]:
         """features (1, S, n*E) new context rows (S >= 0) -> (logits (L-1, V), final-norm states (L-1, E))."""

@@ -41,10 +41,10 @@ from edgespec.drafters.base import (
     Draft,
     DrafterCaps,
     common_prefix,
-    fork_backend,
 )
 from edgespec.drafters.coreml_runtime import (  # noqa: F401  (package_hidden/rows re-exported)
     CoreMLHiddenBackend,
+    PackageCursor,
     package_hidden,
     package_rows,
     units_device,
@@ -89,28 +89,14 @@ class MLXHead:
         return self.verifier.project(g)[0, -1], g
 
 
-class CoreMLHead:
+class CoreMLHead(PackageCursor):
     """The head's Core ML package (converters/mtp_export.py) through a backend; a fixed buffer of
     `context` slots where rolling back is only lowering `offset` (stale slots are masked)."""
 
     def __init__(self, backend, info: dict[str, Any]):
-        self.backend = backend
-        self.context = int(info["context_length"])
+        super().__init__(backend, info)
         self.chunk = int(info["prefill_chunk"])
         self.multi = sorted(int(k) for k in info.get("decode_tokens", [1]) if int(k) > 1)
-        self.offset = 0
-
-    def reset(self) -> None:
-        self.backend.reset()
-        self.offset = 0
-
-    def fork(self) -> CoreMLHead:
-        twin = copy.copy(self)
-        twin.backend, twin.offset = fork_backend(self.backend), 0
-        return twin
-
-    def trim_to(self, n: int) -> None:
-        self.offset = min(self.offset, n)
 
     def feed(self, ids: list[int] | mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
         ids = np.array(ids.tolist() if isinstance(ids, mx.array) else ids, np.int32).reshape(-1)
