@@ -266,9 +266,9 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
         raise ValueError("--drafter-calibrate is not implemented for Gemma 4's assistant package (its compression "
                          "is plain rounding); pass --drafter-calibrate 0")
     model = load_assistant_model(src)
-    if model.args.vocab_size != verifier_vocab:
-        raise ModelLoadError(f"the assistant's vocabulary has {model.args.vocab_size} tokens, "
-                             f"the verifier's {verifier_vocab}")
+    check_compatible(model.args.vocab_size, verifier_vocab, error=ModelLoadError,
+                     size_message=f"the assistant's vocabulary has {model.args.vocab_size} tokens, "
+                                  f"the verifier's {verifier_vocab}")
     if verifier_args is not None:
         check_fit(model.args, verifier_args)
     params = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v

@@ -36,7 +36,40 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-class KVCache:
+class LayerCache:
+    """The per-layer cache protocol (the module docstring): what every cache kind declares,
+    with the defaults of a kind that declares nothing. Callers read these; they never probe.
+
+    span_kind: "positions" or "state" (see above); None: the kind cannot export spans (the
+        prefix cache and saved sessions skip a model with such a layer).
+    span_form: what else an exported span depends on (kv_quant's bits and groups), or None.
+    forwards_ops: trim/keep are replayed elsewhere (a distributed verifier's mirror), so a
+        tree commit calls keep() rather than writing keys in place.
+    slot_positions: a batched pass's view: key slot j of every row holds position j.
+    keeps_hidden: also keeps the final-norm hidden state per position (`hidden_at`).
+    keep_many: a kind whose layers commit a tree step together (the batch arena's rows):
+        keep_many(caches, start, indices); None: each layer keeps its own.
+    keys: the layer's key buffer where it has one (None otherwise).
+    """
+
+    span_kind: str | None = None
+    span_form: str | None = None
+    forwards_ops = False
+    slot_positions = False
+    keeps_hidden = False
+    keep_many = None
+    keys = None
+    offset = 0
+
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` in one allocation, where the kind grows a buffer (else nothing)."""
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays whose evaluation computes the layer's latest pass."""
+        return [] if self.keys is None else [self.keys]
+
+
+class KVCache(LayerCache):
     step = 256
 
     def __init__(self):
@@ -135,11 +168,7 @@ def cache_arrays(caches) -> list[mx.array]:
     """What to evaluate so a pass over `caches` is computed (see `arrays` above)."""
     out = []
     for c in caches:
-        arrays = getattr(c, "arrays", None)
-        if arrays is not None:
-            out.extend(arrays())
-        elif getattr(c, "keys", None) is not None:
-            out.append(c.keys)
+        out.extend(c.arrays())
     return out
 
 
@@ -157,6 +186,8 @@ class HiddenKVCache(KVCache):
     exported with its keys: what a drafter reading the verifier's states finds there (Gemma 4's
     assistant and Qwen3.5's MTP head: final-norm states; a DFlash drafter: its target layers'
     outputs, models.base.Model.record_hidden)."""
+
+    keeps_hidden = True
 
     def __init__(self):
         super().__init__()

@@ -136,8 +136,7 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
     feats = []
     if len(tokens) - done > chunk:
         for c in cache:
-            if hasattr(c, "reserve"):
-                c.reserve(c.offset + len(tokens) - done)  # one allocation, not one regrowth per chunk
+            c.reserve(c.offset + len(tokens) - done)  # one allocation, not one regrowth per chunk
     starts = list(range(done, len(tokens), chunk))
     if pause is not None:
         starts = sorted(set(starts) | {pause})

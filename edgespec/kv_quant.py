@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache
+from edgespec.cache import KVCache, LayerCache
 
 BITS = (4, 8)
 
@@ -43,7 +43,7 @@ def check_settings(bits, group_size, start, head_dim: int | None = None) -> None
                             "; its KV cache cannot be quantized (head size under 32)"))
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(LayerCache):
     """One layer's K/V: full precision before `start`, quantized from there (the KVCache
     interface and the state protocol of edgespec.cache)."""
 

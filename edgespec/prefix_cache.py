@@ -130,10 +130,10 @@ def layer_kinds(caches) -> list[str] | None:
     """Each layer's span kind, or None when some cache does not implement the state protocol."""
     kinds = []
     for c in caches:
-        kind = getattr(c, "span_kind", None)
-        if kind not in ("positions", "state") or not hasattr(c, "export_span"):
+        kind = c.span_kind
+        if kind not in ("positions", "state"):
             return None
-        form = getattr(c, "span_form", None)  # what else the exported arrays depend on (kv_quant)
+        form = c.span_form  # what else the exported arrays depend on (kv_quant)
         kinds.append(f"{kind}:{form}" if form else kind)
     return kinds
 

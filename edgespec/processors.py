@@ -298,7 +298,7 @@ class ProcessedModel:
         T = len(toks)
         # The model has written this call's T positions (a layer without positions, e.g. a
         # recurrent state, may have none: the furthest that has one counts).
-        offsets = [c.offset for c in cache if hasattr(c, "offset")]
+        offsets = [c.offset for c in cache]
         offset = max(offsets) if offsets else None
         if offset is None:
             raise RuntimeError("the verifier's caches keep no positions: response_format, penalties and "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from edgespec.cache import LayerCache
 from edgespec.kernels import cpu_delta
 from edgespec.kernels.delta import DK_MAX, delta_rule_metal
 from edgespec.kernels.delta_reference import delta_recurrent, delta_step  # noqa: F401  (re-exported)
@@ -37,7 +38,7 @@ RECURRENT_MAX = 32  # passes up to this long (decode, verify) step the recurrenc
 CPU_NATIVE = False  # the CPU device runs the recurrence natively (edgespec.kernels.cpu_delta; see delta_rule)
 
 
-class StateCache:
+class StateCache(LayerCache):
     """Base of the recurrent caches: the log, checkpoints and the protocol.
 
     Subclasses define `advance(state, inputs)`: the state after feeding `inputs` (a tuple of

@@ -482,7 +482,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B, Hk, S, D)
         if self.window is not None:
-            slots = k.shape[2] if getattr(cache, "slot_positions", False) else None
+            slots = k.shape[2] if cache is not None and cache.slot_positions else None
             mask = window_mask(mask, positions, offset, T, self.window, slots)
         # A long prompt chunk on the CPU device: see the kernel's notes. Only calls with a cache
         # (inference) take it: numpy has no gradients, and full-sequence calls without a cache

@@ -31,7 +31,7 @@ from edgespec.models.base import ModelArgs as BaseArgs
 from edgespec.models.base import RoPE, window_mask
 from edgespec.models.experts import SwitchGLU, stack_experts, top_k
 
-from edgespec.cache import HiddenKVCache, KVCache
+from edgespec.cache import HiddenKVCache, KVCache, LayerCache
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
 from edgespec.kernels.linear import Linear
@@ -222,7 +222,7 @@ class Attention(nn.Module):
             v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
-            slots = k.shape[2] if getattr(cache, "slot_positions", False) else None  # a batched pass
+            slots = k.shape[2] if cache is not None and cache.slot_positions else None  # a batched pass
             shared[key] = (k, v, offset, slots)
         else:
             k, v, offset, *rest = shared[key]
@@ -329,7 +329,7 @@ class DecoderLayer(nn.Module):
         return h * self.layer_scalar.astype(h.dtype)
 
 
-class SharedKV:
+class SharedKV(LayerCache):
     """The cache entry of a layer that reads another layer's keys and values: it holds
     nothing (its source's entry holds them), so trimming and keeping are the source's."""
 

@@ -382,6 +382,7 @@ def test_auto_adds_no_jacobi_window_to_a_tree_inside_a_batch():
     step's shape is the joint choice's, so no window rides on the tree; alone, or priced as
     if alone (batch_aware=0), the controller decides."""
     from edgespec.adaptive.decoder import AdaptiveDecoder
+    from edgespec.adaptive.policy import TimedPolicy
 
     class Full:
         def choose(self):
@@ -389,6 +390,7 @@ def test_auto_adds_no_jacobi_window_to_a_tree_inside_a_batch():
 
     dec = AdaptiveDecoder.__new__(AdaptiveDecoder)
     dec.wctl = Full()
+    dec.policy = TimedPolicy()  # the timed choices (edgespec.adaptive.policy)
     for ctx, want in ((None, True), (lambda: None, True), (lambda: ([Peer(1)], CPU, 0), False)):
         dec._batch_ctx = ctx
         assert dec._window_now() is want

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache, export_kv
+from edgespec.cache import KVCache, LayerCache, export_kv
 
 
 class KVArena:
@@ -163,7 +163,7 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in runs]
 
 
-class SlotCache:
+class SlotCache(LayerCache):
     """One layer's cache of one sequence whose entries live in a row of a `KVArena`
     (the KVCache interface).
 

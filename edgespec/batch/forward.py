@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from edgespec.cache import KVCache
+from edgespec.cache import KVCache, LayerCache
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Row:
         return self.offset + self.T
 
 
-class _GatherCache:
+class _GatherCache(LayerCache):
     """Stands in for one layer's cache in a batched pass: writes each row's real new K/V
     into that row's own cache and hands attention the rows padded to S_max."""
 
@@ -83,7 +83,7 @@ class _GatherCache:
         return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
 
 
-class _ArenaView:
+class _ArenaView(LayerCache):
     """Stands in for one layer's cache in a batched pass whose rows all live in one
     KVArena (edgespec.batch.arena): one scatter writes every row's new K/V at its own
     offset (a padded row's padding lands past its new offset, where nothing reads it),
@@ -171,7 +171,7 @@ def batched_forward(model, rows: list[Row]) -> list:
         r = rows[0]
         return [model(r.inputs, r.cache, mask=r.mask, positions=r.positions, return_hidden=r.return_hidden,
                       last_only=r.last_only)]
-    if any(getattr(c, "span_kind", "positions") != "positions" for r in rows for c in r.cache):
+    if any(c.span_kind == "state" for r in rows for c in r.cache):
         # A recurrent layer's state is one per sequence and padding would run through it:
         # rows with such layers take one pass each (the same calls as alone).
         return [batched_forward(model, [r])[0] for r in rows]

@@ -24,11 +24,12 @@ import weakref
 import mlx.core as mx
 
 from edgespec.batch.forward import _GatherCache
+from edgespec.cache import LayerCache
 from edgespec.distributed.comm import DistributedError, Group
 from edgespec.distributed.stage import Stage, dtype_name
 
 
-class MirroredCache:
+class MirroredCache(LayerCache):
     """One layer's cache on rank 0: local KV (if this rank computes the layer) + op log."""
 
     forwards_ops = True  # commit_kv uses keep() (forwarded) instead of writing keys directly

@@ -158,7 +158,7 @@ def tensor_config(config: dict[str, Any], size: int) -> dict[str, Any]:
 
 def refuse_unsplittable(model: nn.Module, model_type: str | None, mode: str) -> None:
     """DistributedError naming the architecture and why, for models neither split can run."""
-    if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
+    if any(c.span_kind == "state" for c in model.make_cache()):
         # the mirrored caches forward K/V operations only; a recurrent state is not split or mirrored
         raise DistributedError(f"distributed verifiers run attention layers only; {model_type!r} has "
                                "recurrent (convolution / linear-attention) layers: run it on one machine")

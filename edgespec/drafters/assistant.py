@@ -128,7 +128,7 @@ class AssistantDrafter(AcceptsDrafts):
         """(keys/values per layer type, hidden at p - 1, p) from the verifier cache, or None."""
         p = len(self.seq) - 1
         cache = self.cache
-        if cache is None or p < 1 or cache[0].offset < p or not hasattr(cache[0], "hidden_at"):
+        if cache is None or p < 1 or cache[0].offset < p or not cache[0].keeps_hidden:
             return None
         hidden = cache[0].hidden_at(p - 1)
         if hidden is None:

@@ -163,7 +163,7 @@ class CoreMLAssistantDrafter(AcceptsDrafts):
         cache = self.cache
         hidden = None
         if k >= 1 and cache is not None and 1 <= p <= self.context and cache[0].offset >= p \
-                and hasattr(cache[0], "hidden_at"):
+                and cache[0].keeps_hidden:
             hidden = cache[0].hidden_at(p - 1)
         if hidden is None or any(cache[j].state is None for j in self.store.values()):
             self._last_draft = []

@@ -59,6 +59,7 @@ import mlx.core as mx
 import numpy as np
 
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps, common_prefix
+from edgespec.drafters.compat import check_compatible
 from edgespec.drafters.coreml_runtime import CoreMLBlockBackend, PackageCursor, package_features  # noqa: F401
 from edgespec.errors import ModelLoadError
 
@@ -137,9 +138,9 @@ def check_args(args, va, path: Path | str = "drafter") -> None:
     if args.hidden_size != va.hidden_size:
         raise ModelLoadError(f"{path}: the DFlash drafter reads states of width {args.hidden_size}, the verifier's "
                              f"are {va.hidden_size}: it was trained for another verifier")
-    if args.vocab_size != va.vocab_size:
-        raise ModelLoadError(f"{path}: the DFlash drafter was built for a vocabulary of {args.vocab_size} tokens, "
-                             f"the verifier has {va.vocab_size}")
+    check_compatible(args.vocab_size, va.vocab_size, error=ModelLoadError,
+                     size_message=f"{path}: the DFlash drafter was built for a vocabulary of {args.vocab_size} "
+                                  f"tokens, the verifier has {va.vocab_size}")
     bad = [i for i in args.target_layer_ids if i >= va.num_hidden_layers]
     if bad:
         raise ModelLoadError(f"{path}: target_layer_ids {bad} past the verifier's {va.num_hidden_layers} layers")

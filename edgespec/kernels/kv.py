@@ -60,11 +60,11 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
 
     Same effect as `KVCache.keep`, with the gather done by the kernel on Metal.
     """
-    many = getattr(caches[0], "keep_many", None) if caches else None
+    many = caches[0].keep_many if caches else None
     if many is not None:  # a batch arena's rows (edgespec.batch.arena): every layer at once
         many(caches, start, indices)
         return
-    if not on_metal() or any(getattr(c, "forwards_ops", False) or getattr(c, "keys", None) is None for c in caches):
+    if not on_metal() or any(c.forwards_ops or c.keys is None for c in caches):
         # a distributed verifier's caches replay keep() on every rank (edgespec.distributed)
         for c in caches:
             c.keep(start, indices)
@@ -73,7 +73,7 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
     moved = list(indices) != list(range(n))
     idx = mx.array([start + i for i in indices], dtype=mx.int32)
     for c in caches:
-        if getattr(c, "span_kind", "positions") != "positions":
+        if c.span_kind == "state":
             c.keep(start, indices)  # a recurrent layer's state (edgespec.recurrent): recomputed
             continue
         if c.keys is not None and moved:

@@ -67,7 +67,7 @@ class TreeDrafter:
                 f"drafter {drafter.name!r} has no MLX model to grow a tree "
                 "with; tree modes need an MLX drafter (distilled, 'self' or an MLX folder)"
             )
-        if any(getattr(c, "span_kind", "positions") != "positions" for c in model.make_cache()):
+        if any(c.span_kind == "state" for c in model.make_cache()):
             raise ValueError(
                 f"drafter {drafter.name!r} has recurrent layers: a tree drafter grows "
                 "branches one level per pass, which a recurrent state cannot follow; use mode "
