@@ -32,7 +32,6 @@ whatever the sources did.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,6 +92,7 @@ class AdaptiveDecoder:
         policy: carries out (or replaces, in tests) every timing-driven choice (edgespec.adaptive.policy)."""
         self.model = model
         self.policy = policy if policy is not None else TimedPolicy()
+        self.clock = self.policy.clock  # every duration the decoder measures (a fake one in tests)
         self.sources = list(sources) + ([jacobi] if jacobi is not None else [])
         self.jacobi = jacobi
         self.memory = memory if memory is not None else {}
@@ -148,7 +148,9 @@ class AdaptiveDecoder:
         """
         ctx = self._batch_ctx() if self._batch_ctx is not None else None
         if ctx is None:
-            return self.costs, self.plain_s, 0.0, self.max_tree
+            # Alone: against a plain step measured in the same window of rounds when the policy
+            # has one (RegretGuard.plain_s), not an average from another moment's load.
+            return self.costs, self.policy.plain_s(self.plain_s), 0.0, self.max_tree
         from edgespec.batch.cost import BatchCosts, joint_sizes
 
         peers, step, key = ctx
@@ -219,6 +221,7 @@ class AdaptiveDecoder:
         self._draft_time = 0.0
         self._host = mem.get("host", {"tree": 0.0, "plain": 0.0})  # see _host_time
         self._greedy = Sampler(SamplingParams(temperature=0.0))
+        self.policy.begin(mem)
         # Whether the Jacobi window rides along: measured tokens/s with ("full") and
         # without it ("lean"), the slower one re-probed now and then (lookahead's controller).
         # Kept across requests: a window that did not pay is not warmed up again for every reply.
@@ -228,7 +231,7 @@ class AdaptiveDecoder:
         cache = model.make_cache()
         if self.drafter is not None:
             self.drafter.bind_verifier_cache(cache)  # for a drafter that reads it (Gemma 4's assistant)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         logits = prefill(model, cache, prompt)
         lp = sampler.logprobs(logits)
         tok = sampler.sample_at(lp[None], [len(prompt)])[0]
@@ -239,7 +242,7 @@ class AdaptiveDecoder:
             s.begin(seq)
         if self.drafter is not None:
             self.drafter.begin(prompt)  # lazy: the drafter reads the prompt at its first draft
-        stats.prefill_s += time.perf_counter() - t0
+        stats.prefill_s += self.clock() - t0
         yield Token(x0, float(lp[x0].item()), "verifier")
         try:
             yield from self._rounds(cache, seq, sampler, stats, greedy)
@@ -257,20 +260,23 @@ class AdaptiveDecoder:
             if plan.kind == "plain" and not window:
                 yield from self._plain_run(cache, seq, sampler, stats, greedy)
                 continue
-            t_round = time.perf_counter()
+            t_round = self.clock()
             blocked = getattr(self.model, "blocked_s", 0.0)
             out = self._tree_round(cache, seq, plan, sampler, stats, window)
             if out is None:  # the drafter proposed nothing and nothing else pays: one plain step
                 yield from self._plain_run(cache, seq, sampler, stats, greedy, max_steps=1)
                 continue
             new, lps, srcs, T = out
-            dt = time.perf_counter() - t_round
+            dt = self.clock() - t_round
             self._host_time("tree", dt, blocked)
+            alone = not self._in_batch()
+            if alone:
+                self.policy.round_done(len(new), dt)  # what the choice realised (RegretGuard)
             if self.wctl is not None:
                 self.wctl.record("full" if window else "lean", len(new), dt)
             # A window round's extra tokens are priced by the window controller; in a batch the
             # round's time is the whole step's, not this tree's cost alone.
-            if not window and not self._in_batch():
+            if not window and alone:
                 self.costs.observe(T, dt - (self._draft_time if plan.draft_k else 0.0))
             seq.extend(new)
             for t, lpv, src in zip(new, lps, srcs, strict=True):
@@ -333,10 +339,10 @@ class AdaptiveDecoder:
         cands = list(plan.cands)
         self._draft_time = 0.0
         if plan.draft_k:
-            td = time.perf_counter()
+            td = self.clock()
             # Drafted greedily: its tokens are point-mass candidates like every other source's.
             dc = self.drafter.draft(seq, plan.draft_k, self._greedy)
-            self._draft_time = time.perf_counter() - td
+            self._draft_time = self.clock() - td
             if not self._in_batch():
                 self.drafter.observe(plan.draft_k)  # seconds per drafted token, learnt
             stats.draft_s += self._draft_time
@@ -353,12 +359,12 @@ class AdaptiveDecoder:
         if window:
             tree.add_window(self.jacobi.levels)
         T = len(tree)
-        tv = time.perf_counter()
+        tv = self.clock()
         path, nxt, lps, draws = verify_round(self.model, cache, tree, len(seq), sampler)
         if window:
             self.jacobi.harvest([draws[n] for n in tree.window[-1]])
         new = [tree.tokens[n] for n in path] + [nxt]
-        stats.verify_s += time.perf_counter() - tv
+        stats.verify_s += self.clock() - tv
         stats.verifier_passes += 1
         srcs = [tree.sources[n] for n in path] + ["verifier"]
         stats.record_draft(tree.depth(), len(path))
@@ -385,9 +391,10 @@ class AdaptiveDecoder:
         pending = None  # the step after seq's end, when already queued
         steps = 0
         go_on = True
-        timer = PlainTimer()
+        clock = self.clock
+        timer = PlainTimer(clock)
         while True:
-            t0 = time.perf_counter()
+            t0 = clock()
             blocked = getattr(model, "blocked_s", 0.0)
             if pending is None:
                 pending = queue(mx.array(seq[-1], dtype=mx.int32), len(seq))
@@ -396,14 +403,14 @@ class AdaptiveDecoder:
             # Alone, the next step is queued before this token is handed out (its graph and our
             # Python overlap the computation); in a batch a call waits for the batch's next pass,
             # so queueing ahead would only hand the token out a step late.
-            tq = time.perf_counter()
+            tq = clock()
             if go_on and runs_alone(model):
                 nxt = queue(pending[0], len(seq) + 1)
                 mx.async_eval(*nxt)
-            queued_s = time.perf_counter() - tq
+            queued_s = clock() - tq
             t = int(pending[0].item())
             lp_t = float(pending[1].item())
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             stats.verify_s += dt
             stats.verifier_passes += 1
             step_s = timer.sample(dt, queued_s)  # this device's step, when dt shows it (see PlainTimer)
@@ -418,11 +425,14 @@ class AdaptiveDecoder:
                     self.plain_s, self._plain_measured = step_s, True
                 else:
                     self.plain_s = self.costs.verify(1)
+                # The step's own seconds (None when the caller, not the device, was waited for),
+                # paired with the rounds around it (RegretGuard).
+                self.policy.plain_done(step_s)
             if self.wctl is not None:
                 self.wctl.record("lean", 1, dt)
             seq.append(t)
             steps += 1
-            self._host_time("plain", time.perf_counter() - t0, blocked)
+            self._host_time("plain", clock() - t0, blocked)
             yield Token(t, lp_t, "verifier")
             if not go_on:
                 return
