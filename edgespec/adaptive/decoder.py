@@ -15,6 +15,11 @@ One round, with x0 the last committed token (not yet in the verifier's cache):
 4. score every candidate of the round (verified or pruned) against the
    committed tokens: the acceptance statistics learn from all of them.
 
+What the prices choose goes through the decoder's `Policy` (edgespec.adaptive.policy);
+the default one's regret guard sends the decoder back to plain steps when the
+rounds realise fewer tokens/s than plain steps measured in the same window (a
+busy machine the prices did not see), and prices against those paired steps.
+
 When nothing is expected to beat a plain step, the decoder runs plain steps
 the way plain decoding does (the next step queued before the current token
 is handed out) and looks at the sources after each token, so silent sources
