@@ -419,7 +419,8 @@ class AdaptiveDecoder:
             stats.verify_s += dt
             stats.verifier_passes += 1
             step_s = timer.sample(dt, queued_s)  # this device's step, when dt shows it (see PlainTimer)
-            if batch_ctx is None or batch_ctx() is None:  # in a batch dt is the whole step's
+            alone = batch_ctx is None or batch_ctx() is None
+            if alone:  # in a batch dt is the whole step's
                 if step_s is not None:
                     self.costs.observe(1, step_s)  # the curve's T = 1 (other sizes scale with it until measured)
                 # What a plain step costs this decoder: its wait (the step's time not hidden behind
@@ -430,9 +431,10 @@ class AdaptiveDecoder:
                     self.plain_s, self._plain_measured = step_s, True
                 else:
                     self.plain_s = self.costs.verify(1)
-                # The step's own seconds (None when the caller, not the device, was waited for),
-                # paired with the rounds around it (RegretGuard).
-                self.policy.plain_done(step_s)
+            # The step's own seconds, paired with the rounds around it (RegretGuard); None when
+            # the caller, not the device, was waited for, or in a batch (a step is counted, so a
+            # hold the guard began alone runs out there too).
+            self.policy.plain_done(step_s if alone else None)
             if self.wctl is not None:
                 self.wctl.record("lean", 1, dt)
             seq.append(t)
