@@ -15,6 +15,11 @@ One round, with x0 the last committed token (not yet in the verifier's cache):
 4. score every candidate of the round (verified or pruned) against the
    committed tokens: the acceptance statistics learn from all of them.
 
+What the prices choose goes through the decoder's `Policy` (edgespec.adaptive.policy);
+the default one's regret guard sends the decoder back to plain steps when the
+rounds realise fewer tokens/s than plain steps measured in the same window (a
+busy machine the prices did not see), and prices against those paired steps.
+
 When nothing is expected to beat a plain step, the decoder runs plain steps
 the way plain decoding does (the next step queued before the current token
 is handed out) and looks at the sources after each token, so silent sources
@@ -32,7 +37,6 @@ whatever the sources did.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,6 +97,7 @@ class AdaptiveDecoder:
         policy: carries out (or replaces, in tests) every timing-driven choice (edgespec.adaptive.policy)."""
         self.model = model
         self.policy = policy if policy is not None else TimedPolicy()
+        self.clock = self.policy.clock  # every duration the decoder measures (a fake one in tests)
         self.sources = list(sources) + ([jacobi] if jacobi is not None else [])
         self.jacobi = jacobi
         self.memory = memory if memory is not None else {}
@@ -148,7 +153,9 @@ class AdaptiveDecoder:
         """
         ctx = self._batch_ctx() if self._batch_ctx is not None else None
         if ctx is None:
-            return self.costs, self.plain_s, 0.0, self.max_tree
+            # Alone: against a plain step measured in the same window of rounds when the policy
+            # has one (RegretGuard.plain_s), not an average from another moment's load.
+            return self.costs, self.policy.plain_s(self.plain_s), 0.0, self.max_tree
         from edgespec.batch.cost import BatchCosts, joint_sizes
 
         peers, step, key = ctx
@@ -219,6 +226,7 @@ class AdaptiveDecoder:
         self._draft_time = 0.0
         self._host = mem.get("host", {"tree": 0.0, "plain": 0.0})  # see _host_time
         self._greedy = Sampler(SamplingParams(temperature=0.0))
+        self.policy.begin(mem)
         # Whether the Jacobi window rides along: measured tokens/s with ("full") and
         # without it ("lean"), the slower one re-probed now and then (lookahead's controller).
         # Kept across requests: a window that did not pay is not warmed up again for every reply.
@@ -228,7 +236,7 @@ class AdaptiveDecoder:
         cache = model.make_cache()
         if self.drafter is not None:
             self.drafter.bind_verifier_cache(cache)  # for a drafter that reads it (Gemma 4's assistant)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         logits = prefill(model, cache, prompt)
         lp = sampler.logprobs(logits)
         tok = sampler.sample_at(lp[None], [len(prompt)])[0]
@@ -239,7 +247,7 @@ class AdaptiveDecoder:
             s.begin(seq)
         if self.drafter is not None:
             self.drafter.begin(prompt)  # lazy: the drafter reads the prompt at its first draft
-        stats.prefill_s += time.perf_counter() - t0
+        stats.prefill_s += self.clock() - t0
         yield Token(x0, float(lp[x0].item()), "verifier")
         try:
             yield from self._rounds(cache, seq, sampler, stats, greedy)
@@ -257,20 +265,23 @@ class AdaptiveDecoder:
             if plan.kind == "plain" and not window:
                 yield from self._plain_run(cache, seq, sampler, stats, greedy)
                 continue
-            t_round = time.perf_counter()
+            t_round = self.clock()
             blocked = getattr(self.model, "blocked_s", 0.0)
             out = self._tree_round(cache, seq, plan, sampler, stats, window)
             if out is None:  # the drafter proposed nothing and nothing else pays: one plain step
                 yield from self._plain_run(cache, seq, sampler, stats, greedy, max_steps=1)
                 continue
             new, lps, srcs, T = out
-            dt = time.perf_counter() - t_round
+            dt = self.clock() - t_round
             self._host_time("tree", dt, blocked)
+            alone = not self._in_batch()
+            if alone:
+                self.policy.round_done(len(new), dt)  # what the choice realised (RegretGuard)
             if self.wctl is not None:
                 self.wctl.record("full" if window else "lean", len(new), dt)
             # A window round's extra tokens are priced by the window controller; in a batch the
             # round's time is the whole step's, not this tree's cost alone.
-            if not window and not self._in_batch():
+            if not window and alone:
                 self.costs.observe(T, dt - (self._draft_time if plan.draft_k else 0.0))
             seq.extend(new)
             for t, lpv, src in zip(new, lps, srcs, strict=True):
@@ -333,10 +344,10 @@ class AdaptiveDecoder:
         cands = list(plan.cands)
         self._draft_time = 0.0
         if plan.draft_k:
-            td = time.perf_counter()
+            td = self.clock()
             # Drafted greedily: its tokens are point-mass candidates like every other source's.
             dc = self.drafter.draft(seq, plan.draft_k, self._greedy)
-            self._draft_time = time.perf_counter() - td
+            self._draft_time = self.clock() - td
             if not self._in_batch():
                 self.drafter.observe(plan.draft_k)  # seconds per drafted token, learnt
             stats.draft_s += self._draft_time
@@ -353,12 +364,12 @@ class AdaptiveDecoder:
         if window:
             tree.add_window(self.jacobi.levels)
         T = len(tree)
-        tv = time.perf_counter()
+        tv = self.clock()
         path, nxt, lps, draws = verify_round(self.model, cache, tree, len(seq), sampler)
         if window:
             self.jacobi.harvest([draws[n] for n in tree.window[-1]])
         new = [tree.tokens[n] for n in path] + [nxt]
-        stats.verify_s += time.perf_counter() - tv
+        stats.verify_s += self.clock() - tv
         stats.verifier_passes += 1
         srcs = [tree.sources[n] for n in path] + ["verifier"]
         stats.record_draft(tree.depth(), len(path))
@@ -385,9 +396,10 @@ class AdaptiveDecoder:
         pending = None  # the step after seq's end, when already queued
         steps = 0
         go_on = True
-        timer = PlainTimer()
+        clock = self.clock
+        timer = PlainTimer(clock)
         while True:
-            t0 = time.perf_counter()
+            t0 = clock()
             blocked = getattr(model, "blocked_s", 0.0)
             if pending is None:
                 pending = queue(mx.array(seq[-1], dtype=mx.int32), len(seq))
@@ -396,18 +408,19 @@ class AdaptiveDecoder:
             # Alone, the next step is queued before this token is handed out (its graph and our
             # Python overlap the computation); in a batch a call waits for the batch's next pass,
             # so queueing ahead would only hand the token out a step late.
-            tq = time.perf_counter()
+            tq = clock()
             if go_on and runs_alone(model):
                 nxt = queue(pending[0], len(seq) + 1)
                 mx.async_eval(*nxt)
-            queued_s = time.perf_counter() - tq
+            queued_s = clock() - tq
             t = int(pending[0].item())
             lp_t = float(pending[1].item())
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             stats.verify_s += dt
             stats.verifier_passes += 1
             step_s = timer.sample(dt, queued_s)  # this device's step, when dt shows it (see PlainTimer)
-            if batch_ctx is None or batch_ctx() is None:  # in a batch dt is the whole step's
+            alone = batch_ctx is None or batch_ctx() is None
+            if alone:  # in a batch dt is the whole step's
                 if step_s is not None:
                     self.costs.observe(1, step_s)  # the curve's T = 1 (other sizes scale with it until measured)
                 # What a plain step costs this decoder: its wait (the step's time not hidden behind
@@ -418,11 +431,15 @@ class AdaptiveDecoder:
                     self.plain_s, self._plain_measured = step_s, True
                 else:
                     self.plain_s = self.costs.verify(1)
+            # The step's own seconds, paired with the rounds around it (RegretGuard); None when
+            # the caller, not the device, was waited for, or in a batch (a step is counted, so a
+            # hold the guard began alone runs out there too).
+            self.policy.plain_done(step_s if alone else None)
             if self.wctl is not None:
                 self.wctl.record("lean", 1, dt)
             seq.append(t)
             steps += 1
-            self._host_time("plain", time.perf_counter() - t0, blocked)
+            self._host_time("plain", clock() - t0, blocked)
             yield Token(t, lp_t, "verifier")
             if not go_on:
                 return

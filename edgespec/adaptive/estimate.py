@@ -195,12 +195,13 @@ class PlainTimer:
 
     WAITED = 0.25  # the wait must be at least this fraction of the interval
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock  # the decoder's (a fake one in tests)
         self.last: float | None = None
 
     def sample(self, waited_s: float, overlapped_s: float = 0.0) -> float | None:
         """Called when a token is read, `waited_s` the wait for it -> seconds of its step, or None."""
-        now = time.perf_counter()
+        now = self.clock()
         prev, self.last = self.last, now
         if prev is None:  # the first step of a run
             return max(waited_s - overlapped_s, 1e-6)

@@ -17,6 +17,15 @@ what to do:
 Every policy records what it returned (`decisions`): a failing test prints the
 seed and the decisions, and `ScriptedPolicy(decisions)` replays them.
 
+The timed policy also holds a `RegretGuard`: prices learnt at one moment can be
+wrong at the next (another process takes the cores, the verify-cost curve and the
+plain step's time were measured before), so the guard compares what the choices
+actually realise (tokens per second of the speculative rounds) with plain steps
+measured in the same window of rounds, interleaving a plain step when none is
+recent, and sends the decoder back to plain steps when the choices lose, probing
+again later with a growing wait. The decoder reads time through the policy's
+`clock`, so tests run it on a fake clock.
+
 Decision kinds (the tuple recorded):
 - ("plan", kind, draft_k): "plain" or "tree", and the drafter chain's length (0: none);
 - ("tree", kept): the trie node indices verified (ancestor-closed, topological);
@@ -27,14 +36,146 @@ Decision kinds (the tuple recorded):
 from __future__ import annotations
 
 import random
+import time
+from collections import deque
 from dataclasses import replace
 
 
-class Policy:
-    """The default: what the timings chose (subclasses override `choose`)."""
+class RegretGuard:
+    """Realised tokens/s of speculative rounds against plain steps of the same window.
 
-    def __init__(self):
+    Fed by the decoder (`round_done`: a tree round's committed tokens and seconds;
+    `plain_done`: a plain step's seconds), it answers two questions each round:
+    `want_plain` (a plain step now, instead of what the prices chose) and
+    `plain_s()` (a plain step's seconds as measured recently, for the planner).
+
+    - Paired: a verdict compares the last `rounds` speculative rounds with plain steps
+      measured no more than `rounds` rounds before the oldest of them (the same
+      window). When no plain step is that recent and the rounds look worse than the
+      last one, or every `refresh` speculative rounds in any case, one plain step is
+      interleaved (`want_plain` for one step), so both sides are measured under the
+      same load.
+    - Regret: when the rounds' tokens/s fall below `margin` times the paired plain
+      rate (after at least `min_rounds` rounds), the guard trips: plain steps for
+      `hold` steps, `hold` doubling at every trip up to `max_hold` (back off while
+      speculation keeps losing), then speculation is probed again on fresh samples.
+      A window that pays resets `hold`.
+
+    State is kept across requests (a busy machine stays busy); times come from `clock`.
+    Counts only, no timing: `trips`, `releases`, `interleaves`, `events` (each
+    ("trip"|"release"|"interleave", tokens so far)) for tests and reports.
+    """
+
+    def __init__(self, rounds: int = 8, min_rounds: int = 3, margin: float = 0.9, hold: int = 16,
+                 max_hold: int = 1024, refresh: int = 64, plain_keep: int = 4):
+        self.rounds, self.min_rounds, self.margin = rounds, min_rounds, margin
+        self.base_hold, self.max_hold, self.refresh = hold, max_hold, refresh
+        self.hold = hold  # plain steps of the next trip
+        self.spec: deque = deque(maxlen=rounds)  # (round index, tokens, seconds)
+        self.plain: deque = deque(maxlen=plain_keep)  # (round index at the time, seconds)
+        self.round_no = 0  # speculative rounds seen (the window's clock: load changes by rounds)
+        self.hold_left = 0  # plain steps still to run before probing again
+        self.interleave = False  # one plain step asked for (a paired sample)
+        self.want_plain = False  # hold_left > 0 or interleave: the only thing the hot path reads
+        self.tokens = 0
+        self.trips = self.releases = self.interleaves = 0
+        self.events: list[tuple[str, int]] = []
+        self._tripped = False  # since the last trip, no window has paid yet
+
+    # ------------------------------------------------------------ fed by the decoder
+    def plain_done(self, seconds: float | None) -> None:
+        """A plain step ran; `seconds` None when its time says nothing (a slow caller)."""
+        self.tokens += 1
+        if seconds is not None:
+            self.plain.append((self.round_no, max(seconds, 1e-9)))
+        if self.interleave:
+            self.interleave = False
+        elif self.hold_left > 0:
+            self.hold_left -= 1
+        self.want_plain = self.hold_left > 0
+
+    def round_done(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.round_no += 1
+        self.spec.append((self.round_no, tokens, seconds))
+        if len(self.spec) < self.min_rounds:
+            return
+        plain = self._paired()
+        spec_rate = sum(t for _, t, _ in self.spec) / max(sum(s for _, _, s in self.spec), 1e-12)
+        if plain is None:
+            last = self.plain[-1][1] if self.plain else None
+            # Looks worse than the last plain step, or no plain step for `refresh` rounds:
+            # measure one now (the verdict waits for it).
+            if last is None or spec_rate < self.margin / last or self.round_no - self.plain[-1][0] >= self.refresh:
+                self._ask("interleave")
+            return
+        if spec_rate < self.margin / plain:
+            self._trip()
+        elif self._tripped and len(self.spec) >= self.min_rounds:
+            self._tripped = False
+            self.hold = self.base_hold  # speculation pays again: the next trip starts short
+            self.releases += 1
+            self.events.append(("release", self.tokens))
+        if not self.want_plain and self.round_no - self.plain[-1][0] >= self.refresh:
+            self._ask("interleave")
+
+    # ------------------------------------------------------------ read by the policy
+    def plain_s(self) -> float | None:
+        """Seconds of a plain step measured within the last `refresh` speculative rounds
+        (the median of the recent ones), or None when none is that recent."""
+        if not self.plain or self.round_no - self.plain[-1][0] > self.refresh:
+            return None
+        recent = sorted(s for r, s in self.plain if self.round_no - r <= self.refresh)
+        return recent[len(recent) // 2]
+
+    def _paired(self) -> float | None:
+        """The plain step's seconds measured in the current window of rounds, or None."""
+        oldest = self.spec[0][0]
+        same = [s for r, s in self.plain if r >= oldest - self.rounds]
+        if not same:
+            return None
+        same.sort()
+        return same[len(same) // 2]
+
+    def _ask(self, why: str) -> None:
+        self.interleave = True
+        self.want_plain = True
+        self.interleaves += 1
+        self.events.append((why, self.tokens))
+
+    def _trip(self) -> None:
+        self.hold_left = self.hold
+        self.hold = min(self.hold * 2, self.max_hold)
+        self.want_plain = True
+        self.spec.clear()  # the probe after the hold is judged on its own rounds
+        self._tripped = True
+        self.trips += 1
+        self.events.append(("trip", self.tokens))
+
+
+class Policy:
+    """The default: what the timings chose (subclasses override `choose`).
+
+    clock: the decoder's time source (seconds); a test passes a fake one."""
+
+    def __init__(self, clock=None):
         self.decisions: list[tuple] = []
+        self.clock = clock if clock is not None else time.perf_counter
+
+    # What the decoder tells the policy after each round run alone (not inside a batch,
+    # whose own guard compares step shapes: edgespec.batch.guard). Default: nothing kept.
+    def begin(self, memory: dict) -> None:
+        """A request starts; `memory` is the decoder's, kept across requests."""
+
+    def plain_done(self, seconds: float | None) -> None:
+        pass
+
+    def round_done(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def plain_s(self, default: float) -> float:
+        """Seconds of a plain step to price rounds against (default: the decoder's average)."""
+        return default
 
     # The decoder's hooks: each gets the timed choice and returns the one to carry out.
     def plan(self, default, can_tree: bool, can_draft: bool, kmax: int):
@@ -65,16 +206,51 @@ class Policy:
 
 
 class TimedPolicy(Policy):
-    """What the measured timings chose (the default)."""
+    """What the measured timings chose (the default), overruled by a `RegretGuard` when
+    the choices realise fewer tokens/s than plain steps measured in the same window.
+
+    guard: the guard to use; None takes the one kept in the decoder's memory (made at
+    the first request), so what a request learnt about the load carries to the next."""
+
+    def __init__(self, guard: RegretGuard | None = None, clock=None):
+        super().__init__(clock)
+        self.guard = guard
+        self._own = guard is not None
+
+    def begin(self, memory):
+        if not self._own:
+            self.guard = memory.setdefault("guard", RegretGuard())
+
+    def prefer(self, default, can_tree, can_draft, kmax):
+        """The priced choice before the guard looks at it (a test overrides it to stand for
+        prices that contention fooled)."""
+        return default
 
     def plan(self, default, can_tree, can_draft, kmax):  # nothing recorded: the hot path stays lean
-        return default
+        plan = self.prefer(default, can_tree, can_draft, kmax)
+        g = self.guard
+        if g is not None and g.want_plain and plan.kind != "plain":
+            return replace(plan, kind="plain", draft_k=0, probe=False)
+        return plan
 
     def tree(self, nodes, default, cap):
         return default
 
     def window(self, default):
-        return default
+        g = self.guard
+        return default and not (g is not None and g.want_plain)
+
+    def plain_done(self, seconds):
+        if self.guard is not None:
+            self.guard.plain_done(seconds)
+
+    def round_done(self, tokens, seconds):
+        if self.guard is not None:
+            self.guard.round_done(tokens, seconds)
+
+    def plain_s(self, default):
+        s = self.guard.plain_s() if self.guard is not None else None
+        return default if s is None else s
 
     def spec_k(self, default, kmax):
         return default

@@ -1,0 +1,175 @@
+"""The regret guard (edgespec.adaptive.policy.RegretGuard): when the priced choices realise
+fewer tokens/s than plain steps measured in the same window (contention the prices did not
+see), `auto` returns to plain within a few rounds, probes again with backoff, speculates
+again once the slowdown ends, and its output stays plain decoding's. Time is a fake clock
+advanced by the model's calls, so nothing here depends on the machine's speed."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_model, make_tiny_tokenizer
+
+from edgespec.adaptive.estimate import closed_top
+from edgespec.adaptive.policy import RegretGuard, TimedPolicy
+from edgespec.engine import Engine
+from edgespec.loader import LoadedModel
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+SLOW = (60, 220)  # sequence positions past the prompt where wide passes are slow
+N = 360
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class ContendedModel:
+    """A model whose calls advance a fake clock: 1 unit per pass of any width (an accelerator),
+    except that inside `slow` (positions past the prompt) a pass over more than one token
+    costs `factor` units: another process took what wide passes need."""
+
+    def __init__(self, model, clock: Clock, slow=(0, 0), factor: float = 8.0):
+        self._model, self.clock, self.slow, self.factor = model, clock, slow, factor
+        self.start = 0  # the prompt's length, set per request
+        self.guard: RegretGuard | None = None
+        self.calls: list[tuple[int, int, int]] = []  # (position past the prompt, width, trips so far)
+
+    def __call__(self, inputs, cache, **kw):
+        width = inputs.shape[1]
+        pos = cache[0].offset - self.start
+        slow = width > 1 and self.slow[0] <= pos < self.slow[1] and pos >= 0
+        self.clock.t += self.factor if slow else 1.0
+        if pos >= 0:
+            self.calls.append((pos, width, self.guard.trips if self.guard else 0))
+        return self._model(inputs, cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class Fooled(TimedPolicy):
+    """Prices that contention fooled: a tree round whenever there is anything to verify,
+    every candidate node in it. Only the guard stands between this and a slow request."""
+
+    def prefer(self, default, can_tree, can_draft, kmax):
+        if can_tree and default.kind == "plain":
+            from dataclasses import replace
+
+            return replace(default, kind="tree")
+        return default
+
+    def tree(self, nodes, default, cap):
+        return default or closed_top(nodes, min(len(nodes), cap - 1))
+
+
+def _engine(slow, guard: RegretGuard, policy_cls=Fooled):
+    clock = Clock()
+    inner = make_tiny_model(3, scale=3.0)
+    model = ContendedModel(inner, clock, slow)
+    model.guard = guard
+    eng = Engine(LoadedModel(model, make_tiny_tokenizer(inner.args.vocab_size), None))
+    eng.policy = policy_cls(guard=guard, clock=clock)
+    return eng, model
+
+
+def _run(eng, model, mode="adaptive"):
+    model.start = len(PROMPT)
+    model.calls.clear()
+    extra = {"sources": "context"} if mode == "adaptive" else {}
+    return eng.generate(PROMPT, max_tokens=N, mode=mode, **extra).tokens
+
+
+@pytest.fixture(scope="module")
+def plain_ref():
+    eng, model = _engine((0, 0), RegretGuard())
+    return _run(eng, model, "plain")
+
+
+def _wide(calls, lo, hi):
+    return [c for c in calls if lo <= c[0] < hi and c[1] > 1]
+
+
+def test_guard_returns_to_plain_under_contention_and_comes_back(plain_ref):
+    guard = RegretGuard(hold=8, max_hold=64)
+    eng, model = _engine(SLOW, guard)
+    out = _run(eng, model)
+    assert out == plain_ref  # the guard only chooses what to verify
+    calls = model.calls
+    # Speculating before the slowdown (the fooled prices verify whatever the context offers).
+    assert len(_wide(calls, 0, SLOW[0])) >= 5
+    # Back to plain within a few wide rounds of the slowdown's start.
+    before_trip = [c for c in _wide(calls, *SLOW) if c[2] == 0]
+    assert guard.trips >= 1 and len(before_trip) <= 4, (guard.events, before_trip)
+    # While slow: mostly plain steps; the probes back off (the holds double).
+    slow_calls = [c for c in calls if SLOW[0] <= c[0] < SLOW[1]]
+    assert len(_wide(calls, *SLOW)) <= 0.25 * len(slow_calls), guard.events
+    # After the slowdown: probed, found paying, speculating again.
+    assert guard.releases >= 1
+    assert len(_wide(calls, SLOW[1], 10**9)) >= 5, guard.events
+
+
+def test_without_the_guard_the_fooled_prices_stay_slow(plain_ref):
+    # The same run with a guard that never trips: the wide rounds go on through the slowdown
+    # (what the test above shows the guard prevents).
+    guard = RegretGuard(margin=0.0)
+    eng, model = _engine(SLOW, guard)
+    assert _run(eng, model) == plain_ref
+    slow_calls = [c for c in model.calls if SLOW[0] <= c[0] < SLOW[1]]
+    assert guard.trips == 0
+    assert len(_wide(model.calls, *SLOW)) > 0.25 * len(slow_calls)
+
+
+def test_no_slowdown_no_trip_and_plain_steps_interleaved(plain_ref):
+    # The real prices, no contention: the guard never trips, and the planner's plain step is
+    # re-measured now and then between rounds (paired samples).
+    guard = RegretGuard(refresh=16)
+    eng, model = _engine((0, 0), guard, TimedPolicy)
+    assert _run(eng, model) == plain_ref
+    assert guard.trips == 0, guard.events
+    assert guard.round_no > 16 and guard.interleaves >= 1
+
+
+def test_guard_unit_trip_hold_backoff_release():
+    g = RegretGuard(rounds=4, min_rounds=3, hold=2, max_hold=8, refresh=100)
+    for _ in range(3):
+        g.plain_done(1.0)
+    for _ in range(3):
+        g.round_done(2, 1.0)  # 2 tokens/s vs 1: pays
+    assert not g.want_plain and g.trips == 0
+    for _ in range(4):
+        g.round_done(1, 4.0)  # 0.25 tokens/s: loses
+        if g.want_plain:
+            break
+    assert g.trips == 1 and g.want_plain and g.hold_left == 2
+    g.plain_done(1.0)
+    assert g.want_plain
+    g.plain_done(1.0)
+    assert not g.want_plain  # hold over: probe
+    for _ in range(3):
+        g.round_done(1, 4.0)
+    assert g.trips == 2 and g.hold_left == 4  # backoff doubled
+    for _ in range(4):
+        g.plain_done(1.0)
+    for _ in range(3):
+        g.round_done(3, 1.0)
+    assert g.releases == 1 and g.hold == 2 and not g.want_plain  # paid again: backoff reset
+
+
+def test_guard_interleaves_when_no_plain_step_is_paired():
+    g = RegretGuard(rounds=4, min_rounds=2, refresh=100)
+    g.plain_done(1.0)
+    for _ in range(20):
+        g.round_done(3, 1.0)  # pays: no need for a fresh plain step until `refresh`
+    assert g.interleaves == 0
+    for _ in range(4):
+        g.round_done(1, 4.0)  # looks worse than the last plain step, but that one is old
+        if g.want_plain:
+            break
+    assert g.interleaves == 1 and g.trips == 0  # measure plain first, then judge
+    g.plain_done(1.0)
+    g.round_done(1, 4.0)
+    assert g.trips == 1
