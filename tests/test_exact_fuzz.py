@@ -13,7 +13,7 @@ from exact_fuzz import Verifiers, run_cases
 
 import edgespec.processors as processors
 
-FUZZ_CASES = int(os.environ.get("EDGESPEC_FUZZ_CASES", "60"))
+FUZZ_CASES = int(os.environ.get("EDGESPEC_FUZZ_CASES", "40"))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def hybrid_verifiers(tmp_path_factory):
 
 def test_auto_equals_plain_on_recurrent_verifiers_under_seeded_decisions(hybrid_verifiers):
     verifiers, names = hybrid_verifiers
-    n = max(8, FUZZ_CASES // 6)
+    n = max(6, FUZZ_CASES // 6)
     rep = run_cases(verifiers, range(10_000, 10_000 + n), names)
     print(_report(rep))
     assert not rep.errors, _report(rep)
