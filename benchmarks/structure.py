@@ -45,7 +45,7 @@ def resolve(mod, node, name):
             tgt = ".".join(base + ([node.module] if node.module else []))
         else:
             tgt = node.module
-        cands = [tgt + "." + name, tgt]
+        cands = [tgt + "." + name, tgt] if name else [tgt]
     else:
         cands = [name]
     for c in cands:
@@ -83,8 +83,11 @@ for m, p in mods.items():
             if fn:
                 infunc += 1
                 infunc_list.append((m, ast.unparse(n)))
-            for a in n.names:
-                t = resolve(m, n, a.name)
+            targets = {resolve(m, n, a.name) for a in n.names}
+            if isinstance(n, ast.ImportFrom):
+                # `from pkg import mod` runs pkg/__init__ first: an edge to the package too
+                targets.add(resolve(m, n, ""))
+            for t in targets:
                 if t and t != m:
                     edges_all[m].add(t)
                     if not fn:

@@ -317,7 +317,7 @@ class Tokenizer:
         see edgespec.tools) go to a template that renders tools as `tools` (SmolLM3:
         `xml_tools`); a template that renders none gets them described in the system
         message. Assistant `tool_calls` and `tool` messages are passed the same way."""
-        from edgespec import tools as tool_calls
+        import edgespec.tools as tool_calls
 
         fmt = tool_calls.tool_format(self.chat_template)
         var = self.tool_variable

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from greenlet import GreenletExit, greenlet
 
-from edgespec.batch import memory
+import edgespec.batch.memory as memory
 from edgespec.batch.arena import KVArena, SlotCache
 from edgespec.batch.forward import Row, batched_forward, group_rows, layer_marks
 from edgespec.batch.guard import SpecGuard

@@ -15,7 +15,7 @@ import time
 
 from greenlet import greenlet
 
-from edgespec.batch import memory
+import edgespec.batch.memory as memory
 from edgespec.batch.arena import KVArena
 from edgespec.batch.cost import PassCost, Peer, StepCost
 from edgespec.batch.request import Request
