@@ -2,8 +2,8 @@
 
     LD_PRELOAD=$(make -s preload) python benchmarks/exact_schemas.py --repeats 20 [--seeded] [--schema FILE.json ...]
 
-The cases are the suite's structured-output schemas (tests/structured_cases.py) plus any
---schema files (each a JSON schema; its prompt from --prompt or a generic one). Each schema is
+The cases are the schema of issue 42's reported miss (benchmarks/schemas/, with its prompt),
+the suite's structured-output schemas (tests/structured_cases.py), and any --schema files (each a JSON schema; its prompt from --prompt or a generic one). Each schema is
 decoded once in plain and `repeats` times in auto on one engine (history and the prefix cache
 on, as a server runs), every emitted token checked by the guard (edgespec.exactness); with
 --seeded the auto runs use SeededPolicy(repeat) instead of the timed choices. Prints one line
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeded", action="store_true", help="auto's decisions from SeededPolicy(repeat)")
     ap.add_argument("--schema", action="append", default=[], help="an extra JSON-schema file")
     ap.add_argument("--prompt", default="Describe it as JSON.", help="the prompt of the extra schemas")
+    ap.add_argument("--only", type=int, default=0, help="the first N cases only (0: all)")
     ap.add_argument("--max-tokens", type=int, default=192, help="tokens per reply")
     args = ap.parse_args(argv)
 
@@ -36,7 +37,13 @@ def main(argv=None) -> int:
     import edgespec
     from edgespec.adaptive.policy import SeededPolicy
 
-    cases = [(Path(f).stem, json.loads(Path(f).read_text()), args.prompt) for f in args.schema] + list(SCHEMAS)
+    here = Path(__file__).resolve().parent / "schemas"
+    reported = [("kb_480_job_condition", json.loads((here / "kb_480_job_condition.json").read_text()),
+                 "Describe a Kubernetes job condition as JSON saying the job is Complete with status True.")]
+    extra = [(Path(f).stem, json.loads(Path(f).read_text()), args.prompt) for f in args.schema]
+    cases = reported + extra + list(SCHEMAS)
+    if args.only:
+        cases = cases[: args.only]
     if args.model is None:
         from edgespec.converters.default_model import default_bundle_path
 
