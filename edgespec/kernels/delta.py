@@ -29,7 +29,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from edgespec.kernels.spec import KernelSpec, metal
+from edgespec.kernels.spec import KernelSpec, metal, prologue
 
 DK_MAX = 256  # the per-thread column lives in a private array of up to this many floats
 
@@ -39,17 +39,7 @@ DELTA_RULE = KernelSpec(
     inputs=("q", "k", "v", "g", "beta", "state_in", "parents", "slots", "dims"),
     outputs=("out", "state_out", "scratch"),
     header=f"#define EDGESPEC_DK_MAX {DK_MAX}\n",
-    source="""
-    uint col = thread_position_in_grid.x;
-    uint h = thread_position_in_grid.y;
-    uint b = thread_position_in_grid.z;
-    int B = dims[0];
-    int T = dims[1];
-    int H = dims[2];
-    int Hk = dims[3];
-    int Dk = dims[4];
-    int Dv = dims[5];
-    int nslots = dims[6];
+    source=prologue("col h b", "B T H Hk Dk Dv nslots") + """
     if (int(col) >= Dv || int(h) >= H || int(b) >= B) {
         return;
     }

@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from edgespec.errors import EdgespecError
-from edgespec.kernels.spec import KernelSpec, metal, on_metal
+from edgespec.kernels.spec import KernelSpec, metal, on_metal, prologue
 
 TILE = 8  # rows a BLAS call takes in bitwise mode (every call: N x TILE x K)
 ENV = "EDGESPEC_BITWISE"
@@ -78,12 +78,7 @@ EXACT_LINEAR = KernelSpec(
     name="edgespec_exact_linear",
     inputs=("x", "w", "dims"),
     outputs=("y",),
-    source="""
-    uint n = thread_position_in_grid.x;
-    uint m = thread_position_in_grid.y;
-    int M = dims[0];
-    int N = dims[1];
-    int K = dims[2];
+    source=prologue("n m", "M N K") + """
     if (int(m) >= M || int(n) >= N) {
         return;
     }
@@ -106,18 +101,7 @@ EXACT_ATTENTION = KernelSpec(
     name="edgespec_exact_attention",
     inputs=("q", "k", "v", "mask", "dims", "params"),
     outputs=("out",),
-    source="""
-    uint d = thread_position_in_grid.x;
-    uint r = thread_position_in_grid.y;
-    uint bh = thread_position_in_grid.z;
-    int D = dims[0];
-    int R = dims[1];
-    int G = dims[2];
-    int S = dims[3];
-    int Hk = dims[4];
-    int BH = dims[5];
-    int masked = dims[6];
-    int mask_batch = dims[7];
+    source=prologue("d r bh", "D R G S Hk BH masked mask_batch") + """
     if (int(d) >= D || int(r) >= R || int(bh) >= BH) {
         return;
     }

@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edgespec.kernels.spec import KernelSpec, metal
+from edgespec.kernels.spec import KernelSpec, metal, prologue
 
 MAX_TOKENS = 16  # SwitchGLU takes the kernels on Metal for up to this many tokens
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -91,14 +91,7 @@ EXPERT_DOWN = KernelSpec(
     name="edgespec_expert_down",
     inputs=("h", "indices", "w_down", "dims"),
     outputs=("y",),
-    source="""
-    uint d = thread_position_in_grid.x;
-    uint j = thread_position_in_grid.y;
-    uint n = thread_position_in_grid.z;
-    int N = dims[0];
-    int K = dims[1];
-    int E = dims[2];
-    int F = dims[3];
+    source=prologue("d j n", "N K E F") + """
     if (int(d) >= E || int(j) >= K || int(n) >= N) {
         return;
     }
@@ -162,16 +155,7 @@ EXPERT_DOWN_Q = KernelSpec(
     name="edgespec_expert_down_q",
     inputs=("h", "indices", "w_down", "s_down", "b_down", "dims"),
     outputs=("y",),
-    source="""
-    uint d = thread_position_in_grid.x;
-    uint j = thread_position_in_grid.y;
-    uint n = thread_position_in_grid.z;
-    int N = dims[0];
-    int K = dims[1];
-    int E = dims[2];
-    int F = dims[3];
-    int G = dims[4];
-    int BITS = dims[5];
+    source=prologue("d j n", "N K E F G BITS") + """
     int PER = 32 / BITS;
     uint MASK = (1u << BITS) - 1u;
     if (int(d) >= E || int(j) >= K || int(n) >= N) {

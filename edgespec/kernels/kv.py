@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from edgespec.kernels.spec import KernelSpec, metal, on_metal
+from edgespec.kernels.spec import KernelSpec, metal, on_metal, prologue
 
 # Grid (D, n, B*Hk): one thread per copied element; src is the whole cache
 # buffer (rows of C slots), idx holds absolute slot numbers.
@@ -18,13 +18,7 @@ KV_GATHER = KernelSpec(
     name="edgespec_kv_gather",
     inputs=("src", "idx", "dims"),
     outputs=("out",),
-    source="""
-    uint d = thread_position_in_grid.x;
-    uint j = thread_position_in_grid.y;
-    uint r = thread_position_in_grid.z;
-    int C = dims[0];
-    int D = dims[1];
-    int n = dims[2];
+    source=prologue("d j r", "C D n") + """
     if (int(d) >= D || int(j) >= n) {
         return;
     }

@@ -23,6 +23,15 @@ class KernelSpec:
     header: str = ""
 
 
+def prologue(threads: str, dims: str) -> str:
+    """The opening lines every kernel body shares: its grid coordinates named (x, y, z in
+    order: `threads`) and the entries of its `dims` input named in order (`dims`), e.g.
+    prologue("d j n", "N K E") gives `uint d = thread_position_in_grid.x;` ... `int E = dims[2];`."""
+    lines = [f"    uint {t} = thread_position_in_grid.{'xyz'[i]};" for i, t in enumerate(threads.split())]
+    lines += [f"    int {d} = dims[{i}];" for i, d in enumerate(dims.split())]
+    return "\n" + "\n".join(lines)
+
+
 def on_metal() -> bool:
     """True where `mx.fast.metal_kernel` can run (an Apple GPU is the default device)."""
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from edgespec.kernels.spec import KernelSpec, metal, on_metal
+from edgespec.kernels.spec import KernelSpec, metal, on_metal, prologue
 
 # Grid (S, T, 1): one thread per mask entry. A node's ancestors have smaller
 # indices, so the walk up stops as soon as it passes below the key column.
@@ -25,11 +25,7 @@ TREE_MASK = KernelSpec(
     name="edgespec_tree_mask",
     inputs=("parents", "dims"),
     outputs=("mask", "positions"),
-    source="""
-    uint s = thread_position_in_grid.x;
-    uint t = thread_position_in_grid.y;
-    int T = dims[0];
-    int P = dims[1];
+    source=prologue("s t", "T P") + """
     int S = P + T;
     if (int(t) >= T || int(s) >= S) {
         return;
