@@ -126,12 +126,7 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
     done = reuse.restore(tokens, cache) if reuse is not None else 0
     # Recurrent layers export their state only where it stands: pause at the last block
     # boundary so the prompt's blocks can be stored whole.
-    pause = None
-    if reuse is not None and reuse.needs_boundary(cache):
-        B = reuse.store.block
-        pause = (len(tokens) - 1) // B * B
-        if pause <= done:
-            pause = None
+    pause = reuse.pause(len(tokens) - 1, done, len(tokens), cache) if reuse is not None else None
     logits = None
     feats = []
     if len(tokens) - done > chunk:

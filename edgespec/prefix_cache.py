@@ -473,8 +473,12 @@ def _attached(node: _Node, root: _Node) -> bool:
 
 
 class Reuse:
-    """One request's use of the engine's prefix cache: restore at its prefill, store its
-    prompt after it, and at its end the reply positions its mode has committed."""
+    """One request's use of a prefix store: restore at its prefill, store its prompt after
+    it, and at its end the reply positions its mode has committed. The verifier's
+    (edgespec.generate.prefill) is this class; the drafter's (edgespec.drafters.base.
+    DrafterReuse) is a subclass that reads its drafter's caches and fed tokens."""
+
+    stats_field = "cached_tokens"  # the GenerationStats field the restored count goes to
 
     def __init__(self, store: PrefixCache, stats=None):
         self.store, self.stats = store, stats
@@ -485,13 +489,23 @@ class Reuse:
         self.caches = caches
         self.restored = self.store.restore(tokens, caches)
         if self.stats is not None:
-            self.stats.cached_tokens = self.restored
+            setattr(self.stats, self.stats_field, self.restored)
         return self.restored
 
-    def needs_boundary(self, caches) -> bool:
+    def needs_boundary(self, caches=None) -> bool:
         """Whether prefill must pause at the last block boundary (state layers only export there)."""
-        kinds = layer_kinds(caches)
+        kinds = layer_kinds(self.caches if caches is None else caches)
         return kinds is not None and not all(map(_positions, kinds))
+
+    def pause(self, restorable: int, done: int, end: int, caches=None) -> int | None:
+        """Where a prefill that has `done` positions restored and runs to `end` pauses to store
+        its prompt, so that state layers export at the last block boundary a later identical
+        prompt can restore (`restorable`: the positions such a restore may cover); None
+        when no pause is needed."""
+        if not self.needs_boundary(caches):
+            return None
+        at = restorable // self.store.block * self.store.block
+        return at if done < at < end else None
 
     def store_prompt(self, tokens: list[int], upto: int) -> None:
         if self.caches is not None:

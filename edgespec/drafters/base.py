@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from edgespec.cache import KVCache, cache_arrays
 from edgespec.generate import PREFILL_CHUNK
-from edgespec.prefix_cache import layer_kinds
+from edgespec.prefix_cache import Reuse
 
 
 @dataclass
@@ -257,12 +257,11 @@ class ModelDrafter(CommittedSequence):
         self.fed.extend(body[:done])
         self.prefilled = len(body) - done
         starts = list(range(done, len(body), PREFILL_CHUNK))
-        pause = None
-        if reuse is not None and reuse.needs_boundary():
-            # recurrent layers export their state only where it stands: pause at the last
-            # block boundary so the prompt's blocks can be stored whole (as generate.prefill)
-            pause = len(body) // reuse.store.block * reuse.store.block
-            starts = sorted(set(starts) | {pause}) if done < pause < len(body) else starts
+        # recurrent layers export their state only where it stands: pause at the last block
+        # boundary so the prompt's blocks can be stored whole (as generate.prefill)
+        pause = reuse.pause(len(body), done, len(body)) if reuse is not None else None
+        if pause is not None:
+            starts = sorted(set(starts) | {pause})
         for i, start in enumerate(starts):
             end = starts[i + 1] if i + 1 < len(starts) else len(body)
             piece = body[start:end]
@@ -301,30 +300,25 @@ class ModelDrafter(CommittedSequence):
         self.fed = []
 
 
-class DrafterReuse:
+class DrafterReuse(Reuse):
     """One request's use of the drafter's prefix store (edgespec.prefix_cache, the engine's
-    `drafter_prefix_cache`): `ModelDrafter.begin` restores from it and stores the prompt into
-    it; at the request's end (`commit`, from the batch) the positions the drafter's cache
-    holds on the committed path are kept: after rollback its cache may still hold rejected
-    drafts, so only the leading positions whose tokens are both fed and committed."""
+    `drafter_prefix_cache`): the verifier's Reuse over the drafter's caches.
+    `ModelDrafter.begin` restores from it and stores the prompt into it; at the request's end
+    (`commit`, from the batch) the positions the drafter's cache holds on the committed path
+    are kept: after rollback its cache may still hold rejected drafts, so only the leading
+    positions whose tokens are both fed and committed."""
+
+    stats_field = "drafter_cached_tokens"
 
     def __init__(self, store, drafter: ModelDrafter, stats=None):
-        self.store, self.drafter, self.stats = store, drafter, stats
-        self.restored = 0
+        super().__init__(store, stats)
+        self.drafter = drafter
 
-    def restore(self, tokens: list[int], caches) -> int:
-        self.restored = self.store.restore(tokens, caches)
-        if self.stats is not None:
-            self.stats.drafter_cached_tokens = self.restored
-        return self.restored
+    def needs_boundary(self, caches=None) -> bool:
+        return super().needs_boundary(self.drafter.stored_caches() if caches is None else caches)
 
     def store_prompt(self, tokens: list[int], upto: int) -> None:
         self.store.store(tokens, self.drafter.stored_caches(), upto)
-
-    def needs_boundary(self) -> bool:
-        """Whether the drafter has state layers (they export only at their offset)."""
-        kinds = layer_kinds(self.drafter.stored_caches())
-        return kinds is not None and any(k.split(":")[0] != "positions" for k in kinds)
 
     def commit(self, tokens: list[int]) -> None:
         """`tokens`: the request's prompt + the reply handed out."""
