@@ -1,4 +1,9 @@
-"""The Engine: one verifier (and optionally a drafter) behind a thread-safe generate/stream API."""
+"""The Engine: one verifier (and optionally a drafter) behind a thread-safe generate/stream API.
+
+About 650 lines: the public API's one class. Its settings are checked at load, a request's
+options and mode are resolved per call, and its stream goes through the batch worker; all of
+it reads the Engine's declared state (EngineMemory), so it stays one class in one module.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ the math lives here. Weight names follow Hugging Face (`model.layers.{i}.self_at
 
 Shapes: B batch, T new tokens, S cached + new tokens, H query heads, Hk key/value heads,
 D head dim, E hidden size, V vocabulary.
+
+About 750 lines, on purpose: this is every decoder's math in one place (config reading, the
+RoPE variants, attention, norms, MLPs, the body); split up, each architecture file would
+import from half a dozen modules instead of one.
 """
 
 from __future__ import annotations

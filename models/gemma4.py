@@ -16,6 +16,8 @@ What differs from Gemma 3:
   layer's output;
 - `enable_moe_block`: a routed mixture of experts beside the dense MLP of every layer;
 - every layer's output times a stored `layer_scalar`.
+
+About 480 lines: one architecture, with each difference above written where it applies.
 """
 
 from __future__ import annotations

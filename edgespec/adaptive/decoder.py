@@ -33,6 +33,9 @@ candidate x with probability p(x), the same as recursive rejection; a drafter
 token is treated as one too (drafted greedily), which gives up rejection
 sampling's min(1, p/q) under sampling in exchange for seed-reproducible output
 whatever the sources did.
+
+About 520 lines: one round (plan, draft, tree, verify, score) and the plain-step loop share
+the decoder's state; the pricing is estimate.py, the sources sources.py, the choices policy.py.
 """
 
 from __future__ import annotations
