@@ -3,7 +3,7 @@
     python benchmarks/contention.py [--model PATH] [--drafter SPEC] [--max-tokens 96]
         [--repeats 2] [--per-domain 2] [--load N] [--phases idle,busy] [--json out.json]
 
-Runs the project's mixed prompts (edgespec/data/bench_prompts.jsonl) with plain and
+Runs the project's mixed prompts (edgespec/data/bench_prompts.jsonl, or --prompts FILE) with plain and
 `auto`, modes interleaved per prompt (edgespec.benchmark.runner), once per phase:
 "idle" with nothing started, "busy" with `--load` busy processes (default one per
 core: a Python loop each, started before the phase and stopped after it by this
@@ -61,7 +61,10 @@ def main() -> int:
     ap.add_argument("--drafter", default=None, help="drafter spec as for `edgespec bench` (default: the model's)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt")
     ap.add_argument("--repeats", type=int, default=2, help="measured repeats per prompt and mode")
-    ap.add_argument("--per-domain", type=int, default=2, help="prompts per domain (from the mixed set)")
+    ap.add_argument("--per-domain", type=int, default=2, help="prompts per domain (from the prompt set)")
+    ap.add_argument("--prompts", default=None,
+                    help="a JSONL prompt set as for `edgespec bench --prompts` (default: the built-in set; "
+                         "benchmarks/prompts/mixed.jsonl is the second, 7-domain set)")
     ap.add_argument("--load", type=int, default=os.cpu_count() or 1,
                     help="busy background processes in the busy phase (default: one per core)")
     ap.add_argument("--phases", default="idle,busy", help="comma-separated, in order: idle, busy")
@@ -81,7 +84,7 @@ def main() -> int:
     from edgespec.modes import available_modes
     from edgespec.progress import progress_bar
 
-    prompts = select_prompts(load_prompts(), per_domain=args.per_domain)
+    prompts = select_prompts(load_prompts(args.prompts), per_domain=args.per_domain)
     specs = parse_mode_specs("plain,auto", list(available_modes()) + ["auto"])
     engine = edgespec.load(args.model, drafter=args.drafter, progress=True)
     out = {}
