@@ -64,20 +64,20 @@ def load(
     (this process only), "disk" ($EDGESPEC_HOME/history) or "off"; None =
     $EDGESPEC_HISTORY, else "memory". History shapes drafts only, never the output.
     `prompt_cache_bytes`: how much of earlier prompts' and replies' caches to keep for
-    requests that start the same way (edgespec.prefix_cache); None = two full contexts of
+    requests that start the same way (edgespec.caches.prefix); None = two full contexts of
     the model's KV cache, at most 1 GiB and a fifth of what the memory budget leaves for
     caches; "memory" = that fifth alone; 0 = off. Reuse never changes the output.
     `kv_bits` (8 or 4; None = full precision): store the KV cache quantized in groups of
     `kv_group_size` along the head size, from position `quantized_kv_start` on
-    (edgespec.kv_quant). It saves memory on long contexts and changes the output slightly.
+    (edgespec.caches.kv_quant). It saves memory on long contexts and changes the output slightly.
     `bitwise`: bitwise verification (docs/bitwise.md): every row of a verifier pass over many
     positions is bitwise what a one-token pass gives, so speculation cannot flip a near-tie.
     A process-wide setting; None = $EDGESPEC_BITWISE (off unless set to 1).
     """
-    from edgespec.kv_quant import check_settings
+    from edgespec.caches.kv_quant import check_settings
 
     check_settings(kv_bits, kv_group_size, quantized_kv_start)  # before the model loads
-    from edgespec.prefix_cache import check_limit
+    from edgespec.caches.prefix import check_limit
 
     check_limit(prompt_cache_bytes)
     from edgespec.adaptive.history import history_mode

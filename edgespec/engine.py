@@ -14,15 +14,15 @@ from typing import Any
 from edgespec.adaptive.history import make_history
 from edgespec.batch import Batcher, Request, memory
 from edgespec.batch.request import cancel_callable as check
+from edgespec.caches.kv_quant import check_settings, quantize_caches
+from edgespec.caches.prefix import PrefixCache
 from edgespec.errors import ContextLengthError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
-from edgespec.kv_quant import check_settings, quantize_caches
 from edgespec.loader import LoadedModel
 from edgespec.lookahead.memory import drafter_fits
 from edgespec.modes import available_modes, make_mode
 from edgespec.modes.adaptive import drafter_usable, make_adaptive_mode
 from edgespec.options import GenerateOptions
-from edgespec.prefix_cache import PrefixCache
 from edgespec.processors import Penalties
 from edgespec.sampling import SamplingParams
 from edgespec.tokenizer import chat_messages
@@ -82,15 +82,15 @@ class Engine:
     # "disk" ($EDGESPEC_HOME/history), "off"; None = $EDGESPEC_HISTORY or "memory".
     history: Any = None
     max_batch: int | None = None  # generations decoded together; None = from the memory budget
-    # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.prefix_cache):
-    # None = edgespec.prefix_cache.default_limit (a few contexts' KV, capped), "memory" =
+    # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.caches.prefix):
+    # None = edgespec.caches.prefix.default_limit (a few contexts' KV, capped), "memory" =
     # PROMPT_CACHE_SHARE of the memory budget's cache share, 0 = no reuse.
     prompt_cache_bytes: int | None = None
     # Whether the drafter's own cache is reused too (its store joins the prefix cache's bound);
     # None = $EDGESPEC_DRAFTER_REUSE ("on"/"off", default on). Off: the drafter prefills the
     # whole prompt every request (for side-by-side measurements).
     drafter_prefix_reuse: bool | None = None
-    # KV-cache quantization (edgespec.kv_quant; changes the output, so off by default):
+    # KV-cache quantization (edgespec.caches.kv_quant; changes the output, so off by default):
     # bits 8 or 4, groups of kv_group_size along the head size, positions before
     # quantized_kv_start kept in full precision.
     kv_bits: int | None = None
@@ -344,7 +344,7 @@ class Engine:
 
     @property
     def drafter_prefix_cache(self):
-        """The store of the engine's drafter's own caches (edgespec.prefix_cache), joined to
+        """The store of the engine's drafter's own caches (edgespec.caches.prefix), joined to
         `prefix_cache`: one byte bound and one least recently used order over both. A second
         store, not the same trie: the drafter's blocks are keyed by the same tokens but hold
         another model's keys and values (and another layer layout). None when reuse is off,
@@ -390,7 +390,7 @@ class Engine:
         return quantize_caches(caches, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def _prompt_cache_limit(self) -> int:
-        from edgespec.prefix_cache import MEMORY, check_limit, default_limit
+        from edgespec.caches.prefix import MEMORY, check_limit, default_limit
 
         limit = self.prompt_cache_bytes
         check_limit(limit)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache, cache_arrays
+from edgespec.caches.kv import KVCache, cache_arrays
 from edgespec.sampling import Sampler
 from edgespec.tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -118,7 +118,7 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
 
     features=True also returns the final-norm hidden states of every prompt
     position (P, E) (for a feature drafter): (logits, features)."""
-    # The engine's prefix cache (edgespec.prefix_cache), when `model` is a request's view of
+    # The engine's prefix cache (edgespec.caches.prefix), when `model` is a request's view of
     # the verifier: the longest cached prefix is restored and only the rest is run. Not for
     # features=True (the hidden states of the restored positions are not kept).
     reuse_of = None if features else getattr(model, "prefix_reuse", None)

@@ -213,7 +213,7 @@ def test_pairing_refused_by_name(verifier_folder, tmp_path):
     for mode in ("tree", "cascade"):
         with pytest.raises(Exception, match="dflash"):
             engine.generate(PROMPT[:5], max_tokens=4, mode=mode)
-    from edgespec.cache import HiddenKVCache
+    from edgespec.caches.kv import HiddenKVCache
     from edgespec.drafters import attach_drafter
 
     assert any(isinstance(c, HiddenKVCache) for c in engine.model.make_cache())

@@ -72,8 +72,8 @@ def metal(monkeypatch, tmp_path_factory):
     emu = Emulated(tmp_path_factory.mktemp("emu"))
 
     def on(value: bool):
-        monkeypatch.setattr("edgespec.recurrent.on_metal", lambda: value)
-        monkeypatch.setattr("edgespec.recurrent.delta_rule_metal", emu.delta)
+        monkeypatch.setattr("edgespec.caches.recurrent.on_metal", lambda: value)
+        monkeypatch.setattr("edgespec.caches.recurrent.delta_rule_metal", emu.delta)
         monkeypatch.setattr("edgespec.models.experts.on_metal", lambda: value)
         monkeypatch.setattr("edgespec.models.experts.expert_glu_metal", emu.experts)
 

@@ -10,7 +10,7 @@ stores the folder as the bundle's drafter/, which loads the same way.
 Verifier states. Attaching the drafter makes the verifier record, on every pass it already makes
 with a cache (prefill, plain steps, verification), the outputs of the target layers concatenated,
 (T, n*E) per pass, in the cache of its first attention layer (models.base.Model.record_hidden,
-edgespec.cache.HiddenKVCache): trimmed and kept with that cache, so with seq = x_0..x_{n-1} the
+edgespec.caches.kv.HiddenKVCache): trimmed and kept with that cache, so with seq = x_0..x_{n-1} the
 rows of positions 0..n-2 (the verifier's cache never holds the last committed token) are the
 verifier's states on the committed path. No extra verifier pass. Qwen3.5's recurrent verifiers
 record in their first full-attention layer, whose trims follow the state protocol like any other.
