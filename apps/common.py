@@ -190,7 +190,7 @@ def load_engine(args, progress: bool = True):
         engine.memory_budget = budget
     for note in engine.load_notes:
         print(f"[edgespec] {note}", file=sys.stderr)
-    from edgespec.bundle import unverified_note
+    from edgespec.weights.bundle import unverified_note
 
     note = unverified_note(args.model)  # e.g. a bundle whose manifest.json was deleted
     if note:

@@ -81,7 +81,7 @@ def load(
 
     check_limit(prompt_cache_bytes)
     from edgespec.adaptive.history import history_mode
-    from edgespec.loader import load as load_any
+    from edgespec.weights.loader import load as load_any
 
     history_mode(history)  # a bad setting fails before the model is fetched or loaded
     if bitwise is not None:
@@ -102,7 +102,7 @@ def load(
             resolved = resolve(hub, progress=progress, report=report)
             model, paired, notes = resolved.local.path, resolved.drafter, resolved.notes
     if model is None:
-        from edgespec.default_model import load_default
+        from edgespec.weights.default_model import load_default
 
         loaded = load_default(progress=progress, verify_hashes=verify_hashes)
     else:

@@ -18,7 +18,6 @@ from edgespec.caches.kv_quant import check_settings, quantize_caches
 from edgespec.caches.prefix import PrefixCache
 from edgespec.errors import ContextLengthError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
-from edgespec.loader import LoadedModel
 from edgespec.lookahead.memory import drafter_fits
 from edgespec.modes import available_modes, make_mode
 from edgespec.modes.adaptive import drafter_usable, make_adaptive_mode
@@ -27,6 +26,7 @@ from edgespec.processors import Penalties
 from edgespec.sampling import SamplingParams
 from edgespec.tokenizer import chat_messages
 from edgespec.tools import plan_tools
+from edgespec.weights.loader import LoadedModel
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
 # (it gives way to running requests: the batch evicts from it before admitting one), or

@@ -14,8 +14,8 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers import models as tk_models
 
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.loader import LoadedModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def tiny_engine() -> Engine:
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF (downloaded once into the cache folder)."""
-    from edgespec.default_model import default_gguf_path
+    from edgespec.weights.default_model import default_gguf_path
 
     return default_gguf_path(progress=False)
 

@@ -31,8 +31,8 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from edgespec.adaptive.policy import SeededPolicy
 from edgespec.benchmark.runner import NEAR_TIE_LOGPROB
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
 from edgespec.sampling import Sampler, SamplingParams
+from edgespec.weights.loader import LoadedModel
 
 # near-tie: the two tokens' scores in plain's distribution differ by less (nats); the bench's too
 TOL = NEAR_TIE_LOGPROB

@@ -151,7 +151,7 @@ def test_shipped_distilled_drafter_exports_exactly(real_bundle, tmp_path):
     from edgespec.converters.mil_executor import MILExecutor
 
     from edgespec.drafters import DATA
-    from edgespec.loader import load, load_model_folder
+    from edgespec.weights.loader import load, load_model_folder
 
     folder = DATA / "smollm2-135m-instruct"
     tok = load(real_bundle, verify_hashes=False).tokenizer

@@ -18,7 +18,7 @@ from edgespec.adaptive.estimate import Costs
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import ModelDrafter
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
+from edgespec.weights.loader import LoadedModel
 
 
 class TinyDrafter(ModelDrafter):

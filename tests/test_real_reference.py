@@ -72,7 +72,7 @@ def test_dense_matches_transformers(real_engine, hf_reference):
 
 def test_4bit_gguf_path_matches_transformers(real_gguf, hf_reference):
     from edgespec.engine import Engine
-    from edgespec.loader import load_gguf
+    from edgespec.weights.loader import load_gguf
 
     loaded = load_gguf(real_gguf, keep_quantized=True)
     assert loaded.model.model.layers[0].self_attn.q_proj.bits == 4  # really the quantized path

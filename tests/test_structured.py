@@ -28,13 +28,13 @@ from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter
 from edgespec.engine import Engine
 from edgespec.generate import GenerationStats
-from edgespec.loader import LoadedModel
 from edgespec.modes import make_mode
 from edgespec.processors import Penalties
 from edgespec.sampling import Sampler
 from edgespec.structured import GrammarError, matcher_cache, parse_response_format
 from edgespec.structured.tokens import token_bytes, token_style
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.loader import LoadedModel
 
 V = 96  # EOS + the 95 printable ASCII characters
 

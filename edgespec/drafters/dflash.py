@@ -91,8 +91,8 @@ def is_dflash_folder(path: str | Path) -> bool:
 
 def load_dflash(path: str | Path, verifier, name: str | None = None) -> DFlashDrafter:
     """The drafter of a DFlash folder for `verifier` (an Engine, a LoadedModel or a model)."""
-    from edgespec.formats.hf import read_safetensors
     from edgespec.models.dflash import Model, ModelArgs
+    from edgespec.weights.formats.hf import read_safetensors
 
     path = Path(path).expanduser()
     cfg = _read_config(path)
