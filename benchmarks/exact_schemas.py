@@ -5,7 +5,7 @@
 The cases are the suite's structured-output schemas (tests/structured_cases.py) plus any
 --schema files (each a JSON schema; its prompt from --prompt or a generic one). Each schema is
 decoded once in plain and `repeats` times in auto on one engine (history and the prefix cache
-on, as a server runs), every emitted token checked by the guard (edgespec.exactness); with
+on, as a server runs), every emitted token checked by the guard (edgespec.logits.exactness); with
 --seeded the auto runs use SeededPolicy(repeat) instead of the timed choices. Prints one line
 per divergence (with plain's log-probs there) and a summary; exit 1 on any divergence.
 """
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
         args.model = default_bundle_path(progress=False)
     eng = edgespec.load(args.model, progress=False)
-    eng.check_exact = True  # every emitted token checked (edgespec.exactness)
+    eng.check_exact = True  # every emitted token checked (edgespec.logits.exactness)
     t0, runs, bad = time.time(), 0, 0
     for name, schema, prompt in cases:
         rf = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}

@@ -126,9 +126,9 @@ def bench_model(reps: int) -> None:
     import edgespec
     import edgespec.caches.recurrent as rec
     from edgespec.generate import GenerationStats, PlainMode
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     folder = Path(tempfile.mkdtemp(prefix="edgespec-kernels-"))
     vocab, K, tokens = 2048, 4, 64

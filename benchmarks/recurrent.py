@@ -120,9 +120,9 @@ def main():
     import edgespec
     from edgespec.generate import GenerationStats, PlainMode, prefill
     from edgespec.kernels import commit_kv, tree_mask
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     folder = Path(tempfile.mkdtemp(prefix="edgespec-recurrent-"))
     build(folder, a.hidden, a.layers, a.vocab)

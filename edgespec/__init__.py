@@ -21,9 +21,9 @@ from edgespec.errors import (
     UnknownOptionError,
     VocabularyMismatchError,
 )
+from edgespec.logits.processors import Penalties, TokenLogprob
+from edgespec.logits.sampling import SamplingParams
 from edgespec.options import GenerateOptions
-from edgespec.processors import Penalties, TokenLogprob
-from edgespec.sampling import SamplingParams
 from edgespec.version import __version__  # noqa: F401  (edgespec.__version__)
 
 __all__ = [

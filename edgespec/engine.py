@@ -18,14 +18,14 @@ from edgespec.caches.kv_quant import check_settings, quantize_caches
 from edgespec.caches.prefix import PrefixCache
 from edgespec.errors import ContextLengthError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
+from edgespec.logits.processors import Penalties
+from edgespec.logits.sampling import SamplingParams
+from edgespec.logits.tools import plan_tools
 from edgespec.lookahead.memory import drafter_fits
 from edgespec.modes import available_modes, make_mode
 from edgespec.modes.adaptive import drafter_usable, make_adaptive_mode
 from edgespec.options import GenerateOptions
-from edgespec.processors import Penalties
-from edgespec.sampling import SamplingParams
 from edgespec.tokenizer import chat_messages
-from edgespec.tools import plan_tools
 from edgespec.weights.loader import LoadedModel
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
@@ -43,7 +43,7 @@ class GenerationResult:
     stats: GenerationStats
     prompt_tokens: int = 0
     logprobs: list | None = None  # with options.logprobs: a TokenLogprob per token
-    # chat(tools=...): the calls the model made (edgespec.tools.ToolCall); `text` is then
+    # chat(tools=...): the calls the model made (edgespec.logits.tools.ToolCall); `text` is then
     # the rest of the reply, and finish_reason "tool_calls" when there are calls.
     tool_calls: list = field(default_factory=list)
 
@@ -99,7 +99,7 @@ class Engine:
     # Carries out every timing-driven decoding choice (edgespec.adaptive.policy); None = the
     # timed default. Tests put a SeededPolicy or ScriptedPolicy here to explore or replay.
     policy: Any = None
-    # Check every emitted token against the verifier row that drew it (edgespec.exactness);
+    # Check every emitted token against the verifier row that drew it (edgespec.logits.exactness);
     # None = $EDGESPEC_CHECK_EXACT (the test suite turns it on), default off.
     check_exact: bool | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -155,7 +155,7 @@ class Engine:
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                       tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt or a conversation; `tools` (checked, OpenAI's shape) are
-        rendered into the conversation by the chat template (edgespec.tools)."""
+        rendered into the conversation by the chat template (edgespec.logits.tools)."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if tools and messages is None:
@@ -305,7 +305,7 @@ class Engine:
         return _tool_chunks(chunks, plan) if plan is not None and plan.parses else chunks
 
     def _tool_plan(self, tools, tool_choice, parallel_tool_calls, kwargs: dict, options):
-        """The request's tool plan (edgespec.tools); a constraint it needs goes into `kwargs`."""
+        """The request's tool plan (edgespec.logits.tools); a constraint it needs goes into `kwargs`."""
         plan = plan_tools(tools, tool_choice, parallel_tool_calls, self.tokenizer.chat_template)
         if plan.response_format is not None:
             given = kwargs.get("response_format")
@@ -533,7 +533,7 @@ class Engine:
     def chat(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice=None,
              parallel_tool_calls: bool | None = None, **kwargs) -> GenerationResult:
         """A reply to `messages`. With `tools` (OpenAI's list of functions), the model's
-        calls come back parsed in `result.tool_calls` (edgespec.tools.ToolCall: name,
+        calls come back parsed in `result.tool_calls` (edgespec.logits.tools.ToolCall: name,
         arguments as a dict, id) and `text` holds the rest of the reply. `tool_choice`:
         "auto" (default with tools), "none", "required" or {"type": "function", "function":
         {"name": ...}}; the last two constrain the reply to the functions' parameter
@@ -550,7 +550,7 @@ class Engine:
 
 
 def _tool_chunks(chunks, plan) -> Iterator[Chunk]:
-    """`chunks` with the model's tool calls read out of their text (edgespec.tools): text
+    """`chunks` with the model's tool calls read out of their text (edgespec.logits.tools): text
     is content only, calls come in `tool_calls`, finish_reason "tool_calls" when any."""
     reader = plan.stream()
     try:
@@ -622,7 +622,7 @@ def make_options(
     """A request's options, checked. `response_format`: None, {"type": "json_object"},
     {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, {"type": "regex",
     "pattern"}, {"type": "grammar", "grammar", "syntax": "lark"|"gbnf"}, a JSON-schema dict or
-    a Pydantic model class (edgespec.structured). `logprobs`: k -> every streamed Chunk carries
+    a Pydantic model class (edgespec.logits.structured). `logprobs`: k -> every streamed Chunk carries
     each token's logprob and its k most likely alternatives under the processed verifier
     distribution. Penalties: OpenAI presence/frequency over the reply, the CTRL/HF repetition
     penalty over prompt and reply; every mode applies them identically at every position."""

@@ -15,7 +15,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from edgespec.caches.kv import KVCache, cache_arrays
-from edgespec.sampling import Sampler
+from edgespec.logits.sampling import Sampler
 from edgespec.tokenizer import StreamingDetokenizer, Tokenizer
 
 PREFILL_CHUNK = 512
@@ -27,7 +27,7 @@ class Token:
     logprob: float
     source: str  # "verifier" | "drafter" | "lookahead"
     # With options.logprobs: its logprob and alternatives under the processed verifier
-    # distribution (edgespec.processors.TokenLogprob), filled in as the token streams out.
+    # distribution (edgespec.logits.processors.TokenLogprob), filled in as the token streams out.
     top_logprobs: object = None
 
 
@@ -221,9 +221,9 @@ class Chunk:
     text: str
     tokens: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled" | None
-    # With options.logprobs: one edgespec.processors.TokenLogprob per token of `tokens`.
+    # With options.logprobs: one edgespec.logits.processors.TokenLogprob per token of `tokens`.
     logprobs: list | None = None
-    # Engine.stream(tools=...): the tool calls (edgespec.tools.ToolCall) completed in this chunk.
+    # Engine.stream(tools=...): the tool calls (edgespec.logits.tools.ToolCall) completed in this chunk.
     tool_calls: list | None = None
 
 

@@ -128,7 +128,7 @@ os.environ.setdefault("EDGESPEC_HOME", str(REPO / ".cache" / "edgespec"))
 # Learnt pass costs are not read from or written to the cache folder (edgespec.calibration): every
 # test process starts from the same prior; tests/test_first_use.py turns it on in a temp home.
 os.environ.setdefault("EDGESPEC_CALIBRATION", "off")
-# Every emitted token is checked against the verifier row that drew it (edgespec.exactness).
+# Every emitted token is checked against the verifier row that drew it (edgespec.logits.exactness).
 os.environ.setdefault("EDGESPEC_CHECK_EXACT", "1")
 
 

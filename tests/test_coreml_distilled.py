@@ -73,7 +73,7 @@ def test_drafts_like_distilled_drafter(distilled, fp16, prompt):
 
 
 def test_q_matches_and_is_zero_outside_the_kept_set(distilled):
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     vmap, path, info = distilled
     a = executor_drafter(path, info, False, vmap)

@@ -31,9 +31,9 @@ from edgespec.models.llama import ModelArgs
 from edgespec.drafters.distilled import VocabMap
 from edgespec.drafters.feature import FeatureDrafter, verifier_head_rows
 from edgespec.generate import GenerationStats, PlainMode
+from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.options import GenerateOptions
-from edgespec.sampling import Sampler, SamplingParams
 from edgespec.weights.loader import LoadedModel
 
 V = 64

@@ -261,8 +261,8 @@ def test_a_slow_reader_does_not_make_plain_steps_look_free(home):
     from edgespec.adaptive.history import HistoryStore
     from edgespec.engine import make_options
     from edgespec.generate import GenerationStats
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes import make_mode
-    from edgespec.sampling import Sampler, SamplingParams
 
     engine = engine_for(paced=None, drafter=False)
     engine.history = HistoryStore()  # empty: the only source, silent, so every step is plain

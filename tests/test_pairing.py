@@ -61,7 +61,7 @@ def test_drafter_logits_are_cut_or_padded_to_the_verifier():
 
 
 def _greedy_sampler():
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     return Sampler(SamplingParams(temperature=0.0))
 

@@ -54,8 +54,8 @@ def _hf_greedy(model, ids, n):
 def _greedy(engine, ids, n):
     from edgespec.engine import make_options
     from edgespec.generate import GenerationStats
+    from edgespec.logits.sampling import Sampler
     from edgespec.modes import make_mode
-    from edgespec.sampling import Sampler
 
     mode = make_mode("plain", engine, make_options())
     steps = mode.steps(ids, Sampler(make_options().sampling), GenerationStats())

@@ -318,9 +318,9 @@ def test_speculative_state_after_rejections_equals_plain(hybrid):
     """After rounds with mid-chain rejections, the verifier's and the drafter's recurrent
     states equal those of plain decoding over the same tokens."""
     from edgespec.drafters.mlx_drafter import MLXDrafter
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     _, _, _, engine = hybrid
     model = engine.model
@@ -380,7 +380,7 @@ def test_speculative_sampling_on_a_hybrid_model_matches_the_exact_law(tmp_path):
     hf_hybrid(tmp_path, "qwen3_5_text", seed=5, vocab=8, init=0.6)
     model = edgespec.load(tmp_path, drafter="none", progress=False, history="off").model
     prompt, params = [1, 5, 2, 7], dict(temperature=1.0)
-    from edgespec.sampling import SamplingParams
+    from edgespec.logits.sampling import SamplingParams
 
     law = continuation_law(model, prompt, SamplingParams(**params), 3)
     keys = list(law)
@@ -400,7 +400,7 @@ def test_plain_mode_on_a_hybrid_model_streams_like_prefill_and_steps(hybrid):
     _, _, ref, engine = hybrid
     model = engine.model
     stats = GenerationStats()
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     steps = PlainMode(model).steps(PROMPT[:10], Sampler(SamplingParams(temperature=0.0)), stats)
     got = [next(steps).id for _ in range(8)]

@@ -54,7 +54,7 @@ from edgespec.caches.kv import KVCache
 from edgespec.drafters.base import DrafterReuse
 from edgespec.errors import EngineError
 from edgespec.generate import Chunk, stream_tokens
-from edgespec.sampling import Sampler
+from edgespec.logits.sampling import Sampler
 
 log = logging.getLogger("edgespec.batch")
 

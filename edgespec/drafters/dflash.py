@@ -351,7 +351,7 @@ def reference_round(drafter: DFlashDrafter, features: np.ndarray, last: int) -> 
     out = drafter.block(last, mx.array(features)[None])
     logits = drafter.logits(out)
     if drafter.args.kind == "dflash2":
-        from edgespec.sampling import Sampler, SamplingParams
+        from edgespec.logits.sampling import Sampler, SamplingParams
 
         drafter.seq = [last]
         return drafter._select(out, logits, Sampler(SamplingParams(temperature=0.0))).tokens
