@@ -119,7 +119,7 @@ class ChatSession:
         return text
 
     def save(self, path: str) -> None:
-        from edgespec import sessions
+        from edgespec.caches import sessions
 
         n = sessions.save(self.engine, path, self.tokens,
                           {"kind": "chat", "system": self.system, "messages": self.history})
@@ -128,7 +128,7 @@ class ChatSession:
     def save_at_exit(self, path: str) -> None:
         """save(), or when `path` cannot be written any more, a new file beside it or under
         $EDGESPEC_HOME/sessions, said where: the turns are never lost."""
-        from edgespec import sessions
+        from edgespec.caches import sessions
 
         extra = {"kind": "chat", "system": self.system, "messages": self.history}
         try:
@@ -143,7 +143,7 @@ class ChatSession:
             self.err.write(f"[saved {len(self.history)} messages and {n} cached tokens to {path}]\n")
 
     def load(self, path: str) -> None:
-        from edgespec import sessions
+        from edgespec.caches import sessions
         from edgespec.tokenizer import chat_messages
 
         tokens, extra, n = sessions.load(self.engine, path)
@@ -194,7 +194,7 @@ def run(args) -> int:
 
     options = options_from_args(args)
     if args.session:
-        from edgespec import sessions
+        from edgespec.caches import sessions
 
         # Checked before the model loads, so the turns of the chat can be saved at its end
         # (a folder that cannot be written, a foreign file: refused now, not at exit).

@@ -83,7 +83,7 @@ def add_cache_arguments(p: argparse.ArgumentParser, prompt_cache_files: bool = T
 def load_prompt_caches(engine, args) -> str | None:
     """Put the --prompt-cache files into the engine's prefix cache (pinned: never evicted).
     Returns the system prompt a cached one stands for (the apps' default --system), if any."""
-    from edgespec import sessions
+    from edgespec.caches import sessions
 
     system = None
     for path in getattr(args, "prompt_cache", None) or []:
@@ -190,7 +190,7 @@ def load_engine(args, progress: bool = True):
         engine.memory_budget = budget
     for note in engine.load_notes:
         print(f"[edgespec] {note}", file=sys.stderr)
-    from edgespec.bundle import unverified_note
+    from edgespec.weights.bundle import unverified_note
 
     note = unverified_note(args.model)  # e.g. a bundle whose manifest.json was deleted
     if note:

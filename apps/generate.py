@@ -124,7 +124,7 @@ def run(args) -> int:
             {"role": "user", "content": prompt}
         ]
         stream = engine.stream(messages=msgs, options=options)
-    from edgespec.structured import GrammarError
+    from edgespec.logits.structured import GrammarError
 
     try:
         for chunk in stream:
@@ -133,7 +133,7 @@ def run(args) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\n[stopped]\n")
     except GrammarError as e:  # the matcher gave up mid-reply (one of llguidance's per-step limits)
-        from edgespec.structured._worker import short
+        from edgespec.logits.structured._worker import short
 
         sys.stdout.write("\n")
         raise ValueError(f"{_option(args)}: the grammar could not be followed further: {short(e)}") from None

@@ -73,8 +73,8 @@ def main() -> int:
 
     from edgespec.drafters import DATA
     from edgespec.drafters.distilled import VocabMap
-    from edgespec.loader import load, load_model_folder
     from edgespec.progress import progress_bar
+    from edgespec.weights.loader import load, load_model_folder
 
     bundle = args.model or default_bundle_path(progress=False)
     heldout = read_prompts(builtin_path(BUILTIN_HELDOUT))

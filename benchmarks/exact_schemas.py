@@ -4,12 +4,13 @@
 
 The cases are the suite's structured-output schemas (tests/structured_cases.py), any --schema
 files (each a JSON schema; its prompt from --prompt or a generic one), and the schema of issue
-42's reported miss (benchmarks/schemas/, with its prompt). Each schema is decoded once in plain (on an engine of its own) and then `repeats` times in auto: each round a
-fresh engine (history and the prefix cache on, as a server runs) decodes every schema in turn,
-the reported schema last, so that its run follows the other schemas' requests as in the report
-and auto's history holds earlier replies of other schemas, never plain's reply of the same one.
-Every emitted token is checked by the guard (edgespec.exactness); with --seeded the auto runs
-use SeededPolicy(round) instead of the timed choices. Prints one line per divergence (with
+42's reported miss (benchmarks/schemas/, with its prompt). Each schema is decoded once in
+plain (on an engine of its own) and then `repeats` times in auto: each round a fresh engine
+(history and the prefix cache on, as a server runs) decodes every schema in turn, the reported
+schema last, so that its run follows the other schemas' requests as in the report and auto's
+history holds earlier replies of other schemas, never plain's reply of the same one. Every
+emitted token is checked by the guard (edgespec.logits.exactness); with --seeded the auto
+runs use SeededPolicy(round) instead of the timed choices. Prints one line per divergence (with
 plain's log-probs there) and a summary; exit 1 on any divergence.
 """
 
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         if eng is None or not args.keep_engine:
             eng = edgespec.load(args.model, progress=False, history=args.history)
-            eng.check_exact = True  # every emitted token checked (edgespec.exactness)
+            eng.check_exact = True  # every emitted token checked (edgespec.logits.exactness)
         for name, schema, prompt in cases:
             plain = plains[name]
             eng.policy = SeededPolicy(r) if args.seeded else None

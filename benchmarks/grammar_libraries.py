@@ -3,7 +3,7 @@
     python benchmarks/grammar_libraries.py [--model PATH]
 
 Both are given the vocabulary as bytes read from edgespec's own tokenizer
-(edgespec.structured.tokens: the default model is a GGUF, no HF fast tokenizer
+(edgespec.logits.structured.tokens: the default model is a GGUF, no HF fast tokenizer
 is assumed). For one extraction schema, times: building the library's
 tokenizer, compiling the schema, and computing the token mask at every
 position of a valid reply (median, mean, max). xgrammar is optional (it pulls
@@ -33,8 +33,8 @@ def stats(ts) -> str:
 
 def main() -> int:
     import edgespec
-    from edgespec.structured import JSON_OPTIONS, ll_tokenizer
-    from edgespec.structured.tokens import token_bytes
+    from edgespec.logits.structured import JSON_OPTIONS, ll_tokenizer
+    from edgespec.logits.structured.tokens import token_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)

@@ -7,10 +7,10 @@ emulation runs GPU threads one after another, its speed means nothing).
 
 1. Gated delta rule, one layer, B = 1, per pass of T positions (T = 1: a decoding step; 5:
    a verify pass of K = 4; 16, 32: long verify passes; chains, and a tree of three branches):
-   - loop: edgespec.recurrent.delta_recurrent, what the CPU runs (six MLX operations over
+   - loop: edgespec.caches.recurrent.delta_recurrent, what the CPU runs (six MLX operations over
      the whole state per position);
    - compiled: the same step under mx.compile (MLX fuses the element-wise operations);
-   - chunked: the chunked form (edgespec.recurrent.delta_chunked) with one chunk of T: the
+   - chunked: the chunked form (edgespec.caches.recurrent.delta_chunked) with one chunk of T: the
      composition prefill uses, matrix products instead of a loop (chains only; it rounds
      differently, so a decoding step and a verify pass would not agree bit for bit);
    - native: edgespec.kernels.cpu_delta (a C loop, two passes over each head's state per
@@ -68,10 +68,10 @@ def delta_inputs(T, Hk, H, D, seed=0):
 
 
 def bench_delta(reps: int) -> None:
+    from edgespec.caches.recurrent import delta_chunked, delta_recurrent, delta_step
     from edgespec.kernels import emulate
     from edgespec.kernels.cpu_delta import delta_rule_cpu
     from edgespec.kernels.delta import DELTA_RULE, emulator_inputs
-    from edgespec.recurrent import delta_chunked, delta_recurrent, delta_step
 
     step = mx.compile(delta_step)
 
@@ -124,11 +124,11 @@ def bench_model(reps: int) -> None:
     import recurrent as rb
 
     import edgespec
-    import edgespec.recurrent as rec
+    import edgespec.caches.recurrent as rec
     from edgespec.generate import GenerationStats, PlainMode
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     folder = Path(tempfile.mkdtemp(prefix="edgespec-kernels-"))
     vocab, K, tokens = 2048, 4, 64

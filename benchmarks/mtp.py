@@ -81,7 +81,7 @@ def main(argv=None) -> None:
 
     import edgespec
     from edgespec.drafters.mtp import MTPDrafter
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp), a.hidden, a.layers, a.vocab)

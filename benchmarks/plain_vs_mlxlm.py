@@ -21,9 +21,9 @@ PROMPT = "Explain in detail how a bicycle works, part by part."
 
 def edgespec_run(engine, ids, n):
     from edgespec.generate import GenerationStats
+    from edgespec.logits.sampling import Sampler
     from edgespec.modes import make_mode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler
 
     opts = GenerateOptions()
     steps = make_mode("plain", engine, opts).steps(ids, Sampler(opts.sampling), GenerationStats())

@@ -5,7 +5,7 @@ transformers, measured side by side in one run:
 
 1. Checkpointing overhead per verified token: a verify pass of K+1 positions followed by
    a rollback to a half-accepted draft (recomputing the recurrent state of the kept
-   positions, edgespec.recurrent), against the same pass with no rollback; and a tree pass
+   positions, edgespec.caches.recurrent), against the same pass with no rollback; and a tree pass
    (per-branch states) against a chain pass of the same size.
 2. Speculative decoding with drafts rejected about half the time vs plain decoding: an
    oracle drafter that knows plain decoding's continuation and corrupts each proposal with
@@ -120,9 +120,9 @@ def main():
     import edgespec
     from edgespec.generate import GenerationStats, PlainMode, prefill
     from edgespec.kernels import commit_kv, tree_mask
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     folder = Path(tempfile.mkdtemp(prefix="edgespec-recurrent-"))
     build(folder, a.hidden, a.layers, a.vocab)

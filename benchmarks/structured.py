@@ -56,8 +56,8 @@ def main() -> int:
     from structured_cases import SCHEMAS, prompt_for
 
     import edgespec
-    from edgespec import processors
-    from edgespec.structured import ll_tokenizer, parse_response_format
+    from edgespec.logits import processors
+    from edgespec.logits.structured import ll_tokenizer, parse_response_format
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="bundle/GGUF (default: the default model)")

@@ -15,7 +15,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from edgespec.bundle import FORMAT_VERSION, MANIFEST, file_entry
 from edgespec.safe_write import (  # noqa: F401  (atomic_folder, clean_stale_temps: this module's API too)
     PID_MARKER,
     atomic_folder,
@@ -24,6 +23,7 @@ from edgespec.safe_write import (  # noqa: F401  (atomic_folder, clean_stale_tem
     check_writable,
     clean_stale_temps,
 )
+from edgespec.weights.bundle import FORMAT_VERSION, MANIFEST, file_entry
 
 
 def check_overlap(src: str | Path, out: str | Path, label: str = "OUT") -> None:

@@ -22,11 +22,11 @@ from edgespec.converters.drafter_export import write_drafter
 from edgespec.models import get_architecture
 from mlx.utils import tree_flatten
 
-from edgespec.bundle import read_manifest
 from edgespec.errors import ModelLoadError
-from edgespec.loader import build_model, is_gguf
 from edgespec.progress import progress_bar
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.bundle import read_manifest
+from edgespec.weights.loader import build_model, is_gguf
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 QUANTIZE_CHOICES = ("none", "native", "4", "8")

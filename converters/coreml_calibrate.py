@@ -38,7 +38,7 @@ from edgespec.converters.coreml_compress import compress_linear, decode_packed
 from edgespec.converters.dense import _dense_params
 from edgespec.converters.distill.calibration_text import read_answers
 
-from edgespec.loader import build_model
+from edgespec.weights.loader import build_model
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HOLDOUT_EVERY = 8

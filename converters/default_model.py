@@ -1,6 +1,6 @@
 """A converted bundle of the default model (SmolLM2-135M-Instruct), written once into the cache.
 
-The runtime (edgespec.default_model) fetches the GGUF and reads it directly; the
+The runtime (edgespec.weights.default_model) fetches the GGUF and reads it directly; the
 tests, benchmarks and distillation want a bundle folder (manifest, tokenizer.json),
 which only a converter writes. The runtime loads this bundle when it is there.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from edgespec.converters.convert import convert
 
-from edgespec.default_model import default_bundle_dir, default_gguf_path, variant
+from edgespec.weights.default_model import default_bundle_dir, default_gguf_path, variant
 
 
 def default_bundle_path(progress: bool = True) -> Path:

@@ -35,7 +35,7 @@ def write_dflash_drafter(folder: Path, src: Path, verifier_args, verifier_hash: 
     from mlx.utils import tree_flatten
 
     from edgespec.drafters.dflash import CONFIG, check_args
-    from edgespec.formats.hf import read_safetensors
+    from edgespec.weights.formats.hf import read_safetensors
 
     if compress != "none":
         raise ValueError(f"--drafter-compress: {DFLASH_NO_COREML}")
@@ -73,7 +73,7 @@ def write_dflash_drafter(folder: Path, src: Path, verifier_args, verifier_hash: 
         except ImportError:
             raise ModelLoadError("exporting the DFlash drafter to Core ML needs coremltools (pip install "
                                  "'edgespec[convert]'); or pass --no-coreml") from None
-        from edgespec.loader import load_model_folder
+        from edgespec.weights.loader import load_model_folder
 
         verifier = load_model_folder(folder)  # the bundle's verifier, written before the drafter
         entry["coreml"] = export_dflash(model, verifier, folder / "drafter.mlpackage", context_length=context_length,

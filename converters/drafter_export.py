@@ -24,8 +24,8 @@ from edgespec.drafters.dflash import is_dflash_folder
 from edgespec.drafters.distilled import VOCAB_MAP, VocabMap, is_distilled_folder
 from edgespec.drafters.feature import DRAFTER_JSON, is_feature_folder
 from edgespec.errors import ModelLoadError
-from edgespec.loader import LoadedModel, build_model, is_gguf, load, load_model_folder
 from edgespec.progress import progress_bar
+from edgespec.weights.loader import LoadedModel, build_model, is_gguf, load, load_model_folder
 
 
 def load_drafter_source(src: Path):

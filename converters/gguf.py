@@ -1,4 +1,4 @@
-"""GGUF reading lives in the runtime (edgespec.formats.gguf); re-exported for converters."""
+"""GGUF reading lives in the runtime (edgespec.weights.formats.gguf); re-exported for converters."""
 
-from edgespec.formats.gguf import *  # noqa: F403
-from edgespec.formats.gguf import _open  # noqa: F401  (private helper the converter uses)
+from edgespec.weights.formats.gguf import *  # noqa: F403
+from edgespec.weights.formats.gguf import _open  # noqa: F401  (private helper the converter uses)

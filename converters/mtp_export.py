@@ -39,8 +39,8 @@ from edgespec.converters.coreml_export import (
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _rope, rope_tables
 
 from edgespec.errors import ModelLoadError
-from edgespec.loader import load_model_folder
 from edgespec.safe_write import check_replaceable, check_writable
+from edgespec.weights.loader import load_model_folder
 
 KIND = "mtp"
 PACKAGE_FORMAT = 1

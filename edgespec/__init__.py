@@ -21,9 +21,9 @@ from edgespec.errors import (
     UnknownOptionError,
     VocabularyMismatchError,
 )
+from edgespec.logits.processors import Penalties, TokenLogprob
+from edgespec.logits.sampling import SamplingParams
 from edgespec.options import GenerateOptions
-from edgespec.processors import Penalties, TokenLogprob
-from edgespec.sampling import SamplingParams
 from edgespec.version import __version__  # noqa: F401  (edgespec.__version__)
 
 __all__ = [
@@ -64,24 +64,24 @@ def load(
     (this process only), "disk" ($EDGESPEC_HOME/history) or "off"; None =
     $EDGESPEC_HISTORY, else "memory". History shapes drafts only, never the output.
     `prompt_cache_bytes`: how much of earlier prompts' and replies' caches to keep for
-    requests that start the same way (edgespec.prefix_cache); None = two full contexts of
+    requests that start the same way (edgespec.caches.prefix); None = two full contexts of
     the model's KV cache, at most 1 GiB and a fifth of what the memory budget leaves for
     caches; "memory" = that fifth alone; 0 = off. Reuse never changes the output.
     `kv_bits` (8 or 4; None = full precision): store the KV cache quantized in groups of
     `kv_group_size` along the head size, from position `quantized_kv_start` on
-    (edgespec.kv_quant). It saves memory on long contexts and changes the output slightly.
+    (edgespec.caches.kv_quant). It saves memory on long contexts and changes the output slightly.
     `bitwise`: bitwise verification (docs/bitwise.md): every row of a verifier pass over many
     positions is bitwise what a one-token pass gives, so speculation cannot flip a near-tie.
     A process-wide setting; None = $EDGESPEC_BITWISE (off unless set to 1).
     """
-    from edgespec.kv_quant import check_settings
+    from edgespec.caches.kv_quant import check_settings
 
     check_settings(kv_bits, kv_group_size, quantized_kv_start)  # before the model loads
-    from edgespec.prefix_cache import check_limit
+    from edgespec.caches.prefix import check_limit
 
     check_limit(prompt_cache_bytes)
     from edgespec.adaptive.history import history_mode
-    from edgespec.loader import load as load_any
+    from edgespec.weights.loader import load as load_any
 
     history_mode(history)  # a bad setting fails before the model is fetched or loaded
     if bitwise is not None:
@@ -102,7 +102,7 @@ def load(
             resolved = resolve(hub, progress=progress, report=report)
             model, paired, notes = resolved.local.path, resolved.drafter, resolved.notes
     if model is None:
-        from edgespec.default_model import load_default
+        from edgespec.weights.default_model import load_default
 
         loaded = load_default(progress=progress, verify_hashes=verify_hashes)
     else:

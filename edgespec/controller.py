@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.logits.sampling import Sampler, SamplingParams
 
 
 @dataclass

@@ -19,19 +19,19 @@ from typing import Any
 from edgespec.adaptive.history import make_history
 from edgespec.batch import Batcher, Request, memory
 from edgespec.batch.request import cancel_callable as check
+from edgespec.caches.kv_quant import check_settings, quantize_caches
+from edgespec.caches.prefix import PrefixCache
 from edgespec.errors import ContextLengthError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
-from edgespec.kv_quant import check_settings, quantize_caches
-from edgespec.loader import LoadedModel
+from edgespec.logits.processors import Penalties
+from edgespec.logits.sampling import SamplingParams
+from edgespec.logits.tools import plan_tools
 from edgespec.lookahead.memory import drafter_fits
 from edgespec.modes import available_modes, make_mode
 from edgespec.modes.adaptive import drafter_usable, make_adaptive_mode
 from edgespec.options import GenerateOptions
-from edgespec.prefix_cache import PrefixCache
-from edgespec.processors import Penalties
-from edgespec.sampling import SamplingParams
 from edgespec.tokenizer import chat_messages
-from edgespec.tools import plan_tools
+from edgespec.weights.loader import LoadedModel
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
 # (it gives way to running requests: the batch evicts from it before admitting one), or
@@ -48,7 +48,7 @@ class GenerationResult:
     stats: GenerationStats
     prompt_tokens: int = 0
     logprobs: list | None = None  # with options.logprobs: a TokenLogprob per token
-    # chat(tools=...): the calls the model made (edgespec.tools.ToolCall); `text` is then
+    # chat(tools=...): the calls the model made (edgespec.logits.tools.ToolCall); `text` is then
     # the rest of the reply, and finish_reason "tool_calls" when there are calls.
     tool_calls: list = field(default_factory=list)
 
@@ -87,15 +87,15 @@ class Engine:
     # "disk" ($EDGESPEC_HOME/history), "off"; None = $EDGESPEC_HISTORY or "memory".
     history: Any = None
     max_batch: int | None = None  # generations decoded together; None = from the memory budget
-    # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.prefix_cache):
-    # None = edgespec.prefix_cache.default_limit (a few contexts' KV, capped), "memory" =
+    # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.caches.prefix):
+    # None = edgespec.caches.prefix.default_limit (a few contexts' KV, capped), "memory" =
     # PROMPT_CACHE_SHARE of the memory budget's cache share, 0 = no reuse.
     prompt_cache_bytes: int | None = None
     # Whether the drafter's own cache is reused too (its store joins the prefix cache's bound);
     # None = $EDGESPEC_DRAFTER_REUSE ("on"/"off", default on). Off: the drafter prefills the
     # whole prompt every request (for side-by-side measurements).
     drafter_prefix_reuse: bool | None = None
-    # KV-cache quantization (edgespec.kv_quant; changes the output, so off by default):
+    # KV-cache quantization (edgespec.caches.kv_quant; changes the output, so off by default):
     # bits 8 or 4, groups of kv_group_size along the head size, positions before
     # quantized_kv_start kept in full precision.
     kv_bits: int | None = None
@@ -104,7 +104,7 @@ class Engine:
     # Carries out every timing-driven decoding choice (edgespec.adaptive.policy); None = the
     # timed default. Tests put a SeededPolicy or ScriptedPolicy here to explore or replay.
     policy: Any = None
-    # Check every emitted token against the verifier row that drew it (edgespec.exactness);
+    # Check every emitted token against the verifier row that drew it (edgespec.logits.exactness);
     # None = $EDGESPEC_CHECK_EXACT (the test suite turns it on), default off.
     check_exact: bool | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -160,7 +160,7 @@ class Engine:
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                       tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt or a conversation; `tools` (checked, OpenAI's shape) are
-        rendered into the conversation by the chat template (edgespec.tools)."""
+        rendered into the conversation by the chat template (edgespec.logits.tools)."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if tools and messages is None:
@@ -310,7 +310,7 @@ class Engine:
         return _tool_chunks(chunks, plan) if plan is not None and plan.parses else chunks
 
     def _tool_plan(self, tools, tool_choice, parallel_tool_calls, kwargs: dict, options):
-        """The request's tool plan (edgespec.tools); a constraint it needs goes into `kwargs`."""
+        """The request's tool plan (edgespec.logits.tools); a constraint it needs goes into `kwargs`."""
         plan = plan_tools(tools, tool_choice, parallel_tool_calls, self.tokenizer.chat_template)
         if plan.response_format is not None:
             given = kwargs.get("response_format")
@@ -349,7 +349,7 @@ class Engine:
 
     @property
     def drafter_prefix_cache(self):
-        """The store of the engine's drafter's own caches (edgespec.prefix_cache), joined to
+        """The store of the engine's drafter's own caches (edgespec.caches.prefix), joined to
         `prefix_cache`: one byte bound and one least recently used order over both. A second
         store, not the same trie: the drafter's blocks are keyed by the same tokens but hold
         another model's keys and values (and another layer layout). None when reuse is off,
@@ -395,7 +395,7 @@ class Engine:
         return quantize_caches(caches, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def _prompt_cache_limit(self) -> int:
-        from edgespec.prefix_cache import MEMORY, check_limit, default_limit
+        from edgespec.caches.prefix import MEMORY, check_limit, default_limit
 
         limit = self.prompt_cache_bytes
         check_limit(limit)
@@ -538,7 +538,7 @@ class Engine:
     def chat(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice=None,
              parallel_tool_calls: bool | None = None, **kwargs) -> GenerationResult:
         """A reply to `messages`. With `tools` (OpenAI's list of functions), the model's
-        calls come back parsed in `result.tool_calls` (edgespec.tools.ToolCall: name,
+        calls come back parsed in `result.tool_calls` (edgespec.logits.tools.ToolCall: name,
         arguments as a dict, id) and `text` holds the rest of the reply. `tool_choice`:
         "auto" (default with tools), "none", "required" or {"type": "function", "function":
         {"name": ...}}; the last two constrain the reply to the functions' parameter
@@ -555,7 +555,7 @@ class Engine:
 
 
 def _tool_chunks(chunks, plan) -> Iterator[Chunk]:
-    """`chunks` with the model's tool calls read out of their text (edgespec.tools): text
+    """`chunks` with the model's tool calls read out of their text (edgespec.logits.tools): text
     is content only, calls come in `tool_calls`, finish_reason "tool_calls" when any."""
     reader = plan.stream()
     try:
@@ -627,7 +627,7 @@ def make_options(
     """A request's options, checked. `response_format`: None, {"type": "json_object"},
     {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, {"type": "regex",
     "pattern"}, {"type": "grammar", "grammar", "syntax": "lark"|"gbnf"}, a JSON-schema dict or
-    a Pydantic model class (edgespec.structured). `logprobs`: k -> every streamed Chunk carries
+    a Pydantic model class (edgespec.logits.structured). `logprobs`: k -> every streamed Chunk carries
     each token's logprob and its k most likely alternatives under the processed verifier
     distribution. Penalties: OpenAI presence/frequency over the reply, the CTRL/HF repetition
     penalty over prompt and reply; every mode applies them identically at every position."""

@@ -14,8 +14,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache, cache_arrays
-from edgespec.sampling import Sampler
+from edgespec.caches.kv import KVCache, cache_arrays
+from edgespec.logits.sampling import Sampler
 from edgespec.tokenizer import StreamingDetokenizer, Tokenizer
 
 PREFILL_CHUNK = 512
@@ -27,7 +27,7 @@ class Token:
     logprob: float
     source: str  # "verifier" | "drafter" | "lookahead"
     # With options.logprobs: its logprob and alternatives under the processed verifier
-    # distribution (edgespec.processors.TokenLogprob), filled in as the token streams out.
+    # distribution (edgespec.logits.processors.TokenLogprob), filled in as the token streams out.
     top_logprobs: object = None
 
 
@@ -118,7 +118,7 @@ def prefill(model, cache: list[KVCache], tokens: list[int], chunk: int = PREFILL
 
     features=True also returns the final-norm hidden states of every prompt
     position (P, E) (for a feature drafter): (logits, features)."""
-    # The engine's prefix cache (edgespec.prefix_cache), when `model` is a request's view of
+    # The engine's prefix cache (edgespec.caches.prefix), when `model` is a request's view of
     # the verifier: the longest cached prefix is restored and only the rest is run. Not for
     # features=True (the hidden states of the restored positions are not kept).
     reuse_of = None if features else getattr(model, "prefix_reuse", None)
@@ -216,9 +216,9 @@ class Chunk:
     text: str
     tokens: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled" | None
-    # With options.logprobs: one edgespec.processors.TokenLogprob per token of `tokens`.
+    # With options.logprobs: one edgespec.logits.processors.TokenLogprob per token of `tokens`.
     logprobs: list | None = None
-    # Engine.stream(tools=...): the tool calls (edgespec.tools.ToolCall) completed in this chunk.
+    # Engine.stream(tools=...): the tool calls (edgespec.logits.tools.ToolCall) completed in this chunk.
     tool_calls: list | None = None
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.logits.processors import Penalties
+from edgespec.logits.sampling import SamplingParams
+from edgespec.logits.structured import parse_response_format
 from edgespec.modes import validate_mode_options
-from edgespec.processors import Penalties
-from edgespec.sampling import SamplingParams
-from edgespec.structured import parse_response_format
 
 MAX_LOGPROBS = 20
 
@@ -21,7 +21,7 @@ class GenerateOptions:
     mode: str = "auto"  # "auto" lets the engine choose (see Engine.resolve_mode)
     draft_tokens: int | str = "auto"  # K for speculative modes, or "auto"
     mode_options: dict[str, Any] = field(default_factory=dict)  # e.g. lookahead W/N/G
-    # Structured output (edgespec.structured): None, an OpenAI response_format dict, a JSON
+    # Structured output (edgespec.logits.structured): None, an OpenAI response_format dict, a JSON
     # schema dict or a Pydantic model class; compiled here (a bad one raises ValueError).
     response_format: Any = None
     logprobs: int | None = None  # each token's logprob and this many alternatives (0..20)
@@ -48,7 +48,7 @@ class GenerateOptions:
             raise ValueError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (alternatives per token), "
                              f"got {lp!r}")
         if not isinstance(self.penalties, Penalties):
-            raise ValueError(f"penalties must be an edgespec.processors.Penalties, got {type(self.penalties).__name__}")
+            raise ValueError(f"penalties must be an edgespec.logits.processors.Penalties, got {type(self.penalties).__name__}")
         dt = self.draft_tokens
         if dt != "auto" and (not isinstance(dt, int) or isinstance(dt, bool) or not 1 <= dt <= 16):
             raise ValueError(f"draft_tokens must be 'auto' or an integer in 1..16, got {dt!r}")

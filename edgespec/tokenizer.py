@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgespec.errors import ContextLengthError, ModelLoadError
-from edgespec.tools import check_message_tool_calls, tool_format
+from edgespec.logits.tools import check_message_tool_calls, tool_format
 
 # Texts longer than this are encoded without holding the GIL (see Tokenizer._encode_text).
 LONG_TEXT_CHARS = 16_384
@@ -297,11 +297,11 @@ class Tokenizer:
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes token `i` stands for (what OpenAI's logprobs report as `bytes`), as the
-        grammar engine reads the vocabulary (edgespec.structured.tokens); a special token
+        grammar engine reads the vocabulary (edgespec.logits.structured.tokens); a special token
         (EOS, chat markers) as its name."""
         table = self.__dict__.get("_token_bytes")
         if table is None:
-            from edgespec.structured.tokens import token_bytes
+            from edgespec.logits.structured.tokens import token_bytes
 
             table = self.__dict__["_token_bytes"] = token_bytes(self)[0]
         i = int(i)
@@ -314,10 +314,10 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """The conversation as the model's chat template writes it. `tools` (OpenAI's list,
-        see edgespec.tools) go to a template that renders tools as `tools` (SmolLM3:
+        see edgespec.logits.tools) go to a template that renders tools as `tools` (SmolLM3:
         `xml_tools`); a template that renders none gets them described in the system
         message. Assistant `tool_calls` and `tool` messages are passed the same way."""
-        import edgespec.tools as tool_calls
+        import edgespec.logits.tools as tool_calls
 
         fmt = tool_calls.tool_format(self.chat_template)
         var = self.tool_variable
@@ -364,14 +364,14 @@ class Tokenizer:
     def tool_variable(self) -> str | None:
         """The variable the chat template renders a tool list from (None: it renders none)."""
         if "_tool_variable" not in self.__dict__:
-            from edgespec.tools import template_tool_variable
+            from edgespec.logits.tools import template_tool_variable
 
             self.__dict__["_tool_variable"] = template_tool_variable(self.chat_template)
         return self.__dict__["_tool_variable"]
 
     @property
     def tool_format(self):
-        """How this model writes tool calls (an edgespec.tools.ToolFormat)."""
+        """How this model writes tool calls (an edgespec.logits.tools.ToolFormat)."""
         return tool_format(self.chat_template)
 
     def encode_chat(self, messages: list[dict[str, str]], context_length: int | None = None,

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgespec.cache import KVCache
+from edgespec.caches.kv import KVCache
 from edgespec.kernels import exact
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
@@ -571,7 +571,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = opts.norm(E, eps=eps)
 
     def make_cache(self) -> KVCache:
-        """This layer's cache (the per-layer state protocol, edgespec.cache)."""
+        """This layer's cache (the per-layer state protocol, edgespec.caches.kv)."""
         return KVCache()
 
     def __call__(self, x, mask, cache, positions):
@@ -642,7 +642,7 @@ class Model(nn.Module):
     def make_cache(self) -> list:
         caches = [layer.make_cache() for layer in self.model.layers]
         if self.record_tap is not None:
-            from edgespec.cache import HiddenKVCache
+            from edgespec.caches.kv import HiddenKVCache
 
             caches[self.record_tap] = HiddenKVCache()
         return caches
@@ -653,7 +653,7 @@ class Model(nn.Module):
         in the first layer cache that holds one entry per position (a plain KVCache: its trims and
         keeps follow the sequence). Returns that layer's index; None (and nothing recorded) when
         the architecture cannot (`records_layers`) or no layer keeps such a cache."""
-        from edgespec.cache import KVCache
+        from edgespec.caches.kv import KVCache
 
         if not self.records_layers:
             return None
@@ -673,7 +673,7 @@ class Model(nn.Module):
     def _put_recorded(self, cache: list, outs: dict[int, mx.array]) -> None:
         """Hand a pass's recorded layer outputs to the tap cache (or, in a batched pass over
         gathered rows, edgespec.batch.forward, to each row's own)."""
-        from edgespec.cache import HiddenKVCache
+        from edgespec.caches.kv import HiddenKVCache
 
         feats = mx.concatenate([outs[i] for i in self.record_layers], axis=-1)
         tap = cache[self.record_tap]

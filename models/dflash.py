@@ -48,7 +48,7 @@ import mlx.nn as nn
 from edgespec.models.base import MLP, make_rope
 from edgespec.models.base import ModelArgs as BaseArgs
 
-from edgespec.cache import KVCache
+from edgespec.caches.kv import KVCache
 from edgespec.kernels.linear import Linear
 
 KINDS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from edgespec.models.llama import DecoderLayer, ModelArgs
 
-from edgespec.cache import KVCache
+from edgespec.caches.kv import KVCache
 
 
 class FeatureDraftModel(nn.Module):

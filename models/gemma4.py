@@ -33,7 +33,7 @@ from edgespec.models.base import ModelArgs as BaseArgs
 from edgespec.models.base import RoPE, window_mask
 from edgespec.models.experts import SwitchGLU, stack_experts, top_k
 
-from edgespec.cache import HiddenKVCache, KVCache, LayerCache
+from edgespec.caches.kv import HiddenKVCache, KVCache, LayerCache
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
 from edgespec.kernels.linear import Linear

@@ -4,7 +4,7 @@ A conv block is in_proj -> (b, c, x); y = c * conv(b * x) over a depthwise causa
 convolution of width conv_L_cache; out_proj. Attention layers are Llama's with an RMSNorm
 over each head of q and k. Every layer has a SwiGLU feed-forward (w1/w3/w2, its width
 adjusted as the config says); the final norm is `embedding_norm`. The convolution's state
-is an edgespec.recurrent.ConvCache (checkpointed per verified position, rolled back by
+is an edgespec.caches.recurrent.ConvCache (checkpointed per verified position, rolled back by
 recomputation), so every decoding mode runs on it.
 """
 
@@ -19,8 +19,8 @@ from edgespec.models.base import MLP, DecoderLayer, LayerOptions
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.base import ModelArgs as BaseArgs
 
+from edgespec.caches.recurrent import ConvCache, conv_windows, depthwise, tree_parents
 from edgespec.kernels.linear import Linear
-from edgespec.recurrent import ConvCache, conv_windows, depthwise, tree_parents
 
 KINDS = ("conv", "full_attention")
 

@@ -3,9 +3,9 @@
 Gated DeltaNet layers (linear attention) interleaved with gated full attention:
 - linear_attention: in_proj_qkv -> depthwise causal conv (width linear_conv_kernel_dim) ->
   SiLU -> q, k (L2-normed, q scaled by Dk^-0.5), v; decay g = -exp(A_log) softplus(a +
-  dt_bias), beta = sigmoid(b); the gated delta rule (edgespec.recurrent: recurrent form for
+  dt_bias), beta = sigmoid(b); the gated delta rule (edgespec.caches.recurrent: recurrent form for
   decode and verify passes, chunked form for long prompt chunks; per-branch in tree passes);
-  output RMSNorm(o) * silu(z), out_proj. Its state is an edgespec.recurrent.DeltaCache.
+  output RMSNorm(o) * silu(z), out_proj. Its state is an edgespec.caches.recurrent.DeltaCache.
 - full_attention: q_proj gives q and a per-head output gate, (1 + w) RMSNorm over heads of
   q and k, RoPE on the first partial_rotary_factor of each head (text positions: the
   multimodal RoPE sections coincide), out * sigmoid(gate) before o_proj.
@@ -48,9 +48,7 @@ from edgespec.models.base import MLP, DecoderLayer, LayerOptions, OffsetRMSNorm
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.base import ModelArgs as BaseArgs
 
-from edgespec.errors import ModelLoadError
-from edgespec.kernels.linear import Linear
-from edgespec.recurrent import (
+from edgespec.caches.recurrent import (
     RECURRENT_MAX,
     DeltaCache,
     conv_windows,
@@ -59,6 +57,8 @@ from edgespec.recurrent import (
     depthwise,
     tree_parents,
 )
+from edgespec.errors import ModelLoadError
+from edgespec.kernels.linear import Linear
 
 KINDS = ("linear_attention", "full_attention")
 NOTE_SKIPPED = "qwen3_5: the vision tower is not loaded (text model only); mtp.* weights load as a drafter"
@@ -306,7 +306,7 @@ class Model(BaseModel):
         caches = super().make_cache()
         j = self.hidden_layer
         if self.keep_hidden and j is not None:
-            from edgespec.cache import HiddenKVCache
+            from edgespec.caches.kv import HiddenKVCache
 
             caches[j] = HiddenKVCache()
         return caches

@@ -14,8 +14,8 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers import models as tk_models
 
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.loader import LoadedModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def tiny_engine() -> Engine:
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF (downloaded once into the cache folder)."""
-    from edgespec.default_model import default_gguf_path
+    from edgespec.weights.default_model import default_gguf_path
 
     return default_gguf_path(progress=False)
 
@@ -128,7 +128,7 @@ os.environ.setdefault("EDGESPEC_HOME", str(REPO / ".cache" / "edgespec"))
 # Learnt pass costs are not read from or written to the cache folder (edgespec.calibration): every
 # test process starts from the same prior; tests/test_first_use.py turns it on in a temp home.
 os.environ.setdefault("EDGESPEC_CALIBRATION", "off")
-# Every emitted token is checked against the verifier row that drew it (edgespec.exactness).
+# Every emitted token is checked against the verifier row that drew it (edgespec.logits.exactness).
 os.environ.setdefault("EDGESPEC_CHECK_EXACT", "1")
 
 

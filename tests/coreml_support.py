@@ -8,7 +8,7 @@ from mlx.utils import tree_map
 
 from edgespec.drafters.base import ModelDrafter
 from edgespec.drafters.coreml import CoreMLDrafter
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.logits.sampling import Sampler, SamplingParams
 
 # Every op an exported drafter program may contain (after coremltools' passes).
 ALLOWED_OPS = {

@@ -5,7 +5,7 @@ layers), features (a grammar, penalties, prefix cache warm, history warm, quanti
 a batch of concurrent rows, a drafter), greedy or sampled, and a `SeededPolicy` that
 replaces every timing-driven choice of `auto` (plain or tree rounds, draft lengths, tree
 shapes, the Jacobi window). Its output is compared with plain decoding's under the same
-options. The runtime guard (edgespec.exactness) is on, so a token drawn from the wrong row
+options. The runtime guard (edgespec.logits.exactness) is on, so a token drawn from the wrong row
 or a row processed along the wrong prefix fails where it happens.
 
 A divergence from plain is classified: a *near-tie* when the two tokens are within TOL of
@@ -31,8 +31,8 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from edgespec.adaptive.policy import SeededPolicy
 from edgespec.benchmark.runner import NEAR_TIE_LOGPROB
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.logits.sampling import Sampler, SamplingParams
+from edgespec.weights.loader import LoadedModel
 
 # near-tie: the two tokens' scores in plain's distribution differ by less (nats); the bench's too
 TOL = NEAR_TIE_LOGPROB

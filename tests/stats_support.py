@@ -7,7 +7,7 @@ import numpy as np
 from scipy.stats import chi2
 
 from edgespec.generate import GenerationStats
-from edgespec.sampling import Sampler, SamplingParams, logprobs_from_logits
+from edgespec.logits.sampling import Sampler, SamplingParams, logprobs_from_logits
 
 
 def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:

@@ -19,8 +19,8 @@ from edgespec.adaptive.history import HistoryStore
 from edgespec.drafters.base import ModelDrafter
 from edgespec.engine import make_options
 from edgespec.generate import GenerationStats
+from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.modes import make_mode
-from edgespec.sampling import Sampler, SamplingParams
 
 SOURCES = ("context", "history", "jacobi", "drafter")
 DRAW_TOKENS = dec.draw_tokens  # the real one, for the broken variant to wrap

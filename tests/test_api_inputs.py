@@ -79,7 +79,7 @@ def test_bad_options_are_value_errors(engine, options, said):
 def test_config_metadata_keys_with_a_leading_underscore_are_accepted(tmp_path):
     """transformers writes `_name_or_path` and, for a model loaded from a GGUF and saved again,
     `_model_name_or_path`: metadata, not math."""
-    from edgespec.loader import load
+    from edgespec.weights.loader import load
 
     folder = write_tiny_hf_folder(tmp_path / "hf")
     config = json.loads((folder / "config.json").read_text())

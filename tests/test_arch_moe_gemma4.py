@@ -316,7 +316,7 @@ def test_assistant_drafts_as_transformers_drafts_from_the_verifier(tmp_path):
     values, its hidden state and embedding as transformers' assistant generator does; the
     same tokens and log-probabilities come out."""
     from edgespec.drafters.assistant import AssistantDrafter
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     verifier = checkpoint(tmp_path / "hf", "gemma4_text", seed=1)
     assistant = assistant_checkpoint(tmp_path / "hf" / "drafter", seed=5)

@@ -11,8 +11,8 @@ import pytest
 import test_recurrent as rec
 from test_recurrent import PROMPT, V
 
+from edgespec.caches.recurrent import CHUNK
 from edgespec.generate import prefill
-from edgespec.recurrent import CHUNK
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

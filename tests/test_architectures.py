@@ -297,7 +297,7 @@ def test_gemma3_v4_and_v5_rope_layouts_give_identical_logits():
 def test_math_changing_fields_not_implemented_are_refused_by_name(tmp_path, extra, named):
     import json
 
-    from edgespec.loader import load
+    from edgespec.weights.loader import load
 
     folder = tmp_path / "hf"
     hf_checkpoint(folder, "llama")
@@ -321,7 +321,7 @@ def test_longrope_context_is_capped_at_the_original_length():
 
 
 def test_sharded_and_half_precision_folders_load(tmp_path):
-    from edgespec.loader import load
+    from edgespec.weights.loader import load
 
     ref = hf_checkpoint(tmp_path / "one", "qwen2", seed=3)
     ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
@@ -351,7 +351,7 @@ def test_mlx_community_quantized_folder_matches_mlx_lm(tmp_path, arch):
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.convert import convert as mlx_lm_convert
 
-    from edgespec.loader import load
+    from edgespec.weights.loader import load
 
     # mlx-lm reads neither v5 rope_parameters nor (for these two) sliding windows: give it a
     # v4-style config and windows longer than the prompt, so both sides compute the same model
@@ -388,7 +388,7 @@ def test_windowed_model_written_from_its_args_keeps_its_windows(tmp_path, arch):
     after a prompt longer than its window (8), and they differ from unwindowed ones."""
     from edgespec.converters.convert import convert
 
-    from edgespec.loader import load_model_folder
+    from edgespec.weights.loader import load_model_folder
 
     window = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     ref = hf_checkpoint(tmp_path / "hf", arch, seed=2, **window)

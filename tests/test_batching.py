@@ -21,7 +21,7 @@ import edgespec.batch.seq as seq_mod
 from edgespec.batch import MemoryBudgetError, Row, batched_forward, group_rows
 from edgespec.engine import make_options
 from edgespec.kernels import tree_mask
-from edgespec.sampling import SamplingParams
+from edgespec.logits.sampling import SamplingParams
 
 PROMPTS = [[(7 * i + 3 * j) % 60 + 1 for j in range(3 + 23 * i)] for i in range(4)]
 
@@ -465,7 +465,7 @@ def test_plain_decoding_hands_out_a_token_before_its_next_call(others):
     token does (a call there waits for the batch's next pass); alone, later tokens may be
     queued one step ahead. Either way the tokens are plain decoding's own."""
     from edgespec.generate import GenerationStats, PlainMode
-    from edgespec.sampling import Sampler
+    from edgespec.logits.sampling import Sampler
 
     model = make_tiny_model(2, scale=1.3)
     prompt = PROMPTS[1]

@@ -17,9 +17,9 @@ from stats_support import chisq_pvalue, continuation_counts, continuation_law
 import edgespec.tree.cascade as cascade_mod
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter
+from edgespec.logits.sampling import SamplingParams
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.options import GenerateOptions
-from edgespec.sampling import SamplingParams
 from edgespec.tree import CascadeDrafter
 
 PARAMS = dict(temperature=1.0, top_k=3)

@@ -212,7 +212,7 @@ def _script(engine, drafter, prompt, rounds):
     """Greedy drafting rounds as the speculative mode runs them, with scripted acceptance:
     (k, accepted or None for all, or ('sync', n) to roll the committed sequence back to n tokens).
     Returns each round's draft tokens."""
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     sampler = Sampler(SamplingParams())
     cache = engine.model.make_cache()

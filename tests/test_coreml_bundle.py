@@ -168,9 +168,9 @@ def _snapshot(folder):
 
 def test_add_drafter_to_existing_bundle(plain_bundle, tmp_path):
     import edgespec
-    from edgespec.bundle import read_manifest
     from edgespec.cli import main
     from edgespec.drafters.mlx_drafter import MLXDrafter
+    from edgespec.weights.bundle import read_manifest
 
     before = read_manifest(plain_bundle)
     drafter = write_tiny_hf_folder(tmp_path / "d", seed=1, num_hidden_layers=1)
@@ -238,9 +238,9 @@ def test_add_feature_drafter_goes_in_as_mlx(plain_bundle, tmp_path):
     )
 
     import edgespec
-    from edgespec.bundle import read_manifest
     from edgespec.drafters.distilled import VocabMap
     from edgespec.drafters.feature import FeatureDrafter
+    from edgespec.weights.bundle import read_manifest
 
     engine = edgespec.load(plain_bundle, progress=False)
     fcfg = feature_config(engine.model.args, 1)

@@ -176,7 +176,7 @@ def test_calibration_helps_the_shipped_drafter(real_bundle):
 
     from edgespec.drafters import DATA
     from edgespec.drafters.distilled import VocabMap
-    from edgespec.loader import load, load_model_folder
+    from edgespec.weights.loader import load, load_model_folder
 
     folder = DATA / "smollm2-135m-instruct"
     vmap = VocabMap.load(folder)

@@ -73,7 +73,7 @@ def test_drafts_like_distilled_drafter(distilled, fp16, prompt):
 
 
 def test_q_matches_and_is_zero_outside_the_kept_set(distilled):
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     vmap, path, info = distilled
     a = executor_drafter(path, info, False, vmap)
@@ -151,7 +151,7 @@ def test_shipped_distilled_drafter_exports_exactly(real_bundle, tmp_path):
     from edgespec.converters.mil_executor import MILExecutor
 
     from edgespec.drafters import DATA
-    from edgespec.loader import load, load_model_folder
+    from edgespec.weights.loader import load, load_model_folder
 
     folder = DATA / "smollm2-135m-instruct"
     tok = load(real_bundle, verify_hashes=False).tokenizer

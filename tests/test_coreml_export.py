@@ -114,7 +114,7 @@ def test_drafting_and_rollback_match_mlx_drafter(tiny_package, fp16):
 
 def test_rollback_then_decode_matches_fresh_run(tiny_package):
     """After drafting past a point and rolling back, the buffer's stale slots must not leak."""
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     _, path, info = tiny_package
     sampler = Sampler(SamplingParams())
@@ -140,7 +140,7 @@ def test_feed_plan_uses_chunks_and_k_token_decodes(tiny_package):
     # 20 = chunk [0, 8) + chunk [8, 16) + remainder 4 -> one decode_4 at 16
     assert calls == [("prefill", 0), ("prefill", 8), ("decode_4", 16)]
     d.backend.calls.clear()
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     d.draft(3, Sampler(SamplingParams()))
     d.accept(3, 9)  # all accepted: draft token 3 and the bonus are both unseen
@@ -150,7 +150,7 @@ def test_feed_plan_uses_chunks_and_k_token_decodes(tiny_package):
 
 
 def test_context_end_drafts_fewer_then_none(tiny_package):
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     _, path, info = tiny_package
     d = executor_drafter(path, info, fp16=False)
@@ -255,7 +255,7 @@ def test_compressed_weights_decode_exactly(tmp_path, compress):
 def test_forks_of_one_package_draft_independently(tiny_package):
     """Requests of a batch draft with forks of the engine's Core ML drafter (one package, a
     state each): two forks whose rounds interleave draft exactly what each does alone."""
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     _, path, info = tiny_package
     rounds = [(4, 1), (3, None), (4, 0), (2, None)]

@@ -44,7 +44,7 @@ def truncated_real(bundle, n_layers: int):
     """The first n layers of the real model (plus its final norm and head) as a new MLX model."""
     from mlx.utils import tree_flatten
 
-    from edgespec.loader import build_model, load
+    from edgespec.weights.loader import build_model, load
 
     loaded = load(bundle, verify_hashes=False)
     cfg = {**loaded.model.args.to_dict(), "num_hidden_layers": n_layers}

@@ -1,5 +1,5 @@
 """The gated delta rule's Metal kernel (edgespec.kernels.delta), its exact source compiled as C++,
-against the MLX reference edgespec.recurrent.delta_recurrent: chains and tree passes."""
+against the MLX reference edgespec.caches.recurrent.delta_recurrent: chains and tree passes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from edgespec.caches.recurrent import RECURRENT_MAX, delta_recurrent, delta_rule
 from edgespec.kernels import emulate
 from edgespec.kernels.delta import DELTA_RULE, delta_spec, emulator_inputs, tree_slots
-from edgespec.recurrent import RECURRENT_MAX, delta_recurrent, delta_rule
 
 F32, I32 = np.float32, np.int32
 
@@ -187,8 +187,8 @@ def test_native_cpu_loop_equals_reference(native, parents):
 
 
 def test_native_pass_equals_its_steps_bit_for_bit_and_training_keeps_mlx(native, monkeypatch):
+    import edgespec.caches.recurrent as rec
     import edgespec.kernels.cpu_delta as cd
-    import edgespec.recurrent as rec
 
     a = [mx.array(x) for x in inputs(1, 5, 2, 4, 64, 64, seed=4)]
     monkeypatch.setattr(cd, "PARALLEL_MIN", 1)  # the heads split over threads for the whole pass

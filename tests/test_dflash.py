@@ -161,7 +161,7 @@ def test_block_logits_match_the_reference_from_folder_and_bundle(verifier_folder
         got = d.logits(d.block(ids[-1], mx.array(feats)[None]))
         np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         # a whole drafting round: the block proposed after the prompt is the reference's
-        from edgespec.sampling import Sampler, SamplingParams
+        from edgespec.logits.sampling import Sampler, SamplingParams
 
         d.begin(ids)
         draft = d.draft(block - 1, Sampler(SamplingParams(temperature=0.0)))
@@ -189,7 +189,7 @@ def test_context_fed_in_pieces_equals_all_at_once(verifier_folder, tmp_path):
         d.block(ids[b], feats[a:b][None])
     d.seq = ids
     d.fed = 19
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     assert d.draft(7, Sampler(SamplingParams(temperature=0.0))).tokens == whole
 
@@ -213,7 +213,7 @@ def test_pairing_refused_by_name(verifier_folder, tmp_path):
     for mode in ("tree", "cascade"):
         with pytest.raises(Exception, match="dflash"):
             engine.generate(PROMPT[:5], max_tokens=4, mode=mode)
-    from edgespec.cache import HiddenKVCache
+    from edgespec.caches.kv import HiddenKVCache
     from edgespec.drafters import attach_drafter
 
     assert any(isinstance(c, HiddenKVCache) for c in engine.model.make_cache())
@@ -284,9 +284,9 @@ def test_sampled_output_follows_the_verifiers_law(tmp_path):
     """Chi-square of 3-token continuations of speculative sampling with a DFlash2 drafter (its
     selector's q) against the law enumerated from plain decoding, on an 8-token verifier; and
     seeded sampling in auto equals plain's."""
+    from edgespec.logits.sampling import SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import SamplingParams
 
     verifier = write_tiny_hf_folder(tmp_path / "v", seed=4, vocab_size=8, num_hidden_layers=2)
     engine = load(verifier, drafter=write_random(tmp_path / "d", "dflash2", (0, 1), 4, vocab=8, mask=7, layers=1))

@@ -15,8 +15,8 @@ from edgespec.converters.distill.train import TrainConfig, prepare, train
 from edgespec.converters.distill.vocab import choose_vocab, token_counts
 
 from edgespec.drafters.distilled import DistilledDrafter, VocabMap
-from edgespec.loader import LoadedModel
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.logits.sampling import Sampler, SamplingParams
+from edgespec.weights.loader import LoadedModel
 
 
 def _verifier(seed=3):

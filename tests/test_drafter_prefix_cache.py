@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import make_tiny_engine, make_tiny_model, run_at_once
 
+from edgespec.caches.prefix import PrefixCache
 from edgespec.drafters.base import DrafterReuse, ModelDrafter
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter
-from edgespec.prefix_cache import PrefixCache
 
 BLOCK = 4
 

@@ -11,7 +11,7 @@ import os
 import pytest
 from exact_fuzz import Verifiers, run_cases
 
-import edgespec.processors as processors
+import edgespec.logits.processors as processors
 
 FUZZ_CASES = int(os.environ.get("EDGESPEC_FUZZ_CASES", "40"))
 

@@ -33,9 +33,9 @@ import pytest
 from conftest import REPO, write_tiny_bundle, write_tiny_hf_folder
 
 from edgespec.adaptive.history import HistoryStore
-from edgespec.bundle import read_manifest
 from edgespec.errors import ModelLoadError
-from edgespec.loader import load
+from edgespec.weights.bundle import read_manifest
+from edgespec.weights.loader import load
 
 CONVERT_OPTS = dict(quantize="none", dtype="float32", progress=False)
 

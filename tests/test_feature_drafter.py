@@ -31,10 +31,10 @@ from edgespec.models.llama import ModelArgs
 from edgespec.drafters.distilled import VocabMap
 from edgespec.drafters.feature import FeatureDrafter, verifier_head_rows
 from edgespec.generate import GenerationStats, PlainMode
-from edgespec.loader import LoadedModel
+from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.options import GenerateOptions
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.weights.loader import LoadedModel
 
 V = 64
 KEPT = np.array([-1] + list(range(0, 48)), np.int64)  # ids 48..63 cannot be drafted
@@ -231,7 +231,7 @@ def test_pipeline_trains_resumes_and_writes_a_loadable_folder(tmp_path, verifier
                                  [("abc", "code"), ("hello there", "chat"), ("xyz z", "code"), ("mix it", "chat"),
                                   ("data", "code"), ("QRS", "chat")]))
     loaded = LoadedModel(verifier, make_tiny_tokenizer(V), None)
-    monkeypatch.setattr("edgespec.loader.load", lambda path, **kw: loaded)
+    monkeypatch.setattr("edgespec.weights.loader.load", lambda path, **kw: loaded)
     cfg = P.DistillConfig(kind="feature", layers=1, vocab=40, max_new=10, topk=4, gen_batch=4, unroll=2,
                           train=TrainConfig(steps=12, batch_size=4, lr=3e-3, warmup=2, checkpoint_every=4))
 

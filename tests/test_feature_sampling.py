@@ -20,7 +20,7 @@ from test_speculative_sampling import V, _wrong_rule, exact_distribution, sample
 import edgespec.modes.speculative as spec_mod
 from edgespec.drafters.distilled import VocabMap
 from edgespec.drafters.feature import FeatureDrafter
-from edgespec.sampling import SamplingParams
+from edgespec.logits.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from edgespec.adaptive.estimate import Costs
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import ModelDrafter
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
+from edgespec.weights.loader import LoadedModel
 
 
 class TinyDrafter(ModelDrafter):
@@ -261,8 +261,8 @@ def test_a_slow_reader_does_not_make_plain_steps_look_free(home):
     from edgespec.adaptive.history import HistoryStore
     from edgespec.engine import make_options
     from edgespec.generate import GenerationStats
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes import make_mode
-    from edgespec.sampling import Sampler, SamplingParams
 
     engine = engine_for(paced=None, drafter=False)
     engine.history = HistoryStore()  # empty: the only source, silent, so every step is plain

@@ -10,8 +10,8 @@ import pytest
 from conftest import make_tiny_tokenizer
 from gguf_support import gpt2_tokenizer_meta, llama_cpp_config, llama_cpp_tensors, write_gguf
 
-from edgespec.formats.gguf_arch import ARCHS
-from edgespec.loader import load_gguf, load_hf_folder
+from edgespec.weights.formats.gguf_arch import ARCHS
+from edgespec.weights.loader import load_gguf, load_hf_folder
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

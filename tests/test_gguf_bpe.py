@@ -9,7 +9,7 @@ from gguf_support import byte_level_tokens, llama_cpp_tensors, write_gguf
 from mlx.utils import tree_flatten
 
 from edgespec.errors import ModelLoadError
-from edgespec.loader import load_gguf
+from edgespec.weights.loader import load_gguf
 
 # merges ranked: "3 4" first, then "1 2", "12 3"; no "4 5"; "' S" makes the piece "'S"
 MERGES = ["3 4", "1 2", "12 3", "Ġ x", "' S"]

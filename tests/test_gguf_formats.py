@@ -13,8 +13,8 @@ from gguf_support import Q, k_blocks, permute_qk, quantized_bytes, write_llama_g
 from mlx.utils import tree_flatten
 
 from edgespec.errors import ModelLoadError
-from edgespec.formats import gguf_quants as gq
-from edgespec.loader import load, load_gguf
+from edgespec.weights.formats import gguf_quants as gq
+from edgespec.weights.loader import load, load_gguf
 
 ROWS, COLS = 8, 512
 
@@ -191,7 +191,7 @@ def test_convert_summary_lines(tmp_path):
 
 
 def test_the_container_parser_agrees_with_gguf_reader(tmp_path):
-    from edgespec.formats.gguf_file import GGUFFile
+    from edgespec.weights.formats.gguf_file import GGUFFile
 
     path = write_llama_gguf(tmp_path / "mixed.gguf", seed=7, types=MIXED, **K_DIMS)
     mine, ref = GGUFFile(path), gguf.GGUFReader(str(path))
@@ -228,7 +228,7 @@ def test_convert_to_4_bit_reports_its_error_and_the_exact_alternative(tmp_path, 
     assert re.search(r"Q4_0: \d+ tensors read dense", out)
     line = next(s for s in out.splitlines() if "re-quantized to 4-bit, groups of 64" in s)
     assert "--quantize native keeps Q4_0 exactly" in line
-    from edgespec.bundle import read_manifest
+    from edgespec.weights.bundle import read_manifest
 
     q = read_manifest(tmp_path / "out")["quantization"]
     assert q["bits"] == 4 and 0 < q["max_rel_error"] < 0.5

@@ -18,9 +18,9 @@ import pytest
 from conftest import make_tiny_tokenizer
 from test_structured import V, ascii_tokenizer
 
-from edgespec.structured import parse_response_format
-from edgespec.structured.bounds import LIMITS, GrammarLimitError
-from edgespec.tools import plan_tools
+from edgespec.logits.structured import parse_response_format
+from edgespec.logits.structured.bounds import LIMITS, GrammarLimitError
+from edgespec.logits.tools import plan_tools
 
 
 def ref_chain(n: int) -> dict:
@@ -95,7 +95,7 @@ def test_a_worker_crash_mid_compile_costs_the_request_and_the_next_compile_works
     """A real SIGSEGV in the worker (sent while it compiles a slow grammar): the caller gets
     a ValueError saying the grammar crashed the compiler, this process goes on, and the pool
     starts a new worker for the next grammar."""
-    from edgespec.structured import _isolated
+    from edgespec.logits.structured import _isolated
 
     monkeypatch.setattr(LIMITS, "max_alternatives", 10**6)
     monkeypatch.setattr(LIMITS, "max_bytes", 10**7)

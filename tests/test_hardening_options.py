@@ -13,7 +13,7 @@ from conftest import make_tiny_engine, write_tiny_bundle
 from test_hardening_grammar import ref_chain
 from test_sessions import run_cli
 
-from edgespec import prefix_cache
+from edgespec.caches import prefix
 from edgespec.engine import PROMPT_CACHE_SHARE, PROMPT_CACHE_UNKNOWN_BUDGET
 from edgespec.lookahead.memory import kv_bytes
 
@@ -73,14 +73,14 @@ def test_a_bundle_without_its_manifest_loads_with_a_note(tmp_path, capsys):
 def test_the_default_prompt_cache_bound_is_a_few_contexts_of_the_model(monkeypatch):
     e = make_tiny_engine(0)
     per_context = kv_bytes(e.model.args, e.context_length, 4)  # the tiny model is float32
-    assert e.prefix_cache.max_bytes == min(prefix_cache.DEFAULT_CONTEXTS * per_context, prefix_cache.DEFAULT_CAP)
+    assert e.prefix_cache.max_bytes == min(prefix.DEFAULT_CONTEXTS * per_context, prefix.DEFAULT_CAP)
     # The former bound (a fifth of the memory left for caches) is an option.
     from edgespec.batch import memory
 
     monkeypatch.setattr(memory, "free_memory_now", lambda: None)
     old = make_tiny_engine(0, )
-    old.prompt_cache_bytes = prefix_cache.MEMORY
+    old.prompt_cache_bytes = prefix.MEMORY
     assert old.prefix_cache.max_bytes == PROMPT_CACHE_UNKNOWN_BUDGET
     assert PROMPT_CACHE_SHARE == 0.2
     with pytest.raises(ValueError, match="more than this machine's memory"):
-        prefix_cache.check_limit(1 << 70)
+        prefix.check_limit(1 << 70)

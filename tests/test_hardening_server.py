@@ -31,7 +31,7 @@ from test_hardening_grammar import (
 )
 from test_structured import V, ascii_tokenizer
 
-from edgespec.structured.bounds import LIMITS
+from edgespec.logits.structured.bounds import LIMITS
 
 RATIO = 50  # worst /health while compiling vs the median idle one (as test_server_loop)
 ATTEMPTS = 4

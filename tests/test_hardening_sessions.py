@@ -15,7 +15,7 @@ import struct
 import pytest
 from test_sessions import bundle, chat, engine, run_cli  # noqa: F401 -- bundle is a fixture
 
-from edgespec import sessions
+from edgespec.caches import sessions
 
 ROOT = os.geteuid() == 0  # root writes into read-only folders: those cases need another user
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_tiny_model, make_tiny_tokenizer
 from mlx.utils import tree_flatten
 
-from edgespec.loader import load
+from edgespec.weights.loader import load
 
 IDS = mx.array([[1, 2, 3, 4, 9, 17]])
 

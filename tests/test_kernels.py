@@ -137,7 +137,7 @@ def test_dispatchers_use_the_reference_off_metal():
 
 
 def test_commit_kv_packs_accepted_entries():
-    from edgespec.cache import KVCache
+    from edgespec.caches.kv import KVCache
 
     c = KVCache()
     k = mx.arange(1 * 1 * 6 * 2).reshape(1, 1, 6, 2).astype(mx.float32)

@@ -72,8 +72,8 @@ def metal(monkeypatch, tmp_path_factory):
     emu = Emulated(tmp_path_factory.mktemp("emu"))
 
     def on(value: bool):
-        monkeypatch.setattr("edgespec.recurrent.on_metal", lambda: value)
-        monkeypatch.setattr("edgespec.recurrent.delta_rule_metal", emu.delta)
+        monkeypatch.setattr("edgespec.caches.recurrent.on_metal", lambda: value)
+        monkeypatch.setattr("edgespec.caches.recurrent.delta_rule_metal", emu.delta)
         monkeypatch.setattr("edgespec.models.experts.on_metal", lambda: value)
         monkeypatch.setattr("edgespec.models.experts.expert_glu_metal", emu.experts)
 
@@ -121,9 +121,9 @@ def test_qwen3_5_decodes_through_the_kernel_like_mlx(qwen35, metal):
 def test_speculation_and_trees_through_the_kernel_equal_plain(qwen35, metal):
     from edgespec.drafters.mlx_drafter import MLXDrafter
     from edgespec.generate import GenerationStats
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     metal.on(True)
     model, prompt = qwen35.model, PROMPT[:20]

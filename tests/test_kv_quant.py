@@ -1,4 +1,4 @@
-"""KV-cache quantization (edgespec.kv_quant): opt-in, exact for every mode with respect to plain
+"""KV-cache quantization (edgespec.caches.kv_quant): opt-in, exact for every mode with respect to plain
 decoding under the same quantized cache, in the batch and the prefix cache; smaller."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from conftest import make_tiny_engine, make_tiny_model
 
-from edgespec import sessions
-from edgespec.cache import KVCache
+from edgespec.caches import sessions
+from edgespec.caches.kv import KVCache
+from edgespec.caches.kv_quant import QuantizedKVCache
+from edgespec.caches.prefix import PrefixCache
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.engine import Engine
-from edgespec.kv_quant import QuantizedKVCache
 from edgespec.modes import available_modes
-from edgespec.prefix_cache import PrefixCache
 
 HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1}  # head size 32: one group of 32
 

@@ -12,7 +12,7 @@ from conftest import make_tiny_model, write_tiny_bundle, write_tiny_hf_folder
 from edgespec.converters.convert import convert
 
 from edgespec.errors import ModelLoadError
-from edgespec.loader import load
+from edgespec.weights.loader import load
 
 
 def logits_of(model, toks=(1, 2, 3, 4)):
@@ -237,7 +237,7 @@ def test_temp_folders_of_killed_conversions_are_cleaned_but_not_running_ones(tmp
 
 
 def _hand_bundle(folder, payload: bytes):
-    from edgespec.bundle import file_entry
+    from edgespec.weights.bundle import file_entry
 
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(payload)
@@ -248,7 +248,7 @@ def _hand_bundle(folder, payload: bytes):
 
 
 def _counting_hashes(monkeypatch):
-    from edgespec import bundle
+    from edgespec.weights import bundle
 
     calls = []
     real = bundle.sha256_file
@@ -257,7 +257,7 @@ def _counting_hashes(monkeypatch):
 
 
 def test_verified_weights_are_not_hashed_again_until_written(tmp_path, monkeypatch):
-    from edgespec import bundle
+    from edgespec.weights import bundle
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(bundle, "RACY_S", 0.0)
@@ -278,7 +278,7 @@ def test_verified_weights_are_not_hashed_again_until_written(tmp_path, monkeypat
 
 
 def test_racily_written_weights_are_hashed_every_time(tmp_path, monkeypatch):
-    from edgespec import bundle
+    from edgespec.weights import bundle
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
     _hand_bundle(tmp_path / "b", b"w" * 4096)  # written just now: within RACY_S
@@ -289,7 +289,7 @@ def test_racily_written_weights_are_hashed_every_time(tmp_path, monkeypatch):
 
 
 def test_a_foreign_file_at_the_record_path_is_left_alone(tmp_path, monkeypatch):
-    from edgespec import bundle
+    from edgespec.weights import bundle
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(bundle, "RACY_S", 0.0)

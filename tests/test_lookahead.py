@@ -11,9 +11,9 @@ from conftest import make_tiny_engine, make_tiny_model, random_prompts
 
 from edgespec.generate import GenerationStats, PlainMode
 from edgespec.kernels import tree_mask
+from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.lookahead import NgramPool, StepController, StepTree
 from edgespec.modes.lookahead import LookaheadMode, parse_options
-from edgespec.sampling import Sampler, SamplingParams
 
 
 def run(mode, prompt, n, params=None):

@@ -19,9 +19,9 @@ from stats_support import continuation_law
 
 import edgespec.lookahead.verify as verify_mod  # verify_step walks with its sample_walk
 from edgespec.generate import GenerationStats
+from edgespec.logits.sampling import Sampler, SamplingParams, logprobs_from_logits
 from edgespec.lookahead import StepTree, sample_walk
 from edgespec.modes.lookahead import LookaheadMode
-from edgespec.sampling import Sampler, SamplingParams, logprobs_from_logits
 
 PARAMS = dict(temperature=1.0, top_k=3)
 

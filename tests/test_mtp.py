@@ -176,9 +176,9 @@ def check_head_cache_is_the_committed_paths(engine):
     """After speculative rounds with rejections, the head's kept entries equal the entries built
     from scratch along the committed sequence (the rollback left nothing of a rejected guess)."""
     from edgespec.generate import GenerationStats
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     model, drafter = engine.model, engine.drafter
     mode = SpeculativeMode(model, drafter, GenerateOptions(draft_tokens=3))
@@ -216,9 +216,9 @@ def test_speculative_sampling_with_the_head_matches_the_exact_law(tmp_path):
     against the law enumerated from plain decoding, on an 8-token Qwen3.5 with an MTP head;
     and seeded sampling in auto equals plain's."""
     from edgespec.drafters.mtp import MTPDrafter
+    from edgespec.logits.sampling import SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import SamplingParams
 
     mtp_checkpoint(tmp_path, seed=5, vocab=8, init=0.6)
     engine = load(tmp_path)

@@ -14,7 +14,7 @@ from edgespec.drafters import attach_drafter
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.engine import Engine
 from edgespec.errors import VocabularyMismatchError
-from edgespec.loader import LoadedModel
+from edgespec.weights.loader import LoadedModel
 
 TOKENS = 64  # the shared tokenizer's size; embedding tables are padded past it
 
@@ -61,7 +61,7 @@ def test_drafter_logits_are_cut_or_padded_to_the_verifier():
 
 
 def _greedy_sampler():
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     return Sampler(SamplingParams(temperature=0.0))
 

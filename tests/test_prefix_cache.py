@@ -1,4 +1,4 @@
-"""Prefix reuse (edgespec.prefix_cache): what it keeps is exact, it never changes the output,
+"""Prefix reuse (edgespec.caches.prefix): what it keeps is exact, it never changes the output,
 and it stays within its bytes.
 
 Tiny random models with small blocks (4 tokens), so prompts share and split blocks often.
@@ -14,10 +14,10 @@ import pytest
 from conftest import make_tiny_engine, make_tiny_model
 
 from edgespec.batch.batcher import Batcher
+from edgespec.caches.prefix import PrefixCache
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.errors import ContextLengthError
 from edgespec.modes import available_modes
-from edgespec.prefix_cache import PrefixCache
 
 BLOCK = 4
 MODES = [*available_modes(), "auto"]

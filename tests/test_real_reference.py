@@ -54,8 +54,8 @@ def _hf_greedy(model, ids, n):
 def _greedy(engine, ids, n):
     from edgespec.engine import make_options
     from edgespec.generate import GenerationStats
+    from edgespec.logits.sampling import Sampler
     from edgespec.modes import make_mode
-    from edgespec.sampling import Sampler
 
     mode = make_mode("plain", engine, make_options())
     steps = mode.steps(ids, Sampler(make_options().sampling), GenerationStats())
@@ -72,7 +72,7 @@ def test_dense_matches_transformers(real_engine, hf_reference):
 
 def test_4bit_gguf_path_matches_transformers(real_gguf, hf_reference):
     from edgespec.engine import Engine
-    from edgespec.loader import load_gguf
+    from edgespec.weights.loader import load_gguf
 
     loaded = load_gguf(real_gguf, keep_quantized=True)
     assert loaded.model.model.layers[0].self_attn.q_proj.bits == 4  # really the quantized path

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from stats_support import chisq_pvalue, continuation_counts, continuation_law
 
+from edgespec.caches.recurrent import StateCache, delta_chunked, delta_recurrent, tree_parents
 from edgespec.generate import GenerationStats, PlainMode, prefill
-from edgespec.recurrent import StateCache, delta_chunked, delta_recurrent, tree_parents
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -213,7 +213,7 @@ def test_rollback_and_tree_branches_restore_plain_states(hybrid):
     np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-4)
     # the log restarts at the current position once it holds LOG_LIMIT positions: a rollback
     # past that start is refused by name
-    from edgespec.recurrent import LOG_LIMIT
+    from edgespec.caches.recurrent import LOG_LIMIT
 
     long = model.make_cache()
     prefill(model, long, (PROMPT * 3)[: LOG_LIMIT + 10])
@@ -226,7 +226,7 @@ def test_rollback_and_tree_branches_restore_plain_states(hybrid):
 def test_a_drafting_round_across_the_log_restart_rolls_back_exactly(hybrid):
     """One-token passes past LOG_LIMIT: the log restarts mid-round at a snapshot, so a round
     of 12 single-token drafts is still undone exactly (the drafter's pattern)."""
-    from edgespec.recurrent import LOG_LIMIT
+    from edgespec.caches.recurrent import LOG_LIMIT
 
     _, _, _, engine = hybrid
     model = engine.model
@@ -318,9 +318,9 @@ def test_speculative_state_after_rejections_equals_plain(hybrid):
     """After rounds with mid-chain rejections, the verifier's and the drafter's recurrent
     states equal those of plain decoding over the same tokens."""
     from edgespec.drafters.mlx_drafter import MLXDrafter
+    from edgespec.logits.sampling import Sampler, SamplingParams
     from edgespec.modes.speculative import SpeculativeMode
     from edgespec.options import GenerateOptions
-    from edgespec.sampling import Sampler, SamplingParams
 
     _, _, _, engine = hybrid
     model = engine.model
@@ -380,7 +380,7 @@ def test_speculative_sampling_on_a_hybrid_model_matches_the_exact_law(tmp_path):
     hf_hybrid(tmp_path, "qwen3_5_text", seed=5, vocab=8, init=0.6)
     model = edgespec.load(tmp_path, drafter="none", progress=False, history="off").model
     prompt, params = [1, 5, 2, 7], dict(temperature=1.0)
-    from edgespec.sampling import SamplingParams
+    from edgespec.logits.sampling import SamplingParams
 
     law = continuation_law(model, prompt, SamplingParams(**params), 3)
     keys = list(law)
@@ -400,7 +400,7 @@ def test_plain_mode_on_a_hybrid_model_streams_like_prefill_and_steps(hybrid):
     _, _, ref, engine = hybrid
     model = engine.model
     stats = GenerationStats()
-    from edgespec.sampling import Sampler, SamplingParams
+    from edgespec.logits.sampling import Sampler, SamplingParams
 
     steps = PlainMode(model).steps(PROMPT[:10], Sampler(SamplingParams(temperature=0.0)), stats)
     got = [next(steps).id for _ in range(8)]
@@ -446,10 +446,10 @@ def test_prefix_cache_restores_recurrent_states(hybrid, mode):
 
 
 def test_saved_session_of_a_hybrid_model_restores_and_continues_exactly(hybrid, tmp_path):
-    """A saved prompt cache (edgespec.sessions: the prefix cache's parts in safetensors) of a
+    """A saved prompt cache (edgespec.caches.sessions: the prefix cache's parts in safetensors) of a
     hybrid model loads into a fresh engine and the reply equals one computed without it."""
     import edgespec
-    from edgespec import sessions
+    from edgespec.caches import sessions
 
     _, folder, _, _ = hybrid
     prompt = PROMPT[:75]

@@ -12,7 +12,7 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from edgespec.adaptive.estimate import closed_top
 from edgespec.adaptive.policy import RegretGuard, TimedPolicy
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
+from edgespec.weights.loader import LoadedModel
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
 SLOW = (60, 220)  # sequence positions past the prompt where wide passes are slow

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from stats_support import chisq_pvalue
 
-from edgespec.rejection import rejection_sample, residual_logprobs
+from edgespec.logits.rejection import rejection_sample, residual_logprobs
 
 V = 10
 

@@ -74,7 +74,7 @@ def test_runtime_paths_import_no_converter(tmp_path):
     gguf_path = write_llama_gguf(tmp_path / "tiny.gguf", seed=2)
     code = f"""
 import json, os, sys
-import edgespec, edgespec.loader, edgespec.engine, edgespec.cli
+import edgespec, edgespec.weights.loader, edgespec.engine, edgespec.cli
 import edgespec.apps.chat, edgespec.apps.generate, edgespec.apps.serve, edgespec.apps.common
 for path in {[str(bundle), str(hf), str(gguf_path)]!r}:
     engine = edgespec.load(path, drafter="none", progress=False)

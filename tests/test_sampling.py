@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from edgespec.sampling import Sampler, SamplingParams, logprobs_from_logits
+from edgespec.logits.sampling import Sampler, SamplingParams, logprobs_from_logits
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=np.float32)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf_support import write_gguf
 
-from edgespec.loader import load_gguf
+from edgespec.weights.loader import load_gguf
 
 spm = pytest.importorskip("sentencepiece")
 

@@ -302,11 +302,11 @@ def test_message_content_that_is_not_text_is_a_clear_400(server, content, messag
 
 
 def test_one_seed_range_in_schema_engine_and_server(server, engine):
-    """[0, 2**63): what edgespec.sampling takes, what the OpenAPI schema states, what the server accepts."""
+    """[0, 2**63): what edgespec.logits.sampling takes, what the OpenAPI schema states, what the server accepts."""
     from edgespec.apps.server import ServerSettings, create_app
     from edgespec.apps.server.schemas import SEED_LIMIT
 
-    from edgespec.sampling import SamplingParams
+    from edgespec.logits.sampling import SamplingParams
 
     assert SEED_LIMIT == 2**63
     SamplingParams(seed=SEED_LIMIT - 1)

@@ -12,8 +12,8 @@ import pytest
 from edgespec.apps.server.app import _chunk_logprobs, _Reply, _Shape
 
 from edgespec.generate import Chunk
-from edgespec.processors import TokenLogprob
-from edgespec.tools import plan_tools
+from edgespec.logits.processors import TokenLogprob
+from edgespec.logits.tools import plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -1,4 +1,4 @@
-"""Saved caches (edgespec.sessions) and the chat that keeps its conversation's cache:
+"""Saved caches (edgespec.caches.sessions) and the chat that keeps its conversation's cache:
 round trips are exact, a damaged or another model's file is refused with the reason and
 nothing is lost, a save killed midway leaves the previous file whole."""
 
@@ -16,9 +16,9 @@ import pytest
 from conftest import REPO, make_tiny_engine, write_tiny_bundle
 from edgespec.apps.chat import ChatSession
 
-from edgespec import sessions
+from edgespec.caches import sessions
+from edgespec.caches.prefix import PrefixCache
 from edgespec.engine import make_options
-from edgespec.prefix_cache import PrefixCache
 
 SEED = 3
 
@@ -114,7 +114,7 @@ def test_a_save_killed_midway_leaves_the_previous_file_whole(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         import edgespec
-        from edgespec import sessions
+        from edgespec.caches import sessions
         import mlx.core as mx
         e = edgespec.load({str(bundle)!r}, drafter="none", progress=False)
         ids = e.encode_prompt("abcdefghij" * 8)

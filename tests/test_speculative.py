@@ -16,9 +16,9 @@ from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter, search_skip_layers
 from edgespec.errors import DrafterRequiredError, VocabularyMismatchError
 from edgespec.generate import GenerationStats, PlainMode, prefill
+from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.options import GenerateOptions
-from edgespec.sampling import Sampler, SamplingParams
 
 PROMPTS = [[(7 * s + 3 * i + 1) % 63 + 1 for i in range(3 + s % 9)] for s in range(20)]
 N_TOKENS = 10

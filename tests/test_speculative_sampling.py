@@ -21,10 +21,10 @@ from stats_support import chisq_pvalue
 import edgespec.modes.speculative as spec_mod
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.generate import GenerationStats
+from edgespec.logits.rejection import rejection_sample
+from edgespec.logits.sampling import Sampler, SamplingParams, logprobs_from_logits
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.options import GenerateOptions
-from edgespec.rejection import rejection_sample
-from edgespec.sampling import Sampler, SamplingParams, logprobs_from_logits
 
 V = 8
 PROMPT = [1, 5, 2]

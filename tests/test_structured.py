@@ -28,13 +28,13 @@ from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.self_spec import SelfSpecDrafter
 from edgespec.engine import Engine
 from edgespec.generate import GenerationStats
-from edgespec.loader import LoadedModel
+from edgespec.logits.processors import Penalties
+from edgespec.logits.sampling import Sampler
+from edgespec.logits.structured import GrammarError, matcher_cache, parse_response_format
+from edgespec.logits.structured.tokens import token_bytes, token_style
 from edgespec.modes import make_mode
-from edgespec.processors import Penalties
-from edgespec.sampling import Sampler
-from edgespec.structured import GrammarError, matcher_cache, parse_response_format
-from edgespec.structured.tokens import token_bytes, token_style
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.loader import LoadedModel
 
 V = 96  # EOS + the 95 printable ASCII characters
 
@@ -285,7 +285,7 @@ def test_forced_tokens_are_drafted_and_always_accepted(engine):
 
 def test_vetting_drops_what_the_grammar_forbids(engine):
     from edgespec.adaptive.sources import ForcedSource
-    from edgespec.processors import GrammarProcessor
+    from edgespec.logits.processors import GrammarProcessor
 
     g = parse_response_format({"type": "regex", "pattern": "ab[cd]+"})
     src = ForcedSource()
@@ -369,7 +369,7 @@ def test_compiled_once_per_schema_and_tokenizer(engine):
 
 
 def test_a_grammar_failure_fails_its_request_alone(engine, monkeypatch):
-    from edgespec import processors
+    from edgespec.logits import processors
 
     real = processors.GrammarProcessor.allowed
     ids = prompt_ids(engine)
@@ -414,7 +414,7 @@ def test_processed_model_rows_follow_their_own_prefix(engine):
     subset, a cache the wrapper did not make) pass through; a call whose committed prefix is
     unknown is refused instead of guessed."""
     from edgespec.generate import prefill
-    from edgespec.processors import GrammarProcessor, ProcessedModel
+    from edgespec.logits.processors import GrammarProcessor, ProcessedModel
 
     ids = prompt_ids(engine)
     g = parse_response_format({"type": "regex", "pattern": "a(b|c)d"})

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from structured_cases import GRAMMARS, REGEXES, SCHEMAS, prompt_for
 
-from edgespec.structured.tokens import token_bytes, token_style
+from edgespec.logits.structured.tokens import token_bytes, token_style
 
 MAX = 64  # the longest reply of the suite is about 40 tokens
 

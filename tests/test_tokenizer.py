@@ -49,7 +49,7 @@ def test_chat_template_renders_and_validates(tiny_engine):
 def test_gguf_tokenizer_matches_transformers(real_gguf):
     from transformers import AutoTokenizer
 
-    from edgespec.loader import load_gguf
+    from edgespec.weights.loader import load_gguf
 
     ref = AutoTokenizer.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name)
     ours = load_gguf(real_gguf).tokenizer

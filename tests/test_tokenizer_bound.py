@@ -18,8 +18,8 @@ from tokenizers import AddedToken, ByteLevelBPETokenizer, Regex, models, normali
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgespec.errors import ContextLengthError
-from edgespec.formats.gguf_tokenizer import _sentencepiece
 from edgespec.tokenizer import _UNSET, Tokenizer, max_token_bytes
+from edgespec.weights.formats.gguf_tokenizer import _sentencepiece
 
 SPACE = "\u2581"
 BYTES = [f"<0x{b:02X}>" for b in range(256)]

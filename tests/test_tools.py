@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from edgespec.tokenizer import Tokenizer, chat_messages
-from edgespec.tools import (
+from edgespec.logits.tools import (
     FORMATS,
     ToolCall,
     check_tools,
@@ -18,6 +17,7 @@ from edgespec.tools import (
     template_tool_variable,
     tool_format,
 )
+from edgespec.tokenizer import Tokenizer, chat_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -19,10 +19,10 @@ from edgespec.drafters.self_spec import SelfSpecDrafter
 from edgespec.engine import make_options
 from edgespec.generate import GenerationStats, PlainMode
 from edgespec.kernels import commit_kv, emulate, tree_accept_reference, tree_mask_reference
+from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.modes.speculative import SpeculativeMode
 from edgespec.modes.tree import TreeMode, parse_options
 from edgespec.options import GenerateOptions
-from edgespec.sampling import Sampler, SamplingParams
 from edgespec.tree import CascadeDrafter, SourceTree, TreeBudget, TreeCosts, TreeDrafter, TreePlan
 
 N_TOKENS = 16

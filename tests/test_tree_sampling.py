@@ -16,9 +16,9 @@ from stats_support import chisq_pvalue, continuation_counts, continuation_law
 
 import edgespec.lookahead.verify as verify_mod  # verify_step walks with its sample_walk
 from edgespec.drafters.self_spec import SelfSpecDrafter
+from edgespec.logits.sampling import SamplingParams
 from edgespec.lookahead import sample_walk
 from edgespec.modes.tree import TreeMode
-from edgespec.sampling import SamplingParams
 from edgespec.tree import TreePlan
 
 PARAMS = dict(temperature=1.0, top_k=3)

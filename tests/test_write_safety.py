@@ -164,7 +164,7 @@ def test_without_force_an_existing_out_is_still_refused(src, tmp_path, no_work):
 
 
 def test_force_replaces_an_existing_bundle(src, tmp_path):
-    from edgespec.bundle import read_manifest
+    from edgespec.weights.bundle import read_manifest
 
     other = write_tiny_hf_folder(tmp_path / "other-src", seed=7)
     out = tmp_path / "b"
@@ -207,7 +207,7 @@ def test_a_foreign_file_added_while_converting_is_noticed_at_the_swap(src, tmp_p
     with pytest.raises(FileExistsError, match=r"notes\.txt"):
         convert(src, out, force=True, **CONVERT_OPTS)
     assert (out / "notes.txt").read_text() == "written during the conversion"
-    from edgespec.bundle import read_manifest
+    from edgespec.weights.bundle import read_manifest
 
     read_manifest(out, verify_hashes=True)  # the old bundle, whole
     assert _temps(tmp_path) == []
@@ -311,9 +311,9 @@ def _prompts(path: Path) -> Path:
 
 @pytest.fixture
 def no_distill_work(monkeypatch):
-    import edgespec.loader
+    import edgespec.weights.loader
 
-    monkeypatch.setattr(edgespec.loader, "load", lambda *a, **k: pytest.fail("the distillation work started"))
+    monkeypatch.setattr(edgespec.weights.loader, "load", lambda *a, **k: pytest.fail("the distillation work started"))
 
 
 def test_distill_force_into_a_foreign_folder_is_refused(tmp_path, no_distill_work):

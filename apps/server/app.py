@@ -179,7 +179,7 @@ def create_app(engine, settings: ServerSettings, scheduler: Scheduler | None = N
     async def _submit(body, prompt=None, messages=None, plan=None) -> list[Job]:
         _check_model(body.model, model_ids)
         # Off the event loop: a new response format is bounded, then compiled in a worker
-        # process (edgespec.structured), which takes milliseconds to seconds.
+        # process (edgespec.logits.structured), which takes milliseconds to seconds.
         options = await run_in_threadpool(_options, body, settings.defaults, settings.max_tokens_limit, plan)
         param = "messages" if messages is not None else "prompt"
         tools = plan.render_tools if plan is not None else None
@@ -262,7 +262,7 @@ def _tool_plan(body: ChatCompletionRequest, engine):
     None when the request has neither."""
     if body.tools is None and body.tool_choice is None:
         return None  # parallel_tool_calls alone (some clients send it always) changes nothing
-    from edgespec.tools import plan_tools
+    from edgespec.logits.tools import plan_tools
 
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
@@ -373,7 +373,7 @@ class _Shape:
 
 def _chunk_logprobs(chunk) -> list[tuple[int, float, list[tuple[int, float]]]]:
     """(token, logprob, [(alternative, logprob), ...]) per token of an engine Chunk (its
-    edgespec.processors.TokenLogprob entries)."""
+    edgespec.logits.processors.TokenLogprob entries)."""
     return [(int(e.token), float(e.logprob), [(int(t), float(lp)) for t, lp in e.top])
             for e in chunk.logprobs or []]
 
@@ -453,7 +453,7 @@ class _Reply:
         return self._take(self._end())
 
     def _take(self, events) -> tuple[str, list[dict]]:
-        from edgespec.tools import openai_tool_call_deltas
+        from edgespec.logits.tools import openai_tool_call_deltas
 
         text = "".join(e for kind, e in events if kind == "content")
         calls = [e for kind, e in events if kind == "call"]
@@ -559,7 +559,7 @@ async def _sse(jobs: list[Job], firsts: list, base: dict, shape: _Shape, include
 def _error_event(payload) -> dict:
     """The in-band error of a stream that failed after its 200: a grammar the matcher gave
     up on (the request's own grammar: 400, short, no matcher state) or a server failure."""
-    from edgespec.structured import GrammarError
+    from edgespec.logits.structured import GrammarError
 
     if isinstance(payload, (GrammarError, ValueError, EdgespecError)):
         return error_body(400, _grammar_message(payload), "response_format" if isinstance(payload, GrammarError)
@@ -568,8 +568,8 @@ def _error_event(payload) -> dict:
 
 
 def _grammar_message(e) -> str:
-    from edgespec.structured import GrammarError
-    from edgespec.structured._worker import short
+    from edgespec.logits.structured import GrammarError
+    from edgespec.logits.structured._worker import short
 
     if isinstance(e, GrammarError):
         return f"response_format: the grammar could not be followed further: {short(e)}"
@@ -577,7 +577,7 @@ def _grammar_message(e) -> str:
 
 
 def _raise_if_error(event, engine=None) -> None:
-    from edgespec.structured import GrammarError
+    from edgespec.logits.structured import GrammarError
 
     kind, payload = event
     if kind != "error":

@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4  # as OpenAI
 MAX_STOP_CHARS = 256
-# Seeds the engine takes: edgespec.sampling.SamplingParams checks 0 <= seed < 2**63.
+# Seeds the engine takes: edgespec.logits.sampling.SamplingParams checks 0 <= seed < 2**63.
 SEED_LIMIT = 2**63
 # As OpenAI's limit on `messages`; content parts are counted over all messages. Both are
 # checked before the items are (validating a 4 MiB body of tiny messages item by item

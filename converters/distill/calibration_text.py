@@ -36,8 +36,8 @@ from edgespec.converters.distill.prompts import (
     read_prompts,
 )
 
-from edgespec.default_model import load_default
-from edgespec.loader import load
+from edgespec.weights.default_model import load_default
+from edgespec.weights.loader import load
 
 CALIBRATION_ANSWERS = "calibration_answers.jsonl"
 # The same for the held-out prompts: text for measuring compression only (tests, benchmarks),

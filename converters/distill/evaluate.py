@@ -15,7 +15,7 @@ from collections import defaultdict
 import mlx.core as mx
 import numpy as np
 
-from edgespec.sampling import Sampler, SamplingParams
+from edgespec.logits.sampling import Sampler, SamplingParams
 
 
 def acceptance(drafter, examples, k: int = 4, features=None) -> dict[str, dict[str, float]]:

@@ -27,8 +27,8 @@ from edgespec.converters.distill.train import TrainConfig, prepare, train
 from edgespec.converters.distill.vocab import choose_vocab, token_counts
 from mlx.utils import tree_flatten
 
-from edgespec import loader  # loader.load looked up per call (tests stand in for it)
 from edgespec.drafters.distilled import DistilledDrafter, VocabMap
+from edgespec.weights import loader  # loader.load looked up per call (tests stand in for it)
 
 
 @dataclass

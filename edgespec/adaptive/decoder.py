@@ -59,8 +59,8 @@ from edgespec.adaptive.policy import Policy, TimedPolicy
 from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.kernels import commit_kv, tree_accept
+from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.lookahead import StepController, tree_forward
-from edgespec.sampling import Sampler, SamplingParams
 from edgespec.tree.candidates import SourceTree
 
 KMAX = 8  # longest drafter chain considered

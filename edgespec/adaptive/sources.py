@@ -12,7 +12,7 @@ decoder needs to know about a source is declared, not probed:
 - `cost_per_token`: seconds per proposed token (0 for look-ups); a source
   with a cost is only asked when the planner expects it to pay;
 - `grammar`: the source follows the request's grammar (bound per request with
-  `bind`, see edgespec.processors.wrap_processors); it proposes nothing without one;
+  `bind`, see edgespec.logits.processors.wrap_processors); it proposes nothing without one;
 - `vets`: the source also trims other sources' candidates (`vet`) to the prefix the
   request can accept at all, before the verifier pass.
 
@@ -228,7 +228,7 @@ class ForcedSource:
         self.prompt_len = 0
 
     def bind(self, grammar, prompt_len: int) -> None:
-        """The request's grammar (an edgespec.processors.GrammarProcessor, or None)."""
+        """The request's grammar (an edgespec.logits.processors.GrammarProcessor, or None)."""
         self.grammar, self.prompt_len = grammar, prompt_len
 
     def begin(self, prompt: list[int]) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache, LayerCache, export_kv
+from edgespec.caches.kv import KVCache, LayerCache, export_kv
 
 
 class KVArena:

@@ -50,11 +50,11 @@ from edgespec.batch.policy import BatchPolicy
 from edgespec.batch.request import Cancelled, Request
 from edgespec.batch.seq import SeqModel, _Seq
 from edgespec.batch.stack import compose_request
-from edgespec.cache import KVCache
+from edgespec.caches.kv import KVCache
 from edgespec.drafters.base import DrafterReuse
 from edgespec.errors import EngineError
 from edgespec.generate import Chunk, stream_tokens
-from edgespec.sampling import Sampler
+from edgespec.logits.sampling import Sampler
 
 log = logging.getLogger("edgespec.batch")
 

@@ -1,6 +1,6 @@
 """One verifier pass over the pending forward requests of several sequences.
 
-Each sequence keeps its own KV caches (edgespec.cache.KVCache, one per layer), so
+Each sequence keeps its own KV caches (edgespec.caches.kv.KVCache, one per layer), so
 every decoding mode's cache operations (trim, keep, commit_kv) stay per sequence.
 A batched pass pads the rows to the longest T and, per layer, gathers each row's
 cache into one (B, Hk, S_max, D) block:
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from edgespec.cache import KVCache, LayerCache
+from edgespec.caches.kv import KVCache, LayerCache
 
 
 @dataclass

@@ -21,7 +21,7 @@ refused at once when even an empty engine could not hold it.
 
 from __future__ import annotations
 
-from edgespec.cache import KVCache
+from edgespec.caches.kv import KVCache
 from edgespec.errors import EdgespecError
 from edgespec.lookahead.memory import available_memory, drafter_bytes, kv_bytes, tree_bytes
 

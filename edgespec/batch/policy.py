@@ -68,7 +68,7 @@ class BatchPolicy:
         return new
 
     def _make_room(self, req: Request) -> None:
-        """The prefix cache (edgespec.prefix_cache) and the drafter's store joined to it hold
+        """The prefix cache (edgespec.caches.prefix) and the drafter's store joined to it hold
         only what the live sequences and `req` leave of the budget: their least recently used
         blocks go first."""
         pc = self.engine.prefix_cache

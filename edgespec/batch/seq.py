@@ -13,7 +13,7 @@ from greenlet import greenlet
 
 from edgespec.batch.forward import Row
 from edgespec.batch.request import Request
-from edgespec.prefix_cache import Reuse
+from edgespec.caches.prefix import Reuse
 
 PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 _KEYS = itertools.count()
@@ -109,5 +109,5 @@ class _Seq:
         self.extra_s = 0.0  # host seconds its tree round costs beyond a plain step
         self.key = next(_KEYS)  # admission order: the tie-break of the joint choice
         self.arena_rows: dict[int, list] = {}  # rows of the batch's KV arena it holds -> its SlotCaches
-        self.reuse = None  # its prefix-cache use (edgespec.prefix_cache.Reuse), once its prompt ran
+        self.reuse = None  # its prefix-cache use (edgespec.caches.prefix.Reuse), once its prompt ran
         self.drafter_reuse = None  # its drafter's (edgespec.drafters.base.DrafterReuse)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from edgespec.processors import wrap_processors
+from edgespec.logits.processors import wrap_processors
 
 
 def compose_request(mode, engine, options, prompt: list[int], view: Callable | None = None,

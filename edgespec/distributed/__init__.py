@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgespec.bundle import read_manifest
 from edgespec.distributed.comm import Group
 from edgespec.distributed.errors import EXIT_PEER_LOST, DistributedError
 from edgespec.distributed.model import ShardedModel, follow
@@ -24,9 +23,10 @@ from edgespec.distributed.shard import MODES, load_shard
 from edgespec.distributed.stage import Stage
 from edgespec.drafters import attach_drafter
 from edgespec.engine import Engine
-from edgespec.loader import LoadedModel
 from edgespec.models import get_architecture
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.bundle import read_manifest
+from edgespec.weights.loader import LoadedModel
 
 # The MLX-heavy parts load on first use, so the CLI's parser can import
 # edgespec.distributed.launch without MLX.

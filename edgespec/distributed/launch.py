@@ -128,7 +128,7 @@ def join_or_launch(args, argv: list[str] | None = None, default_bundle=None):
     import edgespec.distributed as dist
 
     if args.model is None:
-        from edgespec.default_model import default_bundle_dir
+        from edgespec.weights.default_model import default_bundle_dir
 
         args.model = default_bundle_dir()
         if not (args.model / "manifest.json").is_file():

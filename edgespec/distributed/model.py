@@ -24,7 +24,7 @@ import weakref
 import mlx.core as mx
 
 from edgespec.batch.forward import _GatherCache
-from edgespec.cache import LayerCache
+from edgespec.caches.kv import LayerCache
 from edgespec.distributed.comm import DistributedError, Group
 from edgespec.distributed.stage import Stage, dtype_name
 

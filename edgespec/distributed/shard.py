@@ -25,11 +25,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgespec.bundle import is_bundle
 from edgespec.distributed.errors import DistributedError
-from edgespec.loader import apply_quantization
 from edgespec.models import model_from_config
 from edgespec.models.experts import SwitchGLU
+from edgespec.weights.bundle import is_bundle
+from edgespec.weights.loader import apply_quantization
 
 MODES = ("pipeline", "tensor")
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split

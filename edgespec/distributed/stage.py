@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgespec.cache import cache_arrays
+from edgespec.caches.kv import cache_arrays
 from edgespec.distributed.shard import COL_SPLIT, Plan
 
 

@@ -28,8 +28,8 @@ import mlx.core as mx
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
-from edgespec.formats.hf import read_config, read_safetensors
 from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
+from edgespec.weights.formats.hf import read_config, read_safetensors
 
 MODEL_TYPE = "gemma4_assistant"
 

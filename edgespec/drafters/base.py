@@ -24,9 +24,9 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache, cache_arrays
+from edgespec.caches.kv import KVCache, cache_arrays
 from edgespec.generate import PREFILL_CHUNK
-from edgespec.prefix_cache import Reuse
+from edgespec.caches.prefix import Reuse
 
 
 @dataclass
@@ -301,7 +301,7 @@ class ModelDrafter(CommittedSequence):
 
 
 class DrafterReuse(Reuse):
-    """One request's use of the drafter's prefix store (edgespec.prefix_cache, the engine's
+    """One request's use of the drafter's prefix store (edgespec.caches.prefix, the engine's
     `drafter_prefix_cache`): the verifier's Reuse over the drafter's caches.
     `ModelDrafter.begin` restores from it and stores the prompt into it; at the request's end
     (`commit`, from the batch) the positions the drafter's cache holds on the committed path

@@ -10,7 +10,7 @@ stores the folder as the bundle's drafter/, which loads the same way.
 Verifier states. Attaching the drafter makes the verifier record, on every pass it already makes
 with a cache (prefill, plain steps, verification), the outputs of the target layers concatenated,
 (T, n*E) per pass, in the cache of its first attention layer (models.base.Model.record_hidden,
-edgespec.cache.HiddenKVCache): trimmed and kept with that cache, so with seq = x_0..x_{n-1} the
+edgespec.caches.kv.HiddenKVCache): trimmed and kept with that cache, so with seq = x_0..x_{n-1} the
 rows of positions 0..n-2 (the verifier's cache never holds the last committed token) are the
 verifier's states on the committed path. No extra verifier pass. Qwen3.5's recurrent verifiers
 record in their first full-attention layer, whose trims follow the state protocol like any other.
@@ -91,8 +91,8 @@ def is_dflash_folder(path: str | Path) -> bool:
 
 def load_dflash(path: str | Path, verifier, name: str | None = None) -> DFlashDrafter:
     """The drafter of a DFlash folder for `verifier` (an Engine, a LoadedModel or a model)."""
-    from edgespec.formats.hf import read_safetensors
     from edgespec.models.dflash import Model, ModelArgs
+    from edgespec.weights.formats.hf import read_safetensors
 
     path = Path(path).expanduser()
     cfg = _read_config(path)
@@ -351,7 +351,7 @@ def reference_round(drafter: DFlashDrafter, features: np.ndarray, last: int) -> 
     out = drafter.block(last, mx.array(features)[None])
     logits = drafter.logits(out)
     if drafter.args.kind == "dflash2":
-        from edgespec.sampling import Sampler, SamplingParams
+        from edgespec.logits.sampling import Sampler, SamplingParams
 
         drafter.seq = [last]
         return drafter._select(out, logits, Sampler(SamplingParams(temperature=0.0))).tokens

@@ -22,7 +22,7 @@ from edgespec.drafters.base import ModelDrafter
 from edgespec.drafters.compat import check_map_vocabulary
 from edgespec.drafters.vocab_map import FORMAT, OTHER, VOCAB_MAP, VocabMap, is_distilled_folder
 from edgespec.errors import ModelLoadError
-from edgespec.loader import load_model_folder
+from edgespec.weights.loader import load_model_folder
 
 __all__ = ["DistilledDrafter", "FORMAT", "OTHER", "VOCAB_MAP", "VocabMap", "check_map_vocabulary",
            "is_distilled_folder"]

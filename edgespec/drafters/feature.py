@@ -31,9 +31,9 @@ from edgespec.drafters.base import AcceptsDrafts, Draft, DrafterCaps, common_pre
 from edgespec.drafters.compat import check_compatible, check_map_vocabulary
 from edgespec.drafters.vocab_map import VOCAB_MAP, VocabMap
 from edgespec.errors import ModelLoadError
-from edgespec.formats.hf import read_safetensors
 from edgespec.models.feature_drafter import FeatureDraftModel
 from edgespec.models.llama import ModelArgs
+from edgespec.weights.formats.hf import read_safetensors
 
 DRAFTER_JSON = "drafter.json"
 FORMAT = "edgespec-feature-drafter"

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from edgespec.bundle import is_bundle, read_manifest
 from edgespec.drafters.base import ModelDrafter
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
-from edgespec.formats.hf import read_config
-from edgespec.loader import load_model_folder
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.bundle import is_bundle, read_manifest
+from edgespec.weights.formats.hf import read_config
+from edgespec.weights.loader import load_model_folder
 
 
 def _device() -> str:

@@ -5,7 +5,7 @@ committed sequence (prompt + output), the tokens that followed their most
 recent occurrence are proposed. Summaries, edits and code refactors repeat
 long spans of their input, so whole spans are accepted at once. Proposals are
 deterministic (Draft.logprobs None: a point mass), so verification stays lossless
-under sampling too (see edgespec.rejection).
+under sampling too (see edgespec.logits.rejection).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class DiskSpaceError(HubError, OSError):
 
 @dataclass
 class Local:
-    """A name resolved to disk. `path`: what edgespec.loader.load opens (a snapshot folder or a GGUF
+    """A name resolved to disk. `path`: what edgespec.weights.loader.load opens (a snapshot folder or a GGUF
     file); `fetched`: bytes transferred by this call (0 when everything was cached)."""
 
     name: HubName
@@ -243,8 +243,8 @@ def _cached(folder: Path, files: list[str]) -> set[str]:
 
 def _check_architecture(name: HubName, folder: Path) -> None:
     """An unsupported model_type is refused before the weights are fetched."""
-    from edgespec.formats.hf import read_config
     from edgespec.models import DRAFTER_ONLY, get_architecture
+    from edgespec.weights.formats.hf import read_config
 
     model_type = read_config(folder).get("model_type")
     if model_type in DRAFTER_ONLY:
@@ -370,8 +370,8 @@ def _tokenizer(local: Local):
     from edgespec.tokenizer import Tokenizer
 
     if local.kind == "gguf":
-        from edgespec.formats.gguf import _open
-        from edgespec.formats.gguf_tokenizer import build_tokenizer
+        from edgespec.weights.formats.gguf import _open
+        from edgespec.weights.formats.gguf_tokenizer import build_tokenizer
 
         return Tokenizer(*build_tokenizer(_open(local.path), local.path))
     return Tokenizer.from_folder(local.path)

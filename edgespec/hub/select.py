@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from edgespec.errors import ModelLoadError
 
-# Read by edgespec.tokenizer / edgespec.formats.hf when present; small, so always taken.
+# Read by edgespec.tokenizer / edgespec.weights.formats.hf when present; small, so always taken.
 SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",

@@ -1,6 +1,6 @@
 /* The gated delta rule's recurrent form on the CPU (edgespec/kernels/cpu_delta.py loads it).
  *
- * For heads bh in [bh0, bh1) of a pass of T positions (layouts as edgespec.recurrent.delta_rule:
+ * For heads bh in [bh0, bh1) of a pass of T positions (layouts as edgespec.caches.recurrent.delta_rule:
  * q, k (B, T, Hk, Dk), v (B, T, H, Dv), g, beta (B, T, H), state (B, H, Dk, Dv), float32,
  * contiguous), per position t from its parent's state (parents[t]; t - 1 for a chain, -1 the
  * state before the pass):
@@ -9,7 +9,7 @@
  * core's cache across the pass), each row of S vectorised over its Dv columns:
  *     pass 1: S[i] *= exp(g); mem += k[i] S[i]
  *     pass 2: S[i] += k[i] delta; out += q[i] S[i]
- * MLX's composition (edgespec.recurrent.delta_step) runs six operations over the whole
+ * MLX's composition (edgespec.caches.recurrent.delta_step) runs six operations over the whole
  * (H, Dk, Dv) state per position, each streaming it through memory.
  *
  * Tree passes: each position's state is saved in `saved` ((T, Dk, Dv) floats per call, the

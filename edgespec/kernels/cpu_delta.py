@@ -1,13 +1,13 @@
 """The gated delta rule's recurrent form as native CPU code (cpu_delta.c), for comparison.
 
-`delta_rule_cpu` has the arguments and results of edgespec.recurrent.delta_rule; it evaluates
+`delta_rule_cpu` has the arguments and results of edgespec.caches.recurrent.delta_rule; it evaluates
 its inputs, runs the C loop on their buffers (heads split over one thread per core; ctypes
 drops the GIL) and wraps the results. The library is built with the system's C compiler on
 first use into `$EDGESPEC_HOME/kernels/` (named by a hash of the source, flags and CPU) and
 checked against the MLX reference before use: `kernel()` is None where it cannot be built
 or fails the check.
 
-benchmarks/kernels_new.py measures it against MLX's composition (edgespec.recurrent.delta_recurrent).
+benchmarks/kernels_new.py measures it against MLX's composition (edgespec.caches.recurrent.delta_recurrent).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _call(fn, qn, kn, vn, gn, bn, sn, parents, workers: int):
 
 
 def delta_rule_cpu(q, k, v, g, beta, S, parents: list[int] | None = None):
-    """As edgespec.recurrent.delta_rule, through cpu_delta.c (raises RuntimeError where it is unavailable)."""
+    """As edgespec.caches.recurrent.delta_rule, through cpu_delta.c (raises RuntimeError where it is unavailable)."""
     from edgespec.kernels.attention import _workers
 
     fn = kernel()

@@ -4,7 +4,7 @@ Per position t, for each (batch b, value head h) with state S (Dk, Dv), float32:
 
     S <- exp(g_t) S;  delta = beta_t (v_t - k_t^T S);  S <- S + k_t delta^T;  out_t = q_t^T S
 
-(edgespec.recurrent.delta_step / delta_recurrent are the reference). Every column of S
+(edgespec.caches.recurrent.delta_step / delta_recurrent are the reference). Every column of S
 evolves on its own (the update reads only that column), so the kernel runs one thread per
 (Dv column, value head, batch) -- grid (Dv, Hv, B) -- holding its Dk-column in registers
 across the pass: S is read once and written once per pass, whatever its length, and no
@@ -120,7 +120,7 @@ def tree_slots(parents: list[int] | None, T: int) -> tuple[list[int], list[int],
 
 
 def delta_rule_metal(q, k, v, g, beta, S, parents: list[int] | None = None):
-    """The kernel on an Apple GPU; arguments and results as edgespec.recurrent.delta_rule."""
+    """The kernel on an Apple GPU; arguments and results as edgespec.caches.recurrent.delta_rule."""
     B, T, H, Dv = v.shape
     Hk, Dk = k.shape[2], k.shape[3]
     par, slots, n = tree_slots(parents, T)

@@ -1,6 +1,6 @@
 """The gated delta rule position by position in MLX: the reference every kernel of it is checked
 against (edgespec.kernels.delta on Metal, edgespec.kernels.cpu_delta on the CPU), and what
-edgespec.recurrent runs where neither applies."""
+edgespec.caches.recurrent runs where neither applies."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
     idx = mx.array([start + i for i in indices], dtype=mx.int32)
     for c in caches:
         if c.span_kind == "state":
-            c.keep(start, indices)  # a recurrent layer's state (edgespec.recurrent): recomputed
+            c.keep(start, indices)  # a recurrent layer's state (edgespec.caches.recurrent): recomputed
             continue
         if c.keys is not None and moved:
             c.keys[..., start : start + n, :] = kv_gather(c.keys, idx)

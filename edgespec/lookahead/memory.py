@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from edgespec.cache import kv_bytes  # noqa: F401  (re-exported: the memory accounting's unit)
+from edgespec.caches.kv import kv_bytes  # noqa: F401  (re-exported: the memory accounting's unit)
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from edgespec.generate import GenerationStats, Token, prefill
+from edgespec.logits.sampling import Sampler
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, StepTree, verify_step
 from edgespec.modes.registry import register_mode, validate_mode_options
 from edgespec.modes.schema import Option
-from edgespec.sampling import Sampler
 
 # CPU: measured with SmolLM2-135M on the project's 2-core Linux machine (a sweep of
 # (W, N, G) in {(2,3,2), (4,4,4), (6,4,6), (3,5,4), (8,3,4)}): copying gave the same

@@ -32,10 +32,10 @@ from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft, request_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import Token, prefill, runs_alone
+from edgespec.logits.rejection import rejection_sample
+from edgespec.logits.sampling import Sampler
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE
-from edgespec.rejection import rejection_sample
-from edgespec.sampling import Sampler
 
 KMAX = 8  # largest K the controller considers
 

@@ -31,11 +31,11 @@ from edgespec.calibration import cost_store
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
+from edgespec.logits.sampling import Sampler
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
 from edgespec.modes.speculative import after_request
-from edgespec.sampling import Sampler
 from edgespec.tree.candidates import SourceTree
 from edgespec.tree.controller import TreeBudget
 from edgespec.tree.drafting import TreeDrafter, TreePlan

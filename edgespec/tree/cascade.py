@@ -27,7 +27,7 @@ import time
 import mlx.core as mx
 
 from edgespec.drafters.base import Draft, DrafterCaps, common_prefix, request_drafter
-from edgespec.rejection import rejection_sample
+from edgespec.logits.rejection import rejection_sample
 
 
 class CascadeDrafter:

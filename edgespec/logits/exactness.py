@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 # Modes whose sampled draws are Gumbel-max with noise keyed by (seed, position)
-# (edgespec.sampling.Sampler.sample_at): the guard can recompute their exact draw.
+# (edgespec.logits.sampling.Sampler.sample_at): the guard can recompute their exact draw.
 POSITION_DRAW_MODES = ("plain", "adaptive")
 
 

@@ -1,7 +1,7 @@
 """Grammars compiled in separate worker processes, with a time bound (see _worker.py).
 
 llguidance is native code: on some inputs it overflows its stack (a segfault) or runs for
-minutes. edgespec.structured sends every new grammar here first; a small pool of
+minutes. edgespec.logits.structured sends every new grammar here first; a small pool of
 long-lived worker processes (started on first use, about 30 MB each, no MLX) compiles it
 and checks it accepts text, for the model's tokenizer too. A worker that crashes or
 runs past GrammarLimits.compile_timeout_s is ended and replaced, and the request gets a
@@ -21,7 +21,7 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from edgespec.structured.bounds import LIMITS, GrammarLimitError
+from edgespec.logits.structured.bounds import LIMITS, GrammarLimitError
 
 WORKERS = 2  # compiles at once (a long one does not hold up the next request's)
 START_TIMEOUT_S = 60.0  # starting a worker, installing a tokenizer (0.1-0.7 s for 50k tokens)
@@ -157,7 +157,7 @@ def tokenizer_payload(tokenizer, n: int) -> dict:
     hit = cache.get(n)
     if hit is not None:
         return hit
-    from edgespec.structured.tokens import token_bytes
+    from edgespec.logits.structured.tokens import token_bytes
 
     tokens, special = token_bytes(tokenizer, n)
     eos = sorted(tokenizer.eos_token_ids)

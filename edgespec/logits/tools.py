@@ -104,7 +104,7 @@ def check_tools(tools) -> list[dict]:
             clean["description"] = desc
         clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
         if params is not None:  # checked whatever the tool_choice: the model is shown this schema
-            from edgespec.structured.bounds import check_schema
+            from edgespec.logits.structured.bounds import check_schema
 
             try:
                 check_schema(params, strict=fn.get("strict") is True)

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgespec.structured.bounds import (
+from edgespec.logits.structured.bounds import (
     LIMITS,
     GrammarLimitError,
     GrammarLimits,
@@ -107,7 +107,7 @@ def _isolated():
     global _compiler
     with _compiler_lock:
         if _compiler is None:
-            from edgespec.structured.isolated import IsolatedCompiler
+            from edgespec.logits.structured.isolated import IsolatedCompiler
 
             _compiler = IsolatedCompiler(JSON_OPTIONS)
         return _compiler
@@ -118,8 +118,8 @@ def _compile(kind: str, source: str) -> str:
     in a worker process (LIMITS.isolate), else here on a deep stack."""
     if LIMITS.isolate:
         return _isolated().compile(kind, source)
-    from edgespec.structured import _worker
-    from edgespec.structured.isolated import on_deep_stack
+    from edgespec.logits.structured import _worker
+    from edgespec.logits.structured.isolated import on_deep_stack
 
     def run():
         text = _worker.compile_source(kind, source, JSON_OPTIONS)
@@ -232,8 +232,8 @@ def _ll_tokenizer(tokenizer, vocab_size: int | None):
     hit = cache.get(n)
     if hit is not None:
         return hit
-    from edgespec.structured._worker import build_ll_tokenizer
-    from edgespec.structured.tokens import token_bytes
+    from edgespec.logits.structured._worker import build_ll_tokenizer
+    from edgespec.logits.structured.tokens import token_bytes
 
     tokens, special = token_bytes(tokenizer, n)
     eos = sorted(tokenizer.eos_token_ids)
@@ -262,8 +262,8 @@ class _MatcherCache:
             if hit is not None and hit[0] is tokenizer:
                 self._d.move_to_end(key)
                 return hit[1].deep_copy()
-        from edgespec.structured import _worker
-        from edgespec.structured.isolated import on_deep_stack, tokenizer_payload
+        from edgespec.logits.structured import _worker
+        from edgespec.logits.structured.isolated import on_deep_stack, tokenizer_payload
 
         lt = ll_tokenizer(tokenizer, vocab_size)
         if LIMITS.isolate:  # proven harmless (and quick) for this tokenizer in a worker first

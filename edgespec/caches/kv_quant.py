@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from edgespec.cache import KVCache, LayerCache
+from edgespec.caches.kv import KVCache, LayerCache
 
 BITS = (4, 8)
 
@@ -45,7 +45,7 @@ def check_settings(bits, group_size, start, head_dim: int | None = None) -> None
 
 class QuantizedKVCache(LayerCache):
     """One layer's K/V: full precision before `start`, quantized from there (the KVCache
-    interface and the state protocol of edgespec.cache)."""
+    interface and the state protocol of edgespec.caches.kv)."""
 
     span_kind = "positions"
     step = 256
@@ -142,7 +142,7 @@ class QuantizedKVCache(LayerCache):
         self.update_and_fetch(mx.take(k, idx, axis=2), mx.take(v, idx, axis=2))
 
     def arrays(self) -> list[mx.array]:
-        """What to evaluate so the latest pass is computed (edgespec.cache.cache_arrays)."""
+        """What to evaluate so the latest pass is computed (edgespec.caches.kv.cache_arrays)."""
         return self.full.arrays() + ([self.q[0], self.q[3]] if self.q is not None else [])
 
     # ------------------------------------------------------------------ the state protocol

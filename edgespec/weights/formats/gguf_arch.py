@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgespec.errors import ModelLoadError
-from edgespec.formats.gguf_hybrid import lfm2moe_config, qwen35_config
+from edgespec.weights.formats.gguf_hybrid import lfm2moe_config, qwen35_config
 
 _ATTN = {
     "attn_norm": "input_layernorm",

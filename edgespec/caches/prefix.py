@@ -8,7 +8,7 @@ of what it has seen in a token trie of fixed-size blocks (a radix tree whose edg
 fresh caches and prefills only the rest.
 
 What a node stores per layer is whatever that layer's cache exports (the state protocol of
-edgespec.cache): for attention ("positions" layers) the keys and values of the block's
+edgespec.caches.kv): for attention ("positions" layers) the keys and values of the block's
 positions; for recurrent or convolution layers ("state") the state after the block, where
 one was taken (edgespec.generate.prefill pauses at the last block boundary for such
 models). A prefix is restored at the deepest node every layer can start from.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from edgespec.cache import kv_bytes
+from edgespec.caches.kv import kv_bytes
 
 BLOCK = 32  # tokens per trie edge
 # The default bound: this many full contexts of the verifier's KV cache, at most CAP and
@@ -415,7 +415,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ persistence
     def export_prefix(self, tokens: list[int]) -> tuple[int, list[list]]:
         """(positions, per node per layer parts) of the cached path along `tokens` (all of
-        it, up to len(tokens)); what edgespec.sessions writes to disk."""
+        it, up to len(tokens)); what edgespec.caches.sessions writes to disk."""
         with self._lock:
             path = self._walk(tokens, len(tokens))
             kinds = self._kinds or []
@@ -423,7 +423,7 @@ class PrefixCache:
             return len(path) * self.block, [list(n.parts) for n in path], list(kinds)
 
     def import_prefix(self, tokens: list[int], nodes: list[list], kinds: list[str], pin: bool = False) -> int:
-        """Put a saved path back (edgespec.sessions); returns the positions now cached."""
+        """Put a saved path back (edgespec.caches.sessions); returns the positions now cached."""
         B = self.block
         if len(nodes) * B > len(tokens):
             raise ValueError(f"{len(nodes)} blocks of {B} need {len(nodes) * B} tokens, got {len(tokens)}")

@@ -2,7 +2,7 @@
 once (`edgespec cache-prompt`, `--prompt-cache`).
 
 One file, safetensors: the verifier's per-layer cache parts of a token path of the prefix
-cache (edgespec.prefix_cache), with a header naming what they belong to: the model (its
+cache (edgespec.caches.prefix), with a header naming what they belong to: the model (its
 configuration and a fingerprint of its weights), the tokenizer (vocabulary hash), the
 cache layout (block size, layer kinds) and the tokens. Loading refuses a file whose model,
 tokenizer or layout differ from the engine's, with the difference named: restoring another
@@ -151,7 +151,7 @@ def save_somewhere(engine, path: str | Path, tokens: list[int], extra: dict | No
     $EDGESPEC_HOME/sessions: (where it went, positions saved). Raises only when all fail."""
     import time
 
-    from edgespec.default_model import home
+    from edgespec.paths import home
 
     path = check_destination_path(path)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -2,7 +2,7 @@
 
 A recurrent layer holds one state that each new position updates; unlike K/V it cannot be
 cut back to an earlier position. The caches here implement the per-layer state protocol of
-edgespec.cache (offset, trim, keep, export_span / import_span, span_kind "state") by
+edgespec.caches.kv (offset, trim, keep, export_span / import_span, span_kind "state") by
 *recomputation*: every position written since a base state is logged with the per-position
 inputs of the state update (a few vectors, not the (H, Dk, Dv) state), so
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from edgespec.cache import LayerCache
+from edgespec.caches.kv import LayerCache
 from edgespec.kernels import cpu_delta
 from edgespec.kernels.delta import DK_MAX, delta_rule_metal
 from edgespec.kernels.delta_reference import delta_recurrent, delta_step  # noqa: F401  (re-exported)
@@ -194,7 +194,7 @@ class StateCache(LayerCache):
         self._log, self._parents, self._check, self._tree, self._snaps = [], [], None, False, []
 
     def arrays(self) -> list[mx.array]:
-        """What evaluating computes this cache's last pass (see edgespec.cache.cache_arrays)."""
+        """What evaluating computes this cache's last pass (see edgespec.caches.kv.cache_arrays)."""
         return list(self._state or ())
 
     @property

@@ -6,7 +6,7 @@ just lowering `offset`: the stale entries are overwritten by the next write, so
 rejecting draft tokens costs nothing.
 
 The per-layer state protocol every cache kind implements (decoders and the prefix
-cache, edgespec.prefix_cache, call only this):
+cache, edgespec.caches.prefix, call only this):
 
 - `offset`: positions held; `trim(n)` drops the last n; `keep(start, indices)` keeps a
   tree/lookahead step's accepted branch;
@@ -19,7 +19,7 @@ cache, edgespec.prefix_cache, call only this):
 position, any span can be exported) or "state" (recurrent/convolution layers: the state
 after `end`, exportable only while `end == offset`; import replaces the state).
 
-Speculation adds (edgespec.recurrent implements them for "state" layers):
+Speculation adds (edgespec.caches.recurrent implements them for "state" layers):
 
 - `trim(n)` and `keep(start, indices)` on a "state" cache restore exactly the state plain
   decoding has after the kept positions (recomputed from a checkpoint), for rollbacks

@@ -34,8 +34,8 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from edgespec.exactness import ExactnessGuard, guard_enabled
-from edgespec.sampling import Sampler
+from edgespec.logits.exactness import ExactnessGuard, guard_enabled
+from edgespec.logits.sampling import Sampler
 
 NEG_INF = float("-inf")
 
@@ -137,7 +137,7 @@ class GrammarProcessor:
 
     def _check(self) -> None:
         if self.m.is_error():
-            from edgespec.structured import GrammarError
+            from edgespec.logits.structured import GrammarError
 
             raise GrammarError(f"the grammar matcher failed: {self.m.get_error()}")
 
@@ -173,7 +173,7 @@ class GrammarProcessor:
     def sync(self, committed: list[int]) -> None:
         """Follow the committed reply: a committed token the grammar forbids is an error."""
         if not self._goto(committed):
-            from edgespec.structured import GrammarError
+            from edgespec.logits.structured import GrammarError
 
             raise GrammarError(f"token {committed[len(self.state)]} was committed where the grammar forbids it")
 
@@ -232,7 +232,7 @@ class ProcessedModel:
     GUARD_CALLS = 32  # ... and for the exactness guard (a mode may call ahead of what it hands out)
 
     def __init__(self, model, prompt: list[int], processors: list, logprobs: int | None = None, guard=None):
-        """guard: an edgespec.exactness.ExactnessGuard checking every emitted token, or None."""
+        """guard: an edgespec.logits.exactness.ExactnessGuard checking every emitted token, or None."""
         self._model = model
         self.prompt = list(prompt)
         self.processors = list(processors)
@@ -279,7 +279,7 @@ class ProcessedModel:
         if len(known) < n:
             # A mode called the verifier after a tree step before handing out that step's
             # tokens: the prefix is unknown, and guessing it would break exactness.
-            from edgespec.structured import GrammarError
+            from edgespec.logits.structured import GrammarError
 
             raise GrammarError(f"the verifier was called at position {offset} with only {P + len(known)} "
                                "positions known (a mode must hand out a tree step's tokens first)")
@@ -404,7 +404,7 @@ def wrap_processors(model, mode, engine, options, prompt: list[int], sampler=Non
     """A request's processors over `model`, the model its mode runs (see ProcessedModel); the
     sources that declare `grammar` get the request's grammar. Returns (the model the mode is to
     run, the wrapper for its token stream: records emitted tokens, adds logprobs, runs the
-    exactness guard when it is on: edgespec.exactness), `model` and the identity when nothing
+    exactness guard when it is on: edgespec.logits.exactness), `model` and the identity when nothing
     applies. `sampler`: the request's (the guard recomputes its draws). The stack is set on the
     mode by its one composer, edgespec.batch.stack.compose_request."""
     V = engine.model.args.vocab_size

@@ -6,7 +6,7 @@ what a request may ask for is bounded here first: sizes, JSON nesting and `$ref`
 depth, Lark/GBNF rule and alternative counts, enum sizes, counted repetitions of regexes.
 A grammar over a bound raises GrammarLimitError (a ValueError: a 400 naming the limit).
 What passes is then compiled in a separate process with a time bound
-(edgespec.structured.isolated), so a crash or a stall of the native code on an input
+(edgespec.logits.structured.isolated), so a crash or a stall of the native code on an input
 these checks let through costs that process, never the server.
 """
 

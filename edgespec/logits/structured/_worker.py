@@ -1,6 +1,6 @@
 """The grammar compiler's own process: compiles grammars where a native crash ends it alone.
 
-Run by edgespec.structured.isolated as `python -c ...` with this file (stdlib,
+Run by edgespec.logits.structured.isolated as `python -c ...` with this file (stdlib,
 llguidance and tokenizers only: no MLX, no edgespec import, so it starts in a tenth of
 a second and stays small). It reads requests from fd 0 and answers on fd 1 as
 multiprocessing.connection messages:

@@ -15,11 +15,18 @@ from typing import Any
 import numpy as np
 
 from edgespec.errors import ModelLoadError
-from edgespec.formats import gguf_quants as quants
-from edgespec.formats.gguf_arch import ARCHS, arch_config, arch_of, block_of, hf_name, is_norm
-from edgespec.formats.gguf_file import GGUFFile
-from edgespec.formats.gguf_hybrid import dense_only, gemma4_config, undo_values
-from edgespec.formats.gguf_tokenizer import build_tokenizer
+from edgespec.weights.formats import gguf_quants as quants
+from edgespec.weights.formats.gguf_arch import (
+    ARCHS,
+    arch_config,
+    arch_of,
+    block_of,
+    hf_name,
+    is_norm,
+)
+from edgespec.weights.formats.gguf_file import GGUFFile
+from edgespec.weights.formats.gguf_hybrid import dense_only, gemma4_config, undo_values
+from edgespec.weights.formats.gguf_tokenizer import build_tokenizer
 
 SUPPORTED_ARCHS = tuple(ARCHS)
 __all__ = [

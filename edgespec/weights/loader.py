@@ -9,10 +9,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgespec.bundle import is_bundle, read_manifest
 from edgespec.errors import ModelLoadError
 from edgespec.models.llama import Model
 from edgespec.tokenizer import Tokenizer
+from edgespec.weights.bundle import is_bundle, read_manifest
 
 
 @dataclass
@@ -76,7 +76,7 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype=None
 
 def load_model_folder(folder: Path, dtype=None) -> Model:
     """A folder with config.json + model.safetensors (bundle or drafter sub-folder)."""
-    from edgespec.formats.hf import read_config, read_safetensors
+    from edgespec.weights.formats.hf import read_config, read_safetensors
 
     config = read_config(folder)
     return build_model(config, read_safetensors([folder / "model.safetensors"]), dtype)
@@ -90,7 +90,7 @@ def load_bundle(folder: Path, verify_hashes: bool = True) -> LoadedModel:
 
 
 def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
-    from edgespec.formats.hf import read_hf
+    from edgespec.weights.formats.hf import read_hf
 
     config, weights = read_hf(folder)
     model = build_model(config, weights, dtype or mx.float32)
@@ -101,7 +101,7 @@ def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
 def load_gguf(path: Path, keep_quantized: bool = False, dtype=None) -> LoadedModel:
     from tokenizers import Tokenizer as HFTokenizer  # noqa: F401  (fail early if missing)
 
-    from edgespec.formats.gguf import read_gguf
+    from edgespec.weights.formats.gguf import read_gguf
 
     config, weights, quant, (backend, tok_config) = read_gguf(path, keep_quantized)
     if quant:
