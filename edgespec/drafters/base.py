@@ -25,8 +25,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 import mlx.core as mx
 
 from edgespec.caches.kv import KVCache, cache_arrays
-from edgespec.generate import PREFILL_CHUNK
 from edgespec.caches.prefix import Reuse
+from edgespec.generate import PREFILL_CHUNK
 
 
 @dataclass
