@@ -19,9 +19,12 @@ from edgespec.converters.bundle import (
     write_model_files,
 )
 from edgespec.converters.drafter_export import write_drafter
+from edgespec.converters.gguf import _open, read_gguf
+from edgespec.converters.hf import read_hf
 from edgespec.models import get_architecture
 from mlx.utils import tree_flatten
 
+from edgespec.drafters.assistant import is_assistant_folder
 from edgespec.errors import ModelLoadError
 from edgespec.progress import progress_bar
 from edgespec.tokenizer import Tokenizer
@@ -50,8 +53,6 @@ def default_dtype() -> str:
 def _read_source(src: Path, quantize: str, dtype, progress: bool):
     """-> (config, weights mx dict, quantization dict or None, Tokenizer, source info)."""
     if is_gguf(src):
-        from edgespec.converters.gguf import _open, read_gguf
-
         n = len(_open(src).tensors)
         with progress_bar(total=n, desc="reading GGUF", unit="tensor", enable=progress) as bar:
             report: dict[str, Any] = {}  # per GGUF type: exact / requantized (+ error) / dense
@@ -64,8 +65,6 @@ def _read_source(src: Path, quantize: str, dtype, progress: bool):
         info = {"format": "gguf", "name": src.name, "size": src.stat().st_size, "gguf_types": report}
         return config, arrays, quant or None, Tokenizer(backend, tok_cfg), info
     if src.is_dir():
-        from edgespec.converters.hf import read_hf
-
         config, weights = read_hf(src)
         own = config.pop("quantization", None)  # an MLX-quantized (mlx-community) folder's own
         if quantize == "native" and not own:
@@ -118,8 +117,6 @@ def convert(
     # Before the work: never over the source, and with force only over what edgespec wrote.
     check_destination(src, out, force)
     if drafter is None and src.is_dir():  # Gemma 4's assistant beside it, as loading the folder uses it
-        from edgespec.drafters.assistant import is_assistant_folder
-
         if is_assistant_folder(src / "drafter"):
             drafter = src / "drafter"
     mtp = drafter is not None and str(drafter) == "mtp"  # the source's own MTP head (Qwen3.5)
@@ -155,8 +152,6 @@ def convert(
         if requant is not None:
             manifest["quantization"] = requant
         if drafter is not None:
-            from edgespec.converters.drafter_export import write_drafter
-
             manifest["drafter"] = write_drafter(
                 tmp, drafter, model.args.vocab_size, manifest["vocab_hash"], DTYPES[dtype],
                 tokenizer=tokenizer, progress=progress, verifier_args=model.args, **(drafter_options or {}),

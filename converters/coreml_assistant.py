@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from edgespec.converters.coreml_compress import compress_linear
 from edgespec.converters.coreml_export import (
     COMPRESS_CHOICES,
     add_function,
@@ -346,8 +347,6 @@ def export_assistant(
     shape = assistant_shape(assistant, verifier_args, context_length)
     weights = prepare_weights(assistant, shape)
     if compress != "none":
-        from edgespec.converters.coreml_compress import compress_linear
-
         for name in linear_weights(shape):  # once: every function refers to the same blobs
             weights[name] = compress_linear(weights[name], compress)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from edgespec.converters.coreml_calibrate import compress_model, greedy_agreement, split_calibration
 from edgespec.converters.coreml_program import DrafterShape, build_function, rope_tables
 from edgespec.converters.dense import _dense_params  # noqa: F401  (re-exported)
 from edgespec.models.llama import Model
@@ -241,12 +242,6 @@ def export_drafter(
         raise ValueError(f"calibration steps must be >= 0, got {calibrate_steps}")
     packed, calibrated, agreement = {}, None, None
     if compress != "none":
-        from edgespec.converters.coreml_calibrate import (
-            compress_model,
-            greedy_agreement,
-            split_calibration,
-        )
-
         if progress:
             progress(f"compressing linear layers ({compress})")
         # Once per weight: every function then refers to identical blobs, stored once.

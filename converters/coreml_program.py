@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from edgespec.converters.coreml_compress import emit_weight
 
 MASK_VALUE = -30000.0  # additive mask; exp(-3e4 + s) == 0 in fp16, and it stays finite
 
@@ -95,8 +96,6 @@ def _linear(mb, x, w, b: np.ndarray | None, name: str):
     if isinstance(w, dict):
         # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
         from coremltools.converters.mil.mil import types
-        from edgespec.converters.coreml_compress import emit_weight
-
         weight = emit_weight(mb, types, w, f"{name}_weight")
     else:
         weight = w.astype(np.float16)[:, :, None, None]

@@ -20,9 +20,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from edgespec.converters.coreml_export import (
+    MAX_CONTEXT,
+    add_function,
+    finish_package,
+    package_staging,
+)
+from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _rope, rope_tables
+from edgespec.converters.mtp_export import _dense as dense
+from edgespec.converters.mtp_export import _head_norm
+from edgespec.models.dflash import Model, ModelArgs
 
-from edgespec.drafters.dflash import DFLASH_PACKAGE
+from edgespec.drafters.dflash import CONFIG, DFLASH_PACKAGE, check_args
 from edgespec.errors import ModelLoadError
+from edgespec.safe_write import check_replaceable, check_writable
+from edgespec.weights.formats.hf import read_safetensors
+from edgespec.weights.loader import load_model_folder
 
 DFLASH_NO_COREML = "the DFlash package is not compressed; pass --drafter-compress none"
 
@@ -31,11 +44,7 @@ def write_dflash_drafter(folder: Path, src: Path, verifier_args, verifier_hash: 
                          compress: str, context_length: int = 1024, prefill_chunk: int = 64) -> dict[str, Any]:
     """Check and write the DFlash drafter `src` into `folder`/drafter; the manifest's `drafter` entry."""
     import mlx.core as mx
-    from edgespec.models.dflash import Model, ModelArgs
     from mlx.utils import tree_flatten
-
-    from edgespec.drafters.dflash import CONFIG, check_args
-    from edgespec.weights.formats.hf import read_safetensors
 
     if compress != "none":
         raise ValueError(f"--drafter-compress: {DFLASH_NO_COREML}")
@@ -73,8 +82,6 @@ def write_dflash_drafter(folder: Path, src: Path, verifier_args, verifier_hash: 
         except ImportError:
             raise ModelLoadError("exporting the DFlash drafter to Core ML needs coremltools (pip install "
                                  "'edgespec[convert]'); or pass --no-coreml") from None
-        from edgespec.weights.loader import load_model_folder
-
         verifier = load_model_folder(folder)  # the bundle's verifier, written before the drafter
         entry["coreml"] = export_dflash(model, verifier, folder / "drafter.mlpackage", context_length=context_length,
                                         prefill_chunk=prefill_chunk, vocab_hash=verifier_hash)
@@ -89,8 +96,6 @@ FEED_SIZES = (1, 2, 4, 8)  # context rows one call appends (a round adds 1..bloc
 
 
 def _dense(module) -> np.ndarray:
-    from edgespec.converters.mtp_export import _dense as dense
-
     return dense(module)
 
 
@@ -163,8 +168,6 @@ def _conv(mb, x, dyn, base: np.ndarray, K: int, G: int, g: int, L: int, name: st
 
 def _dynamic(mb, x, proj: np.ndarray, K: int, G: int, L: int, name: str):
     """The kernel projection of x (1, E, 1, L) -> (pre taps, post taps), each (K, G, 1, L)."""
-    from edgespec.converters.coreml_program import _linear
-
     d = mb.reshape(x=_linear(mb, x, proj, None, f"{name}_proj"), shape=[2, K, G, 1, L], name=f"{name}_dyn")
     pre = mb.reshape(x=mb.slice_by_index(x=d, begin=[0, 0, 0, 0, 0], end=[1, K, G, 1, L], name=f"{name}_pre5"),
                      shape=[K, G, 1, L], name=f"{name}_pre")
@@ -179,15 +182,6 @@ def build_function(mb, types, args, w: dict, vocab: int, tied: bool, context: in
     inputs:  features (1, n*E, 1, S) fp16, input_ids (1, L) int32 (the block), position (1,) int32
     states:  key_cache, value_cache (layers, Hk, D, C) fp16 (the context's keys and values)
     outputs: logits (1, V, 1, L-1) fp16, hidden_out (1, E, 1, L-1) fp16 (slots 1.., final-norm)."""
-    from edgespec.converters.coreml_program import (
-        MASK_VALUE,
-        _linear,
-        _rms_norm,
-        _rope,
-        rope_tables,
-    )
-    from edgespec.converters.mtp_export import _head_norm
-
     E, H, Hk, D, L = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.block_size
     g, C, NL, F = H // Hk, context, args.num_hidden_layers, len(args.target_layer_ids) * args.hidden_size
     K, gs = args.conv_kernel_size, args.conv_group_size
@@ -290,15 +284,6 @@ def export_dflash(model, verifier, out: str | Path, context_length: int = 1024, 
     """Write `out` (.mlpackage) atomically from a models.dflash.Model paired with `verifier`; its info.
 
     Functions `feed_S`, S in FEED_SIZES and `prefill_chunk`: S new context rows, then the block."""
-    from edgespec.converters.coreml_export import (
-        MAX_CONTEXT,
-        add_function,
-        finish_package,
-        package_staging,
-    )
-
-    from edgespec.safe_write import check_replaceable, check_writable
-
     out = Path(out).expanduser()
     check_replaceable(out, force, label="package")
     check_writable(out, label="package")

@@ -13,10 +13,12 @@ from typing import Any
 
 from edgespec.converters.bundle import write_model_files
 from edgespec.converters.coreml_assistant import export_assistant, function_names
+from edgespec.converters.coreml_calibrate import calibration_sequences
 from edgespec.converters.coreml_export import COMPRESS_CHOICES, export_drafter
 from edgespec.converters.dense import _dense_params
 from edgespec.converters.dflash_export import write_dflash_drafter
 from edgespec.converters.hf import read_safetensors
+from edgespec.converters.mtp_export import write_mtp_drafter
 
 from edgespec.drafters.assistant import check_fit, is_assistant_folder, load_assistant_model
 from edgespec.drafters.compat import check_compatible
@@ -88,8 +90,6 @@ def write_drafter(
     if calibrate and tokenizer is None:
         raise ValueError("--drafter-calibrate needs the verifier's tokenizer to encode calibration text")
     if str(src) == "mtp":  # the verifier's own MTP head (Qwen3.5), read back from the bundle being written
-        from edgespec.converters.mtp_export import write_mtp_drafter
-
         return write_mtp_drafter(folder, verifier_hash, coreml=coreml, compress=compress,
                                  context_length=context_length, prefill_chunk=prefill_chunk)
     if Path(src).is_dir() and is_dflash_folder(src):  # a DFlash block drafter (converters/dflash_export.py)
@@ -143,13 +143,9 @@ def write_drafter(
                 "exporting the Core ML drafter needs coremltools (pip install 'edgespec[convert]'); "
                 "or pass --no-coreml"
             ) from None
-        from edgespec.progress import progress_bar
-
         steps = calibrate if compress != "none" else 0
         seqs = None
         if compress != "none" and tokenizer is not None:  # tuning text, and the agreement check
-            from edgespec.converters.coreml_calibrate import calibration_sequences
-
             seqs = calibration_sequences(tokenizer, vmap)
         with progress_bar(total=steps, desc=f"calibrating {compress}", unit="step",
                           enable=progress and steps > 0) as bar:  # fmt: skip

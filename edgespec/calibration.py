@@ -56,6 +56,7 @@ import mlx.core as mx
 
 from edgespec.adaptive.estimate import Costs
 from edgespec.paths import home as edgespec_home
+from edgespec.safe_write import clean_stale_temps, temp_prefix
 from edgespec.tree import (
     controller as tree_controller,  # calibrate_tree looked up per call (tests forbid it)
 )
@@ -380,8 +381,6 @@ class CostStore:
                     "verify": {str(T): verify[T] for T in sorted(verify)},
                     "counts": {str(T): all_counts[T] for T in sorted(all_counts)},
                     "draft": drafts}
-            from edgespec.safe_write import clean_stale_temps, temp_prefix
-
             tmp = None
             try:
                 if os.path.lexists(self.path) and current is None:

@@ -20,7 +20,7 @@ from edgespec.adaptive.history import make_history
 from edgespec.batch import Batcher, Request, memory
 from edgespec.batch.request import cancel_callable as check
 from edgespec.caches.kv_quant import check_settings, quantize_caches
-from edgespec.caches.prefix import PrefixCache
+from edgespec.caches.prefix import MEMORY, PrefixCache, check_limit, default_limit
 from edgespec.errors import ContextLengthError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
 from edgespec.logits.processors import Penalties
@@ -395,8 +395,6 @@ class Engine:
         return quantize_caches(caches, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def _prompt_cache_limit(self) -> int:
-        from edgespec.caches.prefix import MEMORY, check_limit, default_limit
-
         limit = self.prompt_cache_bytes
         check_limit(limit)
         if limit is not None and limit != MEMORY:

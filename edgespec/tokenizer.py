@@ -13,8 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+import edgespec.logits.tools as tool_calls
 from edgespec.errors import ContextLengthError, ModelLoadError
-from edgespec.logits.tools import check_message_tool_calls, tool_format
+from edgespec.logits.structured.tokens import token_bytes
+from edgespec.logits.tools import check_message_tool_calls, template_tool_variable, tool_format
 
 # Texts longer than this are encoded without holding the GIL (see Tokenizer._encode_text).
 LONG_TEXT_CHARS = 16_384
@@ -301,8 +303,6 @@ class Tokenizer:
         (EOS, chat markers) as its name."""
         table = self.__dict__.get("_token_bytes")
         if table is None:
-            from edgespec.logits.structured.tokens import token_bytes
-
             table = self.__dict__["_token_bytes"] = token_bytes(self)[0]
         i = int(i)
         if not 0 <= i < len(table):
@@ -317,8 +317,6 @@ class Tokenizer:
         see edgespec.logits.tools) go to a template that renders tools as `tools` (SmolLM3:
         `xml_tools`); a template that renders none gets them described in the system
         message. Assistant `tool_calls` and `tool` messages are passed the same way."""
-        import edgespec.logits.tools as tool_calls
-
         fmt = tool_calls.tool_format(self.chat_template)
         var = self.tool_variable
         if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
@@ -364,8 +362,6 @@ class Tokenizer:
     def tool_variable(self) -> str | None:
         """The variable the chat template renders a tool list from (None: it renders none)."""
         if "_tool_variable" not in self.__dict__:
-            from edgespec.logits.tools import template_tool_variable
-
             self.__dict__["_tool_variable"] = template_tool_variable(self.chat_template)
         return self.__dict__["_tool_variable"]
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from edgespec.models import supported_model_types
 
-from edgespec.caches.kv import KVCache
+from edgespec.caches.kv import HiddenKVCache, KVCache
 from edgespec.kernels import exact
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import numpy_attention, use_numpy_attention
@@ -198,8 +199,6 @@ class ModelArgs:
         """Build from an HF `config.json` dict (transformers v4 or v5 layout)."""
         model_type = config.get("model_type", cls.model_types[0])
         if model_type not in cls.model_types:
-            from edgespec.models import supported_model_types
-
             raise ValueError(f"unsupported architecture {model_type!r} for {cls.__module__}; edgespec "
                              f"supports {', '.join(supported_model_types())}")
         cfg = cls.translate(normalize_rope(dict(config, model_type=model_type)))
@@ -642,8 +641,6 @@ class Model(nn.Module):
     def make_cache(self) -> list:
         caches = [layer.make_cache() for layer in self.model.layers]
         if self.record_tap is not None:
-            from edgespec.caches.kv import HiddenKVCache
-
             caches[self.record_tap] = HiddenKVCache()
         return caches
 
@@ -653,8 +650,6 @@ class Model(nn.Module):
         in the first layer cache that holds one entry per position (a plain KVCache: its trims and
         keeps follow the sequence). Returns that layer's index; None (and nothing recorded) when
         the architecture cannot (`records_layers`) or no layer keeps such a cache."""
-        from edgespec.caches.kv import KVCache
-
         if not self.records_layers:
             return None
         tap = next((i for i, layer in enumerate(self.model.layers) if type(layer.make_cache()) is KVCache), None)
@@ -673,8 +668,6 @@ class Model(nn.Module):
     def _put_recorded(self, cache: list, outs: dict[int, mx.array]) -> None:
         """Hand a pass's recorded layer outputs to the tap cache (or, in a batched pass over
         gathered rows, edgespec.batch.forward, to each row's own)."""
-        from edgespec.caches.kv import HiddenKVCache
-
         feats = mx.concatenate([outs[i] for i in self.record_layers], axis=-1)
         tap = cache[self.record_tap]
         if isinstance(tap, HiddenKVCache):

@@ -48,6 +48,7 @@ from edgespec.models.base import MLP, DecoderLayer, LayerOptions, OffsetRMSNorm
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.base import ModelArgs as BaseArgs
 
+from edgespec.caches.kv import HiddenKVCache
 from edgespec.caches.recurrent import (
     RECURRENT_MAX,
     DeltaCache,
@@ -306,8 +307,6 @@ class Model(BaseModel):
         caches = super().make_cache()
         j = self.hidden_layer
         if self.keep_hidden and j is not None:
-            from edgespec.caches.kv import HiddenKVCache
-
             caches[j] = HiddenKVCache()
         return caches
 

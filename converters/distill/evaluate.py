@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import mlx.core as mx
 import numpy as np
+from edgespec.converters.distill.features import hidden_features
 
 from edgespec.logits.sampling import Sampler, SamplingParams
 
@@ -116,8 +117,6 @@ def draft_cost(verifier, drafter, context: list[int], k: int = 4, repeats: int =
     mx.eval(verifier(mx.array([context]), cache=cache))
     drafter.begin(context)
     if drafter.caps.needs_features:
-        from edgespec.converters.distill.features import hidden_features
-
         drafter.add_features(hidden_features(verifier, mx.array([context]))[0, :-1].astype(mx.float32))
     drafter.draft(k, greedy)
     drafter.sync(list(context))

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from edgespec.converters.bundle import atomic_folder
-from edgespec.converters.distill.card import _count, _params
+from edgespec.converters.distill.card import _count, _params, feature_card
 from edgespec.converters.distill.evaluate import acceptance, draft_cost
 from edgespec.converters.distill.feature_train import FeatureBatch, feature_loss, prepare_features
 from edgespec.converters.distill.features import build_features, load_features
@@ -143,7 +143,5 @@ def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_exampl
             info["cost"] = draft_cost(loaded.model, drafter, ctx, cfg.k, repeats=8)
             note("evaluate", 2, 2, "done")
         (tmp / "distill.json").write_text(json.dumps(info, indent=2, default=str))
-        from edgespec.converters.distill.card import feature_card
-
         (tmp / "MODEL_CARD.md").write_text(feature_card(info))
     return info

@@ -19,8 +19,9 @@ import mlx.core as mx
 import numpy as np
 from edgespec.converters.bundle import atomic_folder, check_destination
 from edgespec.converters.distill import data as D
-from edgespec.converters.distill.card import _count, _params
+from edgespec.converters.distill.card import _count, _params, model_card
 from edgespec.converters.distill.evaluate import acceptance_fast, draft_cost
+from edgespec.converters.distill.feature_pipeline import distill_feature
 from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
 from edgespec.converters.distill.student import init_student, student_config
 from edgespec.converters.distill.train import TrainConfig, prepare, train
@@ -108,8 +109,6 @@ def distill(
     eos = sorted(loaded.tokenizer.eos_token_ids)
     vmap = VocabMap(choose_vocab(token_counts(examples, V), cfg.vocab, always=eos), V)
     if cfg.kind == "feature":
-        from edgespec.converters.distill.feature_pipeline import distill_feature
-
         return distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_examples,
                                data_minutes, verifier_path, prompts, heldout, force, recipe, note)
     scfg = student_config(loaded.model.args, cfg.layers, vmap.size, cfg.hidden)
@@ -172,8 +171,6 @@ def distill(
             info["cost"] = cost_fn(loaded.model, drafter, ctx, cfg.k)
             note("evaluate", 2, 2, "done")
         (tmp / "distill.json").write_text(json.dumps(info, indent=2, default=str))
-        from edgespec.converters.distill.card import model_card
-
         (tmp / "MODEL_CARD.md").write_text(model_card(info))
     return info
 

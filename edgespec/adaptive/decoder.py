@@ -57,6 +57,7 @@ from edgespec.adaptive.estimate import (
 )
 from edgespec.adaptive.policy import Policy, TimedPolicy
 from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
+from edgespec.batch.cost import BatchCosts, joint_sizes
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
 from edgespec.kernels import commit_kv, tree_accept
 from edgespec.logits.sampling import Sampler, SamplingParams
@@ -159,8 +160,6 @@ class AdaptiveDecoder:
             # Alone: against a plain step measured in the same window of rounds when the policy
             # has one (RegretGuard.plain_s), not an average from another moment's load.
             return self.costs, self.policy.plain_s(self.plain_s), 0.0, self.max_tree
-        from edgespec.batch.cost import BatchCosts, joint_sizes
-
         peers, step, key = ctx
         gains = gain_curve(nodes, self.max_tree)
         extra_s = max(self._host["tree"] - self._host["plain"], 0.0)

@@ -22,7 +22,9 @@ import numpy as np
 from edgespec.adaptive.history import HistoryStore
 from edgespec.benchmark.prompts import BenchPrompt
 from edgespec.benchmark.specs import ModeSpec
+from edgespec.drafters import load_drafter
 from edgespec.engine import make_options
+from edgespec.kernels import exact
 from edgespec.modes import available_modes
 
 
@@ -184,8 +186,6 @@ def run_benchmark(
             engine.history = history.before(i)
         if spec.drafter is not None:
             if spec.drafter not in drafters:
-                from edgespec.drafters import load_drafter
-
                 drafters[spec.drafter] = load_drafter(engine, spec.drafter)
             engine.drafter = drafters[spec.drafter]
         try:
@@ -322,8 +322,6 @@ def check_equality(run: BenchRun, greedy: bool, logprobs=None) -> None:
     """Compare every record's tokens with plain's first run of the same prompt (greedy only).
     `logprobs(ids) -> (V,)`: plain's distribution after `ids` (the prompt and plain's tokens
     before the difference), to classify a mismatch as a near-tie or a bug; None: all bugs."""
-    from edgespec.kernels import exact
-
     bitwise = exact.enabled()
     run.settings.setdefault("bitwise", bitwise)
     ref = run.specs[0].label

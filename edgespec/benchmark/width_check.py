@@ -17,6 +17,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from edgespec.lookahead.tree import StepTree
+from edgespec.lookahead.verify import tree_forward
+
 
 def _fresh(model, prompt: list[int]) -> list:
     cache = model.make_cache()
@@ -42,9 +45,6 @@ def chain_rows(model, prompt: list[int], tokens: list[int]) -> list[int]:
 def tree_rows(model, prompt: list[int], tokens: list[int], parents: list[int]) -> list[int]:
     """Nodes of a tree pass (node 0 the root, parents[i] < i) after `prompt` whose logits differ
     from a one-token pass at the end of their root path."""
-    from edgespec.lookahead.tree import StepTree
-    from edgespec.lookahead.verify import tree_forward
-
     tree = StepTree.rooted(tokens[0])
     for tok, parent in zip(tokens[1:], parents[1:], strict=True):
         tree.add_node(tok, parent)

@@ -32,6 +32,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from edgespec.paths import home
+from edgespec.safe_write import (
+    check_protected,
+    check_writable,
+    clean_stale_temps,
+    fix_modes,
+    temp_prefix,
+)
+
 FORMAT = "edgespec-cache"
 VERSION = 2  # 2: the header carries the tensor data's checksum
 SUFFIX = ".safetensors"
@@ -124,8 +133,6 @@ def check_destination(path: str | Path) -> Path:
     """The file a save will write (a symlink's target: written through), checked now, before
     the work that fills it: ValueError/WriteError unless it is absent or a cache file
     edgespec wrote, in a folder this process can write."""
-    from edgespec.safe_write import check_protected, check_writable
-
     path = Path(path).expanduser()
     if path.is_symlink():  # write through the link: the file it names is the destination
         path = Path(os.path.realpath(path))
@@ -150,8 +157,6 @@ def save_somewhere(engine, path: str | Path, tokens: list[int], extra: dict | No
     the file was replaced by a foreign one), to a new file beside it, else under
     $EDGESPEC_HOME/sessions: (where it went, positions saved). Raises only when all fail."""
     import time
-
-    from edgespec.paths import home
 
     path = check_destination_path(path)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -184,8 +189,6 @@ def save(engine, path: str | Path, tokens: list[int], extra: dict | None = None)
     info = {"version": VERSION, **identity(engine), "kinds": kinds, "blocks": len(nodes),
             "positions": positions, "tokens": [int(t) for t in tokens], "extra": extra or {},
             "checksum": data_checksum(arrays)}
-    from edgespec.safe_write import clean_stale_temps, fix_modes, temp_prefix
-
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{temp_prefix(path)}{os.getpid()}-", suffix=SUFFIX)

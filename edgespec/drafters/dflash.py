@@ -62,6 +62,10 @@ from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCap
 from edgespec.drafters.compat import check_compatible
 from edgespec.drafters.coreml_runtime import CoreMLBlockBackend, PackageCursor, package_features  # noqa: F401
 from edgespec.errors import ModelLoadError
+from edgespec.logits.sampling import Sampler, SamplingParams
+from edgespec.models.base import Model as BaseModel
+from edgespec.models.dflash import KINDS, Model, ModelArgs
+from edgespec.weights.formats.hf import read_safetensors
 
 CONFIG = "config.json"
 
@@ -80,8 +84,6 @@ def _read_config(path: Path) -> dict | None:
 def is_dflash_folder(path: str | Path) -> bool:
     """A published DFlash drafter folder (or a bundle's drafter/ holding one): the architecture
     names a DFlash draft model, or the config carries `dflash_config`."""
-    from edgespec.models.dflash import KINDS
-
     cfg = _read_config(Path(path))
     if cfg is None:
         return False
@@ -91,9 +93,6 @@ def is_dflash_folder(path: str | Path) -> bool:
 
 def load_dflash(path: str | Path, verifier, name: str | None = None) -> DFlashDrafter:
     """The drafter of a DFlash folder for `verifier` (an Engine, a LoadedModel or a model)."""
-    from edgespec.models.dflash import Model, ModelArgs
-    from edgespec.weights.formats.hf import read_safetensors
-
     path = Path(path).expanduser()
     cfg = _read_config(path)
     if cfg is None:
@@ -123,8 +122,6 @@ def load_dflash(path: str | Path, verifier, name: str | None = None) -> DFlashDr
 
 def check_pairing(args, verifier, path: Path | str = "drafter") -> None:
     """Refuse, by name, a DFlash drafter that cannot draft for `verifier` (see the module notes)."""
-    from edgespec.models.base import Model as BaseModel
-
     if not isinstance(verifier, BaseModel) or not verifier.records_layers:
         raise ModelLoadError(f"{path}: a DFlash drafter reads the verifier's target-layer states on its own passes; "
                              f"this verifier ({type(verifier).__name__}, {verifier.args.model_type}) does not record "
@@ -351,8 +348,6 @@ def reference_round(drafter: DFlashDrafter, features: np.ndarray, last: int) -> 
     out = drafter.block(last, mx.array(features)[None])
     logits = drafter.logits(out)
     if drafter.args.kind == "dflash2":
-        from edgespec.logits.sampling import Sampler, SamplingParams
-
         drafter.seq = [last]
         return drafter._select(out, logits, Sampler(SamplingParams(temperature=0.0))).tokens
     return [int(t) for t in mx.argmax(logits, axis=-1).tolist()]

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from edgespec.controller import expected_tokens
 from edgespec.drafters.base import ModelDrafter
+from edgespec.errors import DrafterRequiredError
 from edgespec.generate import prefill
 from edgespec.paths import home
 from edgespec.progress import progress_bar
@@ -233,8 +234,6 @@ def skip_set_for(loaded, search: bool = True, progress: bool = True) -> dict | N
     if not search:
         return None
     if not getattr(loaded.model, "layerwise", True):
-        from edgespec.errors import DrafterRequiredError
-
         raise DrafterRequiredError(
             f"self-speculation searches which layers to skip by running them one by one, which "
             f"{loaded.model.args.model_type} cannot (its layers read per-layer inputs and shared keys the whole "

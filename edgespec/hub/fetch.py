@@ -14,11 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgespec.drafters.compat import check_tokenizers
 from edgespec.errors import EdgespecError, ModelLoadError
 from edgespec.hub import store
-from edgespec.hub.names import HubName, parse
+from edgespec.hub.names import HubName, as_hub_name, parse
 from edgespec.hub.pairing import paired_drafter
 from edgespec.hub.select import NothingRunnableError, Selection, select
+from edgespec.models import DRAFTER_ONLY, get_architecture
+from edgespec.progress import progress_bar
+from edgespec.tokenizer import Tokenizer
+from edgespec.weights.formats.gguf import _open
+from edgespec.weights.formats.gguf_tokenizer import build_tokenizer
+from edgespec.weights.formats.hf import read_config
 
 Report = Callable[[str], None]
 
@@ -224,8 +231,6 @@ def _download(name: HubName, commit: str, files: list[str], sizes: dict[str, int
     that Ctrl-C lands here and huggingface_hub drops the temp file it was writing. -> bytes fetched."""
     from huggingface_hub import hf_hub_download
 
-    from edgespec.progress import progress_bar
-
     counter = type("_Count", (_Bytes,), {"fetched": 0, "bar": None})
     total = sum(sizes.get(f, 0) for f in files)
     show = progress and sys.stderr.isatty()
@@ -243,9 +248,6 @@ def _cached(folder: Path, files: list[str]) -> set[str]:
 
 def _check_architecture(name: HubName, folder: Path) -> None:
     """An unsupported model_type is refused before the weights are fetched."""
-    from edgespec.models import DRAFTER_ONLY, get_architecture
-    from edgespec.weights.formats.hf import read_config
-
     model_type = read_config(folder).get("model_type")
     if model_type in DRAFTER_ONLY:
         return  # a drafter (Gemma 4's assistant): fetched to draft, which the loader checks when attached
@@ -361,18 +363,11 @@ def _pair(local: Local, progress: bool, say: Report, fetch: bool) -> list[str]:
 def check_pairing_files(model: Local, drafter: Local) -> None:
     """The tokenizer check edgespec runs when it attaches a drafter, on the two tokenizers as stored
     (no weights loaded); VocabularyMismatchError names the first id that differs."""
-    from edgespec.drafters.compat import check_tokenizers
-
     check_tokenizers(_tokenizer(drafter), _tokenizer(model))
 
 
 def _tokenizer(local: Local):
-    from edgespec.tokenizer import Tokenizer
-
     if local.kind == "gguf":
-        from edgespec.weights.formats.gguf import _open
-        from edgespec.weights.formats.gguf_tokenizer import build_tokenizer
-
         return Tokenizer(*build_tokenizer(_open(local.path), local.path))
     return Tokenizer.from_folder(local.path)
 
@@ -429,8 +424,6 @@ def _run_drafter(local: Local) -> tuple[Path | None, list[str]]:
 def resolve_path(spec, what: str = "model", progress: bool = True, report: Report | None = None):
     """`spec` as a local path: a hub name is resolved (fetched when missing), anything else is
     returned as it is (a path that exists wins over a name)."""
-    from edgespec.hub.names import as_hub_name
-
     name = as_hub_name(spec)
     if name is None:
         return spec

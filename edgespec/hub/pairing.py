@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from edgespec.paths import home
+
 CATALOG = Path(__file__).resolve().parent.parent / "data" / "hub_drafters.json"
 
 
@@ -34,8 +36,6 @@ def _rules(path: str = str(CATALOG)) -> list[tuple[str, re.Pattern, str]]:
 def catalogs() -> list[Path]:
     """The catalogs read, first match wins: $EDGESPEC_HOME/hub_drafters.json (yours, when present),
     then the one shipped with edgespec."""
-    from edgespec.paths import home
-
     own = home() / "hub_drafters.json"
     return ([own] if own.is_file() else []) + [CATALOG]
 

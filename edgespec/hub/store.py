@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from edgespec.hub.names import HubName
+from edgespec.paths import home
 
 RECORD_FORMAT = "edgespec-hub-record"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -74,8 +75,6 @@ def local_files(folder: Path) -> list[str]:
 
 
 def records_dir() -> Path:
-    from edgespec.paths import home
-
     return home() / "hub"
 
 

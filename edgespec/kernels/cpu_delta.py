@@ -21,26 +21,26 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from edgespec.kernels.attention import _pool, _workers
+from edgespec.kernels.cpu_blas import compiler, write_library
+from edgespec.kernels.delta import tree_slots
+from edgespec.kernels.delta_reference import delta_recurrent
+from edgespec.kernels.native import NativeBuildError, _cpu_key
+from edgespec.paths import home as default_home
+
 SOURCE = Path(__file__).with_name("cpu_delta.c")
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 PARALLEL_MIN = 1 << 20  # state updates (T x heads x Dk x Dv) from which the heads go over the cores
 
 
 def library_path(flags: tuple[str, ...], home: Path | None = None) -> Path:
-    from edgespec.kernels.native import _cpu_key
-
     if home is None:
-        from edgespec.paths import home as default_home
-
         home = default_home()
     h = hashlib.sha256(SOURCE.read_bytes() + repr((flags, _cpu_key())).encode()).hexdigest()[:16]
     return Path(home) / "kernels" / f"libedgespec_delta-{h}.so"
 
 
 def build(home: Path | None = None) -> Path:
-    from edgespec.kernels.cpu_blas import compiler, write_library
-    from edgespec.kernels.native import NativeBuildError
-
     paths = {flags: library_path(flags, home) for flags in FLAG_SETS}
     built = next((p for p in paths.values() if p.exists()), None)
     if built is not None:
@@ -63,9 +63,6 @@ def build(home: Path | None = None) -> Path:
 def kernel():
     """The C function, checked against delta_recurrent on a small tree pass with grouped heads;
     None where it cannot be built or loaded or gives other numbers."""
-    from edgespec.kernels.delta_reference import delta_recurrent
-    from edgespec.kernels.native import NativeBuildError
-
     try:
         fn = ctypes.CDLL(str(build())).edgespec_delta_rule
     except (NativeBuildError, OSError, subprocess.SubprocessError):
@@ -88,9 +85,6 @@ def kernel():
 
 def _call(fn, qn, kn, vn, gn, bn, sn, parents, workers: int):
     """The C loop on contiguous float32 numpy arrays -> (out, state) as numpy arrays."""
-    from edgespec.kernels.attention import _pool
-    from edgespec.kernels.delta import tree_slots
-
     B, T, H, Dv = vn.shape
     Hk, Dk = kn.shape[2], kn.shape[3]
     par, _, _ = tree_slots(parents, T)
@@ -117,8 +111,6 @@ def _call(fn, qn, kn, vn, gn, bn, sn, parents, workers: int):
 
 def delta_rule_cpu(q, k, v, g, beta, S, parents: list[int] | None = None):
     """As edgespec.caches.recurrent.delta_rule, through cpu_delta.c (raises RuntimeError where it is unavailable)."""
-    from edgespec.kernels.attention import _workers
-
     fn = kernel()
     if fn is None:
         raise RuntimeError("the native gated delta rule is unavailable here (no C compiler, or it failed its check)")

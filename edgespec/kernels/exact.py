@@ -38,6 +38,9 @@ import mlx.core as mx
 import numpy as np
 
 from edgespec.errors import EdgespecError
+from edgespec.kernels import native
+from edgespec.kernels.attention import _pool, _workers
+from edgespec.kernels.native import NativeBuildError
 from edgespec.kernels.spec import KernelSpec, metal, on_metal, prologue
 
 TILE = 8  # rows a BLAS call takes in bitwise mode (every call: N x TILE x K)
@@ -57,8 +60,6 @@ def set_enabled(on: bool) -> None:
     that cannot build it fails here (NativeBuildError), not in the middle of a reply."""
     global _enabled
     if on and not on_metal():
-        from edgespec.kernels.native import NativeBuildError
-
         try:
             kernel()
         except (NativeBuildError, OSError) as e:
@@ -263,8 +264,6 @@ POOL_MIN_WORK = 1 << 22
 def _cpu_attention(qg, k, v, m, dims, scale, softcap) -> mx.array:
     """The native kernel per (batch, kv head): qg (B*Hk, rows, D); k, v (B, Hk, S, D) as the
     cache hands them (a view of its buffer: read in place, each head's rows contiguous)."""
-    from edgespec.kernels.attention import _pool, _workers
-
     fn = kernel()
     D, R, G, S, Hk, BH, masked, mb = dims
     T = R // G
@@ -319,8 +318,6 @@ def kernel():
     """The native kernel of cpu_exact.c, built on first use and checked against numpy."""
     import ctypes
     from pathlib import Path
-
-    from edgespec.kernels import native
 
     path = native.build(source=Path(__file__).with_name("cpu_exact.c"), stem="libedgespec_exact",
                         extra_flags=("-ffp-contract=off",))

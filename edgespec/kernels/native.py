@@ -39,6 +39,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from edgespec.kernels.cpu_blas import BlasShimError, compiler, write_library
+from edgespec.paths import home as default_home
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))  # the first the compiler accepts
 # EDGESPEC_NATIVE=0 keeps numpy's passes (for comparisons: benchmarks/cpu_kernels.py)
@@ -64,8 +67,6 @@ def library_path(flags: tuple[str, ...], home: Path | None = None, source: Path 
                  stem: str = "libedgespec_attention") -> Path:
     source = SOURCE if source is None else source  # read at the call: tests swap SOURCE
     if home is None:
-        from edgespec.paths import home as default_home
-
         home = default_home()
     text = source.read_bytes()
     # The headers it includes by name (cpu_simd.h), beside it: a change to one rebuilds.
@@ -80,8 +81,6 @@ def build(home: Path | None = None, source: Path | None = None, stem: str = "lib
     """The compiled library's path, building it first if it is not there. `source`: a C file
     (default SOURCE, cpu_attention.c; edgespec/kernels/exact.py builds cpu_exact.c)."""
     source = SOURCE if source is None else source
-    from edgespec.kernels.cpu_blas import BlasShimError, compiler, write_library
-
     paths = {flags + extra_flags: library_path(flags + extra_flags, home, source, stem) for flags in FLAG_SETS}
     built = next((p for p in paths.values() if p.exists()), None)
     if built is not None:

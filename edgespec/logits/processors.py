@@ -36,6 +36,7 @@ import numpy as np
 
 from edgespec.logits.exactness import ExactnessGuard, guard_enabled
 from edgespec.logits.sampling import Sampler
+from edgespec.logits.structured import GrammarError
 
 NEG_INF = float("-inf")
 
@@ -137,8 +138,6 @@ class GrammarProcessor:
 
     def _check(self) -> None:
         if self.m.is_error():
-            from edgespec.logits.structured import GrammarError
-
             raise GrammarError(f"the grammar matcher failed: {self.m.get_error()}")
 
     def _goto(self, target: list[int]) -> bool:
@@ -173,8 +172,6 @@ class GrammarProcessor:
     def sync(self, committed: list[int]) -> None:
         """Follow the committed reply: a committed token the grammar forbids is an error."""
         if not self._goto(committed):
-            from edgespec.logits.structured import GrammarError
-
             raise GrammarError(f"token {committed[len(self.state)]} was committed where the grammar forbids it")
 
     def allowed(self) -> np.ndarray:
@@ -279,8 +276,6 @@ class ProcessedModel:
         if len(known) < n:
             # A mode called the verifier after a tree step before handing out that step's
             # tokens: the prefix is unknown, and guessing it would break exactness.
-            from edgespec.logits.structured import GrammarError
-
             raise GrammarError(f"the verifier was called at position {offset} with only {P + len(known)} "
                                "positions known (a mode must hand out a tree step's tokens first)")
         return known

@@ -34,6 +34,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from edgespec.logits.structured.bounds import check_schema
+
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as OpenAI's function names
 TOOL_CHOICES = ("auto", "none", "required")
 
@@ -104,8 +106,6 @@ def check_tools(tools) -> list[dict]:
             clean["description"] = desc
         clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
         if params is not None:  # checked whatever the tool_choice: the model is shown this schema
-            from edgespec.logits.structured.bounds import check_schema
-
             try:
                 check_schema(params, strict=fn.get("strict") is True)
             except ValueError as e:

@@ -25,6 +25,7 @@ from edgespec.calibration import SIZES, cost_store
 from edgespec.calibration import measure as measure_now
 from edgespec.drafters.base import request_drafter
 from edgespec.errors import DrafterRequiredError
+from edgespec.modes.lookahead import default_options
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import Option
 from edgespec.modes.tree import MAX_TREE
@@ -109,8 +110,6 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         sources.append(HistorySource(history))
     jacobi = None
     if "jacobi" in names:
-        from edgespec.modes.lookahead import default_options
-
         d = default_options()
         jacobi = JacobiSource(o.get("window", d["window"]), o.get("ngram", d["ngram"]))
     mode = AdaptiveDecoder(

@@ -10,6 +10,7 @@ decoding from measured costs.
 
 from __future__ import annotations
 
+from edgespec.drafters import load_drafter, shipped_drafter_path
 from edgespec.drafters.base import request_drafter
 from edgespec.drafters.self_spec import SelfSpecDrafter, self_drafter
 from edgespec.errors import DrafterRequiredError
@@ -55,8 +56,6 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
         )
     if "cascade" not in tiny.caps.modes:
         # A feature drafter drafts in mode 'speculative' only; the shipped distilled drafter takes its place.
-        from edgespec.drafters import load_drafter, shipped_drafter_path
-
         student = shipped_drafter_path(engine)
         if student is None:
             raise DrafterRequiredError(

@@ -27,7 +27,8 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from edgespec.calibration import cost_store
+from edgespec.adaptive.estimate import Costs
+from edgespec.calibration import SIZES, cost_store, prior_curve
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.generate import GenerationStats, Token, prefill, runs_alone
@@ -186,9 +187,6 @@ class TreeMode:
         self.name = name
         fixed = budget if self.plan.shape == "dynamic" else None
         if self.plan.shape == "dynamic" and fixed is None and costs is None:
-            from edgespec.adaptive.estimate import Costs
-            from edgespec.calibration import SIZES, prior_curve
-
             costs = Costs(list(SIZES), prior_curve(SIZES))  # a prior, learnt from this mode's passes
         self.costs = costs
         self.after_request = None  # called when a request's rounds end (the engine saves learnt costs)

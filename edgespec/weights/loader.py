@@ -10,9 +10,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgespec.errors import ModelLoadError
+from edgespec.models import model_from_config
+from edgespec.models.base import quantize_as_stored
 from edgespec.models.llama import Model
 from edgespec.tokenizer import Tokenizer
 from edgespec.weights.bundle import is_bundle, read_manifest
+from edgespec.weights.formats.gguf import read_gguf
+from edgespec.weights.formats.hf import read_config, read_hf, read_safetensors
 
 
 @dataclass
@@ -49,9 +53,6 @@ def apply_quantization(model: nn.Module, quantization: dict[str, Any] | None) ->
 
 def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype=None) -> Model:
     """Model from an HF-style config and a complete weight dict (strict: every name must match)."""
-    from edgespec.models import model_from_config
-    from edgespec.models.base import quantize_as_stored
-
     try:
         model = model_from_config(config)
     except ModelLoadError:
@@ -76,8 +77,6 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype=None
 
 def load_model_folder(folder: Path, dtype=None) -> Model:
     """A folder with config.json + model.safetensors (bundle or drafter sub-folder)."""
-    from edgespec.weights.formats.hf import read_config, read_safetensors
-
     config = read_config(folder)
     return build_model(config, read_safetensors([folder / "model.safetensors"]), dtype)
 
@@ -90,8 +89,6 @@ def load_bundle(folder: Path, verify_hashes: bool = True) -> LoadedModel:
 
 
 def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
-    from edgespec.weights.formats.hf import read_hf
-
     config, weights = read_hf(folder)
     model = build_model(config, weights, dtype or mx.float32)
     tokenizer = Tokenizer.from_folder(folder)
@@ -100,8 +97,6 @@ def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
 
 def load_gguf(path: Path, keep_quantized: bool = False, dtype=None) -> LoadedModel:
     from tokenizers import Tokenizer as HFTokenizer  # noqa: F401  (fail early if missing)
-
-    from edgespec.weights.formats.gguf import read_gguf
 
     config, weights, quant, (backend, tok_config) = read_gguf(path, keep_quantized)
     if quant:

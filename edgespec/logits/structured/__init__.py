@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgespec.logits.structured import _worker
+from edgespec.logits.structured._worker import build_ll_tokenizer
 from edgespec.logits.structured.bounds import (
     LIMITS,
     GrammarLimitError,
@@ -38,6 +40,8 @@ from edgespec.logits.structured.bounds import (
     check_regex,
     check_schema,
 )
+from edgespec.logits.structured.isolated import IsolatedCompiler, on_deep_stack, tokenizer_payload
+from edgespec.logits.structured.tokens import token_bytes
 
 # JSON is written the way models usually write it, compact but with a space after ':' and ',':
 # fixed separators make keys and punctuation forced (one continuation), which the forced-token
@@ -107,8 +111,6 @@ def _isolated():
     global _compiler
     with _compiler_lock:
         if _compiler is None:
-            from edgespec.logits.structured.isolated import IsolatedCompiler
-
             _compiler = IsolatedCompiler(JSON_OPTIONS)
         return _compiler
 
@@ -118,9 +120,6 @@ def _compile(kind: str, source: str) -> str:
     in a worker process (LIMITS.isolate), else here on a deep stack."""
     if LIMITS.isolate:
         return _isolated().compile(kind, source)
-    from edgespec.logits.structured import _worker
-    from edgespec.logits.structured.isolated import on_deep_stack
-
     def run():
         text = _worker.compile_source(kind, source, JSON_OPTIONS)
         err = _worker.first_step_error(_worker.byte_tokenizer(), text, tokenized=False)
@@ -232,9 +231,6 @@ def _ll_tokenizer(tokenizer, vocab_size: int | None):
     hit = cache.get(n)
     if hit is not None:
         return hit
-    from edgespec.logits.structured._worker import build_ll_tokenizer
-    from edgespec.logits.structured.tokens import token_bytes
-
     tokens, special = token_bytes(tokenizer, n)
     eos = sorted(tokenizer.eos_token_ids)
     if not eos:
@@ -262,9 +258,6 @@ class _MatcherCache:
             if hit is not None and hit[0] is tokenizer:
                 self._d.move_to_end(key)
                 return hit[1].deep_copy()
-        from edgespec.logits.structured import _worker
-        from edgespec.logits.structured.isolated import on_deep_stack, tokenizer_payload
-
         lt = ll_tokenizer(tokenizer, vocab_size)
         if LIMITS.isolate:  # proven harmless (and quick) for this tokenizer in a worker first
             n = vocab_size if vocab_size is not None else tokenizer.vocab_size

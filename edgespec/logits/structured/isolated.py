@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from edgespec.logits.structured.bounds import LIMITS, GrammarLimitError
+from edgespec.logits.structured.tokens import token_bytes
 
 WORKERS = 2  # compiles at once (a long one does not hold up the next request's)
 START_TIMEOUT_S = 60.0  # starting a worker, installing a tokenizer (0.1-0.7 s for 50k tokens)
@@ -157,8 +158,6 @@ def tokenizer_payload(tokenizer, n: int) -> dict:
     hit = cache.get(n)
     if hit is not None:
         return hit
-    from edgespec.logits.structured.tokens import token_bytes
-
     tokens, special = token_bytes(tokenizer, n)
     eos = sorted(tokenizer.eos_token_ids)
     backend = tokenizer._tok.to_str()
