@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from edgespec.converters.coreml_compress import compress_linear
 from edgespec.converters.coreml_export import (
@@ -68,6 +69,7 @@ from edgespec.converters.coreml_export import (
     package_staging,
 )
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rope, rope_tables
+from mlx.utils import tree_flatten
 
 from edgespec.drafters.assistant import check_fit
 from edgespec.errors import ModelLoadError
@@ -125,9 +127,6 @@ def assistant_shape(assistant, verifier_args, context_length: int) -> AssistantS
 def prepare_weights(assistant, shape: AssistantShape) -> dict[str, np.ndarray]:
     """float32 numpy weights by MLX name, plus RoPE tables per layer type (D/2, C + 1) and, with
     ordered embeddings, each token's cluster (V,) int32."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     w = {k: np.array(v.astype(mx.float32)) if mx.issubdtype(v.dtype, mx.floating) else np.array(v)
          for k, v in tree_flatten(assistant.parameters())}
     for i, layer in enumerate(assistant.model.layers):

@@ -33,10 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 from edgespec.converters.coreml_compress import compress_linear, decode_packed
 from edgespec.converters.dense import _dense_params
 from edgespec.converters.distill.calibration_text import read_answers
+from mlx.utils import tree_flatten
 
 from edgespec.weights.loader import build_model
 
@@ -57,8 +61,6 @@ def split_calibration(seqs: list[list[int]]) -> tuple[list[list[int]], list[list
 
 def linear_weight_names(model) -> list[str]:
     """Names of the weights compression applies to: the decoder's linears and an untied head."""
-    from mlx.utils import tree_flatten
-
     names = []
     for name, _ in tree_flatten(model.parameters()):
         parts = name.split(".")
@@ -94,8 +96,6 @@ def calibration_sequences(
 
 def _nearest_code(w, table):
     """Index into each row's table (O, K) of the entry nearest to w (O, I), on mx arrays."""
-    import mlx.core as mx
-
     order = mx.argsort(table, axis=1)
     sorted_t = mx.take_along_axis(table, order, axis=1)
     mids = (sorted_t[:, 1:] + sorted_t[:, :-1]) / 2
@@ -104,9 +104,6 @@ def _nearest_code(w, table):
 
 
 def _make_linear_class():
-    import mlx.core as mx
-    import mlx.nn as nn
-
     class CompressedLinear(nn.Module):
         """A linear layer whose weight is the compressed form of a trainable latent weight."""
 
@@ -237,7 +234,6 @@ def greedy_agreement(
     (1 for a reduced vocabulary, whose slot 0 "other" is never drafted).
     -> {"held_back_greedy": share, "positions": count, "target": AGREEMENT_TARGET}.
     """
-    import mlx.core as mx
     if not sequences:
         raise ValueError("greedy agreement needs at least one sequence")
     config = model.args.to_dict()
@@ -257,8 +253,6 @@ def greedy_agreement(
 
 
 def _batch(seqs: list[list[int]], seq_len: int):
-    import mlx.core as mx
-
     x = np.zeros((len(seqs), seq_len), np.int32)
     m = np.zeros((len(seqs), seq_len), np.float32)
     for j, s in enumerate(seqs):
@@ -281,11 +275,6 @@ class Tuning:
 
 def _tune(model, dense, packed, method, train, held, tuning: Tuning, progress):
     """Tune the compressed forms of `packed` (plain rounding of `dense`); -> (packed, stats)."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-
-
     config = model.args.to_dict()
     teacher = build_model(config, {k: mx.array(v) for k, v in dense.items()}, mx.float32)
     student = build_model(config, {k: mx.array(v) for k, v in dense.items()}, mx.float32)

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from edgespec.converters.coreml_export import (
     MAX_CONTEXT,
@@ -30,6 +31,7 @@ from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _
 from edgespec.converters.mtp_export import _dense as dense
 from edgespec.converters.mtp_export import _head_norm
 from edgespec.models.dflash import Model, ModelArgs
+from mlx.utils import tree_flatten
 
 from edgespec.drafters.dflash import CONFIG, DFLASH_PACKAGE, check_args
 from edgespec.errors import ModelLoadError
@@ -43,9 +45,6 @@ DFLASH_NO_COREML = "the DFlash package is not compressed; pass --drafter-compres
 def write_dflash_drafter(folder: Path, src: Path, verifier_args, verifier_hash: str, dtype, coreml: bool,
                          compress: str, context_length: int = 1024, prefill_chunk: int = 64) -> dict[str, Any]:
     """Check and write the DFlash drafter `src` into `folder`/drafter; the manifest's `drafter` entry."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     if compress != "none":
         raise ValueError(f"--drafter-compress: {DFLASH_NO_COREML}")
     try:
@@ -121,8 +120,6 @@ def check_exportable(args) -> None:
 def prepare_weights(model, verifier) -> dict:
     """float32 numpy weights for the graph: the drafter's, the verifier's embedding and head (the
     output multiplier folded into the head), q_norm times the attention scale."""
-    import mlx.core as mx
-
     a = model.args
 
     def vec(x) -> np.ndarray:

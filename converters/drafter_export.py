@@ -8,9 +8,11 @@ both have one; its tables are then fitted to the verifier's width).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from edgespec.converters.bundle import write_model_files
 from edgespec.converters.coreml_assistant import export_assistant, function_names
 from edgespec.converters.coreml_calibrate import calibration_sequences
@@ -19,6 +21,7 @@ from edgespec.converters.dense import _dense_params
 from edgespec.converters.dflash_export import write_dflash_drafter
 from edgespec.converters.hf import read_safetensors
 from edgespec.converters.mtp_export import write_mtp_drafter
+from mlx.utils import tree_flatten
 
 from edgespec.drafters.assistant import check_fit, is_assistant_folder, load_assistant_model
 from edgespec.drafters.compat import check_compatible
@@ -76,7 +79,6 @@ def write_drafter(
     verifier_args: the verifier's ModelArgs (Gemma 4's assistant is checked against them and
     its Core ML package shaped by them; without them no package is made for it).
     """
-    import mlx.core as mx
     if compress not in COMPRESS_CHOICES:
         raise ValueError(
             f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}"
@@ -175,8 +177,6 @@ def fit_vocab(model, rows: int):
 
     Rows past the drafter's own table are ids past the shared tokenizer (padding); as zero rows
     they may be proposed and are then rejected by the verifier, so the output is unchanged."""
-    import mlx.core as mx
-
 
     params = {}
     for name, w in _dense_params(model).items():
@@ -212,8 +212,6 @@ FEATURE_NO_COREML = (
 def write_feature_drafter(folder: Path, src: Path, verifier_vocab: int, verifier_hash: str, coreml: bool,
                           compress: str) -> dict[str, Any]:
     """A feature drafter (edgespec distill --kind feature) goes in as its MLX folder, checked first."""
-    import shutil
-
     if compress != "none":
         raise ValueError(f"--drafter-compress applies to Core ML packages; {FEATURE_NO_COREML}")
     try:
@@ -254,10 +252,6 @@ def write_assistant_drafter(folder: Path, src: Path, verifier_vocab: int, verifi
     given: vocabulary, hidden size, key/value layers), and, unless coreml is False, as
     drafter.mlpackage (converters/coreml_assistant.py) read with the verifier's keys, values
     and hidden state as inputs."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-
     if compress != "none" and calibrate:
         raise ValueError("--drafter-calibrate is not implemented for Gemma 4's assistant package (its compression "
                          "is plain rounding); pass --drafter-calibrate 0")

@@ -9,6 +9,8 @@ result to the op's declared dtype. Anything outside what the export emits
 
 from __future__ import annotations
 
+from math import erf
+
 import numpy as np
 from edgespec.converters.mil_values import MILExecutorError, _blocks, _slice
 
@@ -237,8 +239,6 @@ def _gelu(op, get, state, ex):
     if mode == "TANH_APPROXIMATION":
         return [0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x**3)))]
     if mode == "EXACT":
-        from math import erf
-
         return [(0.5 * x * (1.0 + np.vectorize(erf)(x / np.sqrt(2.0)))).astype(np.float32)]
     raise MILExecutorError(f"gelu {op.name}: mode {mode} is not supported")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from edgespec.converters.coreml_export import (
     MAX_CONTEXT,
@@ -65,8 +66,6 @@ class HeadShape:
 
 def _dense(module) -> np.ndarray:
     """A Linear / Embedding's weight as float32 numpy (dequantized when quantized)."""
-    import mlx.core as mx
-
     w = module.weight
     if hasattr(module, "scales"):
         w = mx.dequantize(w, module.scales, getattr(module, "biases", None), module.group_size, module.bits)
@@ -93,8 +92,6 @@ def prepare_weights(model, shape: HeadShape) -> dict[str, np.ndarray]:
     head, layer = model.mtp, model.mtp.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     H, D = shape.n_heads, shape.head_dim
-
-    import mlx.core as mx
 
     def norm(m) -> np.ndarray:  # OffsetRMSNorm: applied as (1 + w)
         return 1.0 + np.array(m.weight.astype(mx.float32))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+from tqdm import tqdm
+
 
 @contextmanager
 def progress_bar(total=None, desc: str = "", unit: str = "it", enable: bool = True, unit_scale=False):
-    from tqdm import tqdm
-
     bar = tqdm(
         total=total,
         desc=desc,

@@ -7,11 +7,16 @@ the `tokenizers` package and jinja2.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
 from pathlib import Path
 from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.pre_tokenizers import ByteLevel
 
 import edgespec.logits.tools as tool_calls
 from edgespec.errors import ContextLengthError, ModelLoadError
@@ -141,8 +146,6 @@ def max_token_bytes(backend, ascii_only: bool = False) -> int | None:
     longest = 0
     byte_level = byte_pre or (spec.get("normalizer") or {}).get("type") == "ByteLevel"
     if byte_level:
-        from tokenizers.pre_tokenizers import ByteLevel
-
         alphabet = set(ByteLevel.alphabet())
         if not alphabet <= vocab and not (kind == "BPE" and model.get("unk_token") and not model.get("fuse_unk")):
             return None  # a byte with no token of its own is dropped (or fused into one unknown)
@@ -199,8 +202,6 @@ class Tokenizer:
     # --- loading -----------------------------------------------------------------
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-
         folder = Path(folder)
         tj = folder / "tokenizer.json"
         if not tj.is_file():
@@ -328,8 +329,6 @@ class Tokenizer:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
             def raise_exception(message):
@@ -341,8 +340,6 @@ class Tokenizer:
                                   sort_keys=sort_keys)
 
             def strftime_now(fmt):
-                import datetime
-
                 return datetime.datetime.now().strftime(fmt)
 
             env.globals["raise_exception"] = raise_exception

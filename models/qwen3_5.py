@@ -47,6 +47,7 @@ import mlx.nn as nn
 from edgespec.models.base import MLP, DecoderLayer, LayerOptions, OffsetRMSNorm
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.base import ModelArgs as BaseArgs
+from mlx.utils import tree_flatten
 
 from edgespec.caches.kv import HiddenKVCache
 from edgespec.caches.recurrent import (
@@ -278,8 +279,6 @@ class Model(BaseModel):
         if skip:
             self.load_note = f"qwen3_5: {len(weights)} mtp.* tensors not loaded: {skip}"
             return {}
-        from mlx.utils import tree_flatten
-
 
         weights = self.mtp_weights(weights)
         head = MTPHead(args, self.attention_layer)

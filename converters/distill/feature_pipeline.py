@@ -24,7 +24,7 @@ from edgespec.converters.distill.features import build_features, load_features
 from edgespec.converters.distill.train import train
 from edgespec.models.feature_drafter import FeatureDraftModel
 from edgespec.models.llama import ModelArgs
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from edgespec.drafters.feature import DRAFTER_JSON, FORMAT, FeatureDrafter, verifier_head_rows
 
@@ -45,8 +45,6 @@ def init_feature_model(config: dict, verifier, seed: int = 0) -> FeatureDraftMod
     mx.random.seed(seed)
     model = FeatureDraftModel(ModelArgs.from_dict(config))
     model.norm.weight = mx.array(verifier.model.norm.weight, dtype=mx.float32)
-    from mlx.utils import tree_map
-
     model.update(tree_map(lambda p: mx.array(p, dtype=mx.float32), model.parameters()))
     mx.eval(model.parameters())
     return model

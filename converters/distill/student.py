@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from edgespec.models.llama import Model, ModelArgs
+from mlx.utils import tree_map
 
 
 def student_config(verifier_args: ModelArgs, layers: int, vocab_n: int, hidden: int | None = None) -> dict:
@@ -64,8 +65,6 @@ def init_student(config: dict, verifier: Model, vocab_ids: np.ndarray, init_laye
         dst.update(verifier.layers[src].parameters())
     student.model.norm.update(verifier.model.norm.parameters())
     # Own copies in float32 (the verifier may hold another dtype); training updates them.
-    from mlx.utils import tree_map
-
     student.update(tree_map(lambda p: mx.array(p, dtype=mx.float32), student.parameters()))
     mx.eval(student.parameters())
     return student

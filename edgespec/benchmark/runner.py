@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 from edgespec.adaptive.history import HistoryStore
@@ -257,8 +258,6 @@ def run_benchmark(
 
 def _logprobs(engine, ids: list[int]) -> np.ndarray:
     """The verifier's log-probabilities (V,) of the token after `ids` (one prompt pass)."""
-    import mlx.core as mx
-
     model = engine.loaded.model
     logits = model(mx.array([ids], dtype=mx.int32), model.make_cache(), last_only=True)[0, -1]
     lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))

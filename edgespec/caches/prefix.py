@@ -28,10 +28,12 @@ trie changes under one lock; arrays are immutable once stored.
 from __future__ import annotations
 
 import itertools
+import numbers
 import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from edgespec.caches.kv import kv_bytes
 
@@ -49,8 +51,6 @@ MEMORY = "memory"  # prompt_cache_bytes="memory": the share of memory alone (the
 def check_limit(value) -> None:
     """A prompt_cache_bytes setting, checked before the model loads: None (the default),
     "memory", or whole bytes >= 0 and no more than this machine's memory."""
-    import numbers
-
     if value is None or value == MEMORY:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
@@ -88,8 +88,6 @@ def default_limit(engine, memory_share: float) -> int:
 
 
 def _itemsize(engine) -> int:
-    from mlx.utils import tree_flatten
-
     for _, p in tree_flatten(engine.model.parameters()):
         if mx.issubdtype(p.dtype, mx.floating):
             return p.dtype.size

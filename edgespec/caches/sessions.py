@@ -26,11 +26,13 @@ import json
 import os
 import struct
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from edgespec.paths import home
 from edgespec.safe_write import (
@@ -56,8 +58,6 @@ def model_fingerprint(engine) -> str:
     fp = engine.memory.fingerprint
     if fp is not None:
         return fp
-    from mlx.utils import tree_flatten
-
     h = hashlib.sha256()
     h.update(json.dumps(engine.model.args.to_dict(), sort_keys=True, default=str).encode())
     for name, p in sorted(tree_flatten(engine.model.parameters()), key=lambda kv: kv[0]):
@@ -156,8 +156,6 @@ def save_somewhere(engine, path: str | Path, tokens: list[int], extra: dict | No
     """save() to `path`, or when that fails (the folder became read-only, the disk is full,
     the file was replaced by a foreign one), to a new file beside it, else under
     $EDGESPEC_HOME/sessions: (where it went, positions saved). Raises only when all fail."""
-    import time
-
     path = check_destination_path(path)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     stem = path.name[: -len(SUFFIX)] if path.name.endswith(SUFFIX) else path.name

@@ -14,6 +14,8 @@ rank loads only its shard. The drafter (if any) runs on rank 0 only. See docs/di
 
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
 
 from edgespec.distributed.comm import Group
@@ -44,8 +46,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -95,8 +95,6 @@ def load(path: str | Path, split: str = "pipeline", drafter=None, history=None,
     `drafter` as in edgespec.load: the bundle's own drafter by default, "none", or a path;
     it is loaded on rank 0 only.
     """
-    import os
-
     path = Path(path).expanduser()
     # every rank checks the bundle before the group forms; rank 0 also checks the hashes
     manifest = read_manifest(path, verify_hashes=verify_hashes and os.environ.get("MLX_RANK", "0") == "0")

@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from edgespec.distributed.errors import DistributedError
 from edgespec.models import model_from_config
@@ -176,8 +177,6 @@ def refuse_unsplittable(model: nn.Module, model_type: str | None, mode: str) -> 
 
 def load_shard(folder: Path, mode: str, rank: int, size: int):
     """(local model, plan, full config) for this rank, holding only its weights."""
-    from mlx.utils import tree_flatten
-
     if mode not in MODES:
         raise DistributedError(f"distributed split {mode!r}: use one of {', '.join(MODES)}")
     folder = Path(folder).expanduser()
@@ -259,8 +258,6 @@ def load_shard(folder: Path, mode: str, rank: int, size: int):
 
 def shard_bytes(model: nn.Module, plan: Plan) -> int:
     """Bytes of the weights this rank holds (evaluated arrays only)."""
-    from mlx.utils import tree_flatten
-
     prefixes = layer_prefixes(model)
     total = 0
     for k, v in tree_flatten(model.parameters()):

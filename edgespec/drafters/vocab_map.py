@@ -3,6 +3,7 @@ reduced slot the full token id, slot 0 = "other" (every token outside the kept s
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -36,8 +37,6 @@ class VocabMap:
 
     def digest(self) -> str:
         """sha256 of the slot -> full id table: identifies the map in manifests."""
-        import hashlib
-
         return hashlib.sha256(json.dumps(self.ids.tolist(), separators=(",", ":")).encode()).hexdigest()
 
     def expand_logits(self, logits: np.ndarray) -> np.ndarray:

@@ -6,6 +6,8 @@ huggingface_hub is imported here only, lazily: runs of local models never load i
 
 from __future__ import annotations
 
+import importlib
+import json
 import shutil
 import sys
 import time
@@ -13,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub import errors as he
 
 from edgespec.drafters.compat import check_tokenizers
 from edgespec.errors import EdgespecError, ModelLoadError
@@ -107,8 +112,6 @@ def _local(name, folder: Path, kind: str, commit: str, files: list[str], record:
 
 def _missing_shards(folder: Path, sel: Selection) -> list[str]:
     """Shards a safetensors index names that are not in the folder."""
-    import json
-
     missing = []
     for f in sel.files:
         if f.endswith(".safetensors.index.json"):
@@ -128,8 +131,6 @@ def cached_description(name: HubName) -> str:
 # ------------------------------------------------------------------ the hub
 def _hub_error(e: BaseException, name: HubName, endpoint: str | None) -> EdgespecError:
     """One actionable line for what huggingface_hub raised."""
-    from huggingface_hub import errors as he
-
     httpx2 = _http_client()
 
     where = f"{endpoint or _default_endpoint()}/{name.repo_id}"
@@ -169,8 +170,6 @@ def _hub_error(e: BaseException, name: HubName, endpoint: str | None) -> Edgespe
 
 def _http_client():
     """The HTTP client module huggingface_hub uses (httpx2 in its 2.x releases, httpx before)."""
-    import importlib
-
     try:
         return importlib.import_module("httpx2")
     except ImportError:
@@ -178,15 +177,11 @@ def _http_client():
 
 
 def _default_endpoint() -> str:
-    from huggingface_hub import constants
-
     return constants.ENDPOINT
 
 
 def _listing(name: HubName, cfg: store.HubSettings) -> tuple[str, dict[str, int]]:
     """(commit, {path: size}) of the repository at the name's revision: one hub call."""
-    from huggingface_hub import HfApi
-
     info = HfApi(endpoint=cfg.endpoint).model_info(name.repo_id, revision=name.revision, files_metadata=True)
     sizes = {s.rfilename: int(s.size or 0) for s in (info.siblings or [])}
     return str(info.sha), sizes
@@ -229,8 +224,6 @@ class _Bytes:
 def _download(name: HubName, commit: str, files: list[str], sizes: dict[str, int], cfg, progress: bool) -> int:
     """Fetch `files` (the missing ones) into the hub cache, one after the other in this thread so
     that Ctrl-C lands here and huggingface_hub drops the temp file it was writing. -> bytes fetched."""
-    from huggingface_hub import hf_hub_download
-
     counter = type("_Count", (_Bytes,), {"fetched": 0, "bar": None})
     total = sum(sizes.get(f, 0) for f in files)
     show = progress and sys.stderr.isatty()

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from edgespec.kernels import native
 
@@ -52,8 +53,6 @@ def _pool() -> ThreadPoolExecutor:
 
 @functools.cache
 def _blas_controller():
-    from threadpoolctl import ThreadpoolController  # introspects the loaded BLAS libraries once
-
     return ThreadpoolController()
 
 

@@ -31,10 +31,13 @@ on the width. The mode is a process-wide setting: `EDGESPEC_BITWISE=1`,
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from edgespec.errors import EdgespecError
@@ -225,8 +228,6 @@ def exact_quantized_linear(x: mx.array, layer) -> mx.array:
 def output_projection(layer, h: mx.array) -> mx.array:
     """The output projection by `layer`: an Embedding used as a linear (tied), a Linear or a
     quantized one of either, in bitwise mode. h (..., E) -> (..., V)."""
-    import mlx.nn as nn
-
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         if not on_metal():
             return layer.as_linear(h) if isinstance(layer, nn.QuantizedEmbedding) else layer(h)
@@ -316,9 +317,6 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
 @functools.cache
 def kernel():
     """The native kernel of cpu_exact.c, built on first use and checked against numpy."""
-    import ctypes
-    from pathlib import Path
-
     path = native.build(source=Path(__file__).with_name("cpu_exact.c"), stem="libedgespec_exact",
                         extra_flags=("-ffp-contract=off",))
     fn = ctypes.CDLL(str(path)).edgespec_exact_attention

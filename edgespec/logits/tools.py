@@ -34,6 +34,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from jinja2 import Environment, meta
+
 from edgespec.logits.structured.bounds import check_schema
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as OpenAI's function names
@@ -346,8 +348,6 @@ def template_tool_variable(template: str | None) -> str | None:
     "xml_tools"), or None when it renders none."""
     if not template:
         return None
-    from jinja2 import Environment, meta
-
     try:
         names = meta.find_undeclared_variables(Environment().parse(template))
     except Exception:  # a template jinja cannot parse fails later, where it is rendered

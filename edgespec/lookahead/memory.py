@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 
+from mlx.utils import tree_flatten
+
 from edgespec.caches.kv import kv_bytes  # noqa: F401  (re-exported: the memory accounting's unit)
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -34,8 +36,6 @@ def parse_size(text: str | int | None, allow_zero: bool = False, what: str = "me
 
 
 def tree_bytes(module) -> int:
-    from mlx.utils import tree_flatten
-
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 

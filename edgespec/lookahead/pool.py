@@ -12,6 +12,7 @@ Everything here is host-side Python: a step asks for a handful of candidates.
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 CONTEXT_CHECK = 8  # preceding tokens compared when ranking text occurrences
@@ -107,8 +108,6 @@ class JacobiWindow:
     """
 
     def __init__(self, window: int, ngram: int, prompt: list[int]):
-        import random
-
         if window < 1 or ngram < 2:
             raise ValueError("a Jacobi window needs window >= 1 and ngram >= 2")
         self.W, self.N = window, ngram

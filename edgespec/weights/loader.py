@@ -96,8 +96,6 @@ def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
 
 
 def load_gguf(path: Path, keep_quantized: bool = False, dtype=None) -> LoadedModel:
-    from tokenizers import Tokenizer as HFTokenizer  # noqa: F401  (fail early if missing)
-
     config, weights, quant, (backend, tok_config) = read_gguf(path, keep_quantized)
     if quant:
         config = {**config, "quantization": quant}

@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import llguidance
+
 from edgespec.logits.structured import _worker
 from edgespec.logits.structured._worker import build_ll_tokenizer
 from edgespec.logits.structured.bounds import (
@@ -62,8 +64,6 @@ __all__ = ["CACHE_SIZE", "KINDS", "LIMITS", "Grammar", "GrammarError", "GrammarL
 
 
 def _llg():
-    import llguidance
-
     return llguidance
 
 

@@ -13,6 +13,7 @@ reaches it. Results are cached by the callers (parsed formats, compiled matchers
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import subprocess
@@ -35,8 +36,6 @@ class GrammarCrashError(ValueError):
 
 class _Worker:
     def __init__(self, json_options: dict):
-        import json
-
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, str(Path(__file__).with_name("_worker.py")),
              json.dumps(json_options)],

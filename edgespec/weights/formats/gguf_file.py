@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 # GGUF metadata value types -> (struct format, numpy dtype)
@@ -88,8 +89,6 @@ class GGUFFile:
     """`fields`: key -> value (lists for arrays); `tensors`: list of Tensor over a memory map."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
         mm = np.memmap(self.path, mode="r")
         cur = _Cursor(memoryview(mm))

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import gguf
+import mlx.core as mx
 import numpy as np
 
 from edgespec.errors import ModelLoadError
@@ -63,8 +65,6 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
     """A tensor's raw bytes (rows, row_bytes) -> (rows, n_blocks, block_bytes)."""
-    import gguf
-
     _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     raw = np.asarray(raw).view(np.uint8)
     return raw.reshape(raw.shape[0], -1, block_bytes)
@@ -135,8 +135,6 @@ def native(type_name: str, raw: np.ndarray) -> tuple[dict[str, np.ndarray], int]
 
 def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """float32 weights of shape `shape` (rows first, as in the HF checkpoint)."""
-    import gguf
-
     if type_name not in SUPPORTED:
         raise ModelLoadError(f"GGUF tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED)})")
     if type_name in ("F32", "F16"):
@@ -154,8 +152,6 @@ def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.nd
 
 def requantize(w: np.ndarray, bits: int) -> tuple[dict[str, np.ndarray], float]:
     """MLX affine quantization of dense `w` (groups of 32) and its relative error ||w' - w|| / ||w||."""
-    import mlx.core as mx
-
     wm = mx.array(w)
     packed, scales, biases = mx.quantize(wm, group_size=GROUP, bits=bits)
     back = mx.dequantize(packed, scales, biases, group_size=GROUP, bits=bits)

@@ -13,6 +13,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
+
 from edgespec.errors import ModelLoadError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
@@ -44,8 +55,6 @@ PRE_SPLITS: dict[str, list[str] | None] = {
 
 
 def _byte_level(tokens, types, merges, pre: str | None, path):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     if (pre or "default") not in PRE_SPLITS:
@@ -83,8 +92,6 @@ def sentencepiece_merges(tokens: list[str], types: list[int], scores: list[float
 
 
 def _sentencepiece(tokens, types, scores, unk: str | None, add_space_prefix: bool):
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = sentencepiece_merges(tokens, types, scores)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
@@ -101,8 +108,6 @@ def _sentencepiece(tokens, types, scores, unk: str | None, add_space_prefix: boo
 
 def build_tokenizer(reader, path: Path):
     """Hugging Face `tokenizers` object and tokenizer_config dict from GGUF metadata."""
-    from tokenizers import AddedToken
-
     kind = _field(reader, "tokenizer.ggml.model")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if not tokens:
