@@ -109,7 +109,7 @@ def reproduce_command(args) -> str:
     if getattr(args, "bitwise_verify", None) is not None:
         parts.append("--bitwise-verify" if args.bitwise_verify else "--no-bitwise-verify")
     cmd = shlex.join(parts)
-    from edgespec.kernels import cpu_blas
+    from edgespec.kernels import cpu_blas  # deferred: CLI start-up
 
     preload = os.environ.get("LD_PRELOAD", "")
     if cpu_blas.describe(preload):
@@ -118,9 +118,9 @@ def reproduce_command(args) -> str:
 
 
 def machine_info() -> dict:
-    import platform
+    import platform  # deferred: CLI start-up
 
-    import mlx.core as mx
+    import mlx.core as mx  # deferred: CLI start-up
 
     info = {
         "platform": platform.platform(terse=True),
@@ -128,7 +128,7 @@ def machine_info() -> dict:
         "device": str(mx.default_device()),
         "mlx": getattr(mx, "__version__", "?"),
     }
-    from edgespec.kernels import cpu_blas
+    from edgespec.kernels import cpu_blas  # deferred: CLI start-up
 
     blas = cpu_blas.describe()
     if blas:
@@ -137,24 +137,24 @@ def machine_info() -> dict:
 
 
 def run(args) -> int:
-    from edgespec.apps.common import load_engine
+    from edgespec.apps.common import load_engine  # deferred: CLI start-up
 
-    from edgespec.benchmark import (
+    from edgespec.benchmark import (  # deferred: CLI start-up
         build_report,
         load_prompts,
         parse_mode_specs,
         run_benchmark,
         select_prompts,
     )
-    from edgespec.benchmark.format import (
+    from edgespec.benchmark.format import (  # deferred: CLI start-up
         bugs,
         format_markdown,
         format_table,
         problems,
         summary_lines,
     )
-    from edgespec.modes import available_modes
-    from edgespec.progress import progress_bar
+    from edgespec.modes import available_modes  # deferred: CLI start-up
+    from edgespec.progress import progress_bar  # deferred: CLI start-up
 
     # Validate everything cheap before loading the model.
     if args.concurrency is not None:
@@ -238,16 +238,16 @@ def _levels(text: str) -> list[int]:
 
 def run_concurrency_bench(args, levels: list[int]) -> int:
     """`--concurrency`: see edgespec.benchmark.concurrency."""
-    from edgespec.apps.common import load_engine
+    from edgespec.apps.common import load_engine  # deferred: CLI start-up
 
-    from edgespec.benchmark import load_prompts, select_prompts
-    from edgespec.benchmark.concurrency import (
+    from edgespec.benchmark import load_prompts, select_prompts  # deferred: CLI start-up
+    from edgespec.benchmark.concurrency import (  # deferred: CLI start-up
         format_concurrency,
         plot_concurrency,
         run_concurrency,
         summarise,
     )
-    from edgespec.benchmark.runner import encode
+    from edgespec.benchmark.runner import encode  # deferred: CLI start-up
 
     prompts = select_prompts(load_prompts(args.prompts), _csv(args.domains), args.per_domain)
     os.makedirs(args.out, exist_ok=True)
@@ -284,7 +284,7 @@ def run_concurrency_bench(args, levels: list[int]) -> int:
 
 
 def _write_plots(report: dict, out: str) -> list[str]:
-    from edgespec.benchmark.plots import write_plots
+    from edgespec.benchmark.plots import write_plots  # deferred: CLI start-up
 
     return write_plots(report, out)
 

@@ -44,9 +44,9 @@ def prompt_tokens(engine, system: str | None = None, text: str | None = None) ->
 
 
 def run(args) -> int:
-    from edgespec.apps.common import load_engine
+    from edgespec.apps.common import load_engine  # deferred: CLI start-up
 
-    from edgespec.caches import sessions
+    from edgespec.caches import sessions  # deferred: CLI start-up
 
     sessions.check_destination(args.out)  # refused before the model loads
     src = Path(args.system_file or args.prompt_file)

@@ -35,7 +35,7 @@ COMMANDS = (
 
 
 def add_arguments(p) -> None:
-    from edgespec.distributed.launch import add_distributed_arguments
+    from edgespec.distributed.launch import add_distributed_arguments  # deferred: CLI start-up
 
     add_model_arguments(p)
     add_distributed_arguments(p)
@@ -119,7 +119,7 @@ class ChatSession:
         return text
 
     def save(self, path: str) -> None:
-        from edgespec.caches import sessions
+        from edgespec.caches import sessions  # deferred: CLI start-up
 
         n = sessions.save(self.engine, path, self.tokens,
                           {"kind": "chat", "system": self.system, "messages": self.history})
@@ -128,7 +128,7 @@ class ChatSession:
     def save_at_exit(self, path: str) -> None:
         """save(), or when `path` cannot be written any more, a new file beside it or under
         $EDGESPEC_HOME/sessions, said where: the turns are never lost."""
-        from edgespec.caches import sessions
+        from edgespec.caches import sessions  # deferred: CLI start-up
 
         extra = {"kind": "chat", "system": self.system, "messages": self.history}
         try:
@@ -143,8 +143,8 @@ class ChatSession:
             self.err.write(f"[saved {len(self.history)} messages and {n} cached tokens to {path}]\n")
 
     def load(self, path: str) -> None:
-        from edgespec.caches import sessions
-        from edgespec.tokenizer import chat_messages
+        from edgespec.caches import sessions  # deferred: CLI start-up
+        from edgespec.tokenizer import chat_messages  # deferred: CLI start-up
 
         tokens, extra, n = sessions.load(self.engine, path)
         if extra.get("kind") != "chat":
@@ -190,20 +190,20 @@ class ChatSession:
 
 
 def run(args) -> int:
-    from edgespec.apps.common import load_engine
+    from edgespec.apps.common import load_engine  # deferred: CLI start-up
 
     options = options_from_args(args)
     if args.session:
-        from edgespec.caches import sessions
+        from edgespec.caches import sessions  # deferred: CLI start-up
 
         # Checked before the model loads, so the turns of the chat can be saved at its end
         # (a folder that cannot be written, a foreign file: refused now, not at exit).
         sessions.check_destination(args.session)
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
-        from edgespec.converters.default_model import default_bundle_path
+        from edgespec.converters.default_model import default_bundle_path  # deferred: CLI start-up
 
-        from edgespec.distributed.launch import join_or_launch
+        from edgespec.distributed.launch import join_or_launch  # deferred: CLI start-up
 
         code, engine = join_or_launch(args, default_bundle=default_bundle_path)
         if engine is None:

@@ -83,7 +83,7 @@ def add_cache_arguments(p: argparse.ArgumentParser, prompt_cache_files: bool = T
 def load_prompt_caches(engine, args) -> str | None:
     """Put the --prompt-cache files into the engine's prefix cache (pinned: never evicted).
     Returns the system prompt a cached one stands for (the apps' default --system), if any."""
-    from edgespec.caches import sessions
+    from edgespec.caches import sessions  # deferred: CLI start-up
 
     system = None
     for path in getattr(args, "prompt_cache", None) or []:
@@ -97,7 +97,7 @@ def load_prompt_caches(engine, args) -> str | None:
 
 
 def _options_help() -> str:
-    from edgespec.modes import SCHEMAS
+    from edgespec.modes import SCHEMAS  # deferred: CLI start-up
 
     return " ".join(f"{name}: {schema.help()}." for name, schema in SCHEMAS.items() if schema.options)
 
@@ -140,7 +140,7 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args, **settings):
     """make_options from the decoding arguments; `settings`: more make_options keywords
     (e.g. response_format)."""
-    from edgespec.engine import make_options
+    from edgespec.engine import make_options  # deferred: CLI start-up
 
     dt = args.draft_tokens
     if dt != "auto":
@@ -173,8 +173,8 @@ def options_from_args(args, **settings):
 
 
 def load_engine(args, progress: bool = True):
-    import edgespec
-    from edgespec.lookahead.memory import parse_size
+    import edgespec  # deferred: CLI start-up
+    from edgespec.lookahead.memory import parse_size  # deferred: CLI start-up
 
     budget = parse_size(getattr(args, "memory_budget", None))  # a bad size fails before the model loads
     cache_bytes = getattr(args, "prompt_cache_bytes", None)
@@ -190,7 +190,7 @@ def load_engine(args, progress: bool = True):
         engine.memory_budget = budget
     for note in engine.load_notes:
         print(f"[edgespec] {note}", file=sys.stderr)
-    from edgespec.weights.bundle import unverified_note
+    from edgespec.weights.bundle import unverified_note  # deferred: CLI start-up
 
     note = unverified_note(args.model)  # e.g. a bundle whose manifest.json was deleted
     if note:
@@ -201,11 +201,11 @@ def load_engine(args, progress: bool = True):
 def resolve_model_arg(spec, progress: bool = True):
     """A model argument as a local path: a hub name (ORG/NAME...) is fetched once into the hub cache,
     a path is kept as it is (one that exists wins over a name)."""
-    from edgespec.hub.names import as_hub_name
+    from edgespec.hub.names import as_hub_name  # deferred: CLI start-up
 
     if as_hub_name(spec) is None:
         return spec
-    from edgespec.hub.fetch import resolve_path
+    from edgespec.hub.fetch import resolve_path  # deferred: CLI start-up
 
     report = (lambda m: print(f"edgespec: {m}", file=sys.stderr, flush=True)) if progress else None
     return resolve_path(spec, progress=progress, report=report)

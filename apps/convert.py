@@ -100,7 +100,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from edgespec.converters.convert import add_drafter, convert
+    from edgespec.converters.convert import add_drafter, convert  # deferred: CLI start-up
 
     drafter_options = {
         "coreml": args.coreml,
@@ -167,15 +167,15 @@ def run(args) -> int:
 def _named_source(args):
     """(SRC, --drafter) as local paths: hub names fetched once; a model named on the hub brings the
     drafter paired with it when that is in the cache and no --drafter was given."""
-    from edgespec.apps.common import resolve_model_arg
+    from edgespec.apps.common import resolve_model_arg  # deferred: CLI start-up
 
-    from edgespec.hub.names import as_hub_name
+    from edgespec.hub.names import as_hub_name  # deferred: CLI start-up
 
     src, drafter = args.src, resolve_model_arg(args.drafter, progress=not args.quiet)
     name = as_hub_name(src)
     if name is None:
         return src, drafter
-    from edgespec.hub.fetch import resolve
+    from edgespec.hub.fetch import resolve  # deferred: CLI start-up
 
     r = resolve(name, progress=not args.quiet, report=None if args.quiet else _say)
     for note in r.notes:

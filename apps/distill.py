@@ -75,13 +75,17 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from edgespec.apps.common import resolve_model_arg
-    from edgespec.converters.distill.pipeline import DistillConfig, distill, recipe_line
-    from edgespec.converters.distill.train import TrainConfig
+    from edgespec.apps.common import resolve_model_arg  # deferred: CLI start-up
+    from edgespec.converters.distill.pipeline import (  # deferred: CLI start-up
+        DistillConfig,
+        distill,
+        recipe_line,
+    )
+    from edgespec.converters.distill.train import TrainConfig  # deferred: CLI start-up
 
     verifier = resolve_model_arg(args.verifier, progress=not args.quiet)
     if verifier is None:
-        from edgespec.converters.default_model import default_bundle_path
+        from edgespec.converters.default_model import default_bundle_path  # deferred: CLI start-up
 
         verifier = default_bundle_path(progress=not args.quiet)
     cfg = DistillConfig(
@@ -94,7 +98,7 @@ def run(args) -> int:
                           freeze_embedding=args.freeze_embedding,
                           checkpoint_every=args.checkpoint_every),
     )
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred: CLI start-up
 
     state: dict = {}
 

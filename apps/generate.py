@@ -18,7 +18,7 @@ HELP = "generate a reply to one prompt and exit"
 
 
 def add_arguments(p) -> None:
-    from edgespec.distributed.launch import add_distributed_arguments
+    from edgespec.distributed.launch import add_distributed_arguments  # deferred: CLI start-up
 
     add_model_arguments(p)
     add_distributed_arguments(p)
@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
 def response_format_from_args(args) -> dict | None:
     """The response_format the structured-output arguments ask for (None: free text).
     A file that cannot be read or parsed is a ValueError naming the option."""
-    from pathlib import Path
+    from pathlib import Path  # deferred: CLI start-up
 
     if getattr(args, "json", False):
         return {"type": "json_object"}
@@ -95,7 +95,7 @@ def _option(args) -> str:
 
 
 def run(args) -> int:
-    from edgespec.apps.common import load_engine
+    from edgespec.apps.common import load_engine  # deferred: CLI start-up
 
     rf = response_format_from_args(args)
     try:  # compiled now (bounded, in a worker process): a bad grammar fails before the model loads
@@ -106,9 +106,9 @@ def run(args) -> int:
         raise ValueError(f"{_option(args)}: {str(e).removeprefix('response_format: ')}") from None
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; rank 0 goes on below
-        from edgespec.converters.default_model import default_bundle_path
+        from edgespec.converters.default_model import default_bundle_path  # deferred: CLI start-up
 
-        from edgespec.distributed.launch import join_or_launch
+        from edgespec.distributed.launch import join_or_launch  # deferred: CLI start-up
 
         code, engine = join_or_launch(args, default_bundle=default_bundle_path)
         if engine is None:
@@ -124,7 +124,7 @@ def run(args) -> int:
             {"role": "user", "content": prompt}
         ]
         stream = engine.stream(messages=msgs, options=options)
-    from edgespec.logits.structured import GrammarError
+    from edgespec.logits.structured import GrammarError  # deferred: CLI start-up
 
     try:
         for chunk in stream:
@@ -133,7 +133,7 @@ def run(args) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\n[stopped]\n")
     except GrammarError as e:  # the matcher gave up mid-reply (one of llguidance's per-step limits)
-        from edgespec.logits.structured._worker import short
+        from edgespec.logits.structured._worker import short  # deferred: CLI start-up
 
         sys.stdout.write("\n")
         raise ValueError(f"{_option(args)}: the grammar could not be followed further: {short(e)}") from None

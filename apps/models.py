@@ -13,10 +13,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
+    import json  # deferred: CLI start-up
 
-    from edgespec.hub.fetch import human
-    from edgespec.hub.manage import stored_models
+    from edgespec.hub.fetch import human  # deferred: CLI start-up
+    from edgespec.hub.manage import stored_models  # deferred: CLI start-up
 
     rows = stored_models()
     if args.json:

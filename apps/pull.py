@@ -23,8 +23,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from edgespec.hub.fetch import human, pull
-    from edgespec.hub.names import parse
+    from edgespec.hub.fetch import human, pull  # deferred: CLI start-up
+    from edgespec.hub.names import parse  # deferred: CLI start-up
 
     name = parse(args.name)
     if name is None:

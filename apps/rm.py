@@ -13,8 +13,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from edgespec.hub.fetch import human
-    from edgespec.hub.manage import find, plan_removal, remove
+    from edgespec.hub.fetch import human  # deferred: CLI start-up
+    from edgespec.hub.manage import find, plan_removal, remove  # deferred: CLI start-up
 
     stored = find(args.name)
     if stored is None:

@@ -23,7 +23,7 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
-    from edgespec.distributed.launch import add_distributed_arguments
+    from edgespec.distributed.launch import add_distributed_arguments  # deferred: CLI start-up
 
     add_model_arguments(p)
     add_distributed_arguments(p)
@@ -68,7 +68,7 @@ def is_loopback(host: str) -> bool:
 def server_defaults(args) -> dict:
     """The decoding/sampling options given on the command line, as make_options keywords:
     the defaults for fields a request leaves out (validated now, not on the first request)."""
-    from edgespec.apps.common import options_from_args
+    from edgespec.apps.common import options_from_args  # deferred: CLI start-up
 
     o = options_from_args(args)
     sp = o.sampling
@@ -102,15 +102,15 @@ def run(args) -> int:
               + ("" if args.api_key else "; anyone who can reach it can use it (--insecure-no-auth)"),
               file=sys.stderr)
 
-    import uvicorn
-    from edgespec.apps.common import load_engine
-    from edgespec.apps.server import ServerSettings, create_app
+    import uvicorn  # optional: uvicorn
+    from edgespec.apps.common import load_engine  # deferred: CLI start-up
+    from edgespec.apps.server import ServerSettings, create_app  # deferred: CLI start-up
 
     engine = None
     if args.distributed:  # start the ranks (mlx.launch), or join as one; only rank 0 binds and serves
-        from edgespec.converters.default_model import default_bundle_path
+        from edgespec.converters.default_model import default_bundle_path  # deferred: CLI start-up
 
-        from edgespec.distributed.launch import join_or_launch
+        from edgespec.distributed.launch import join_or_launch  # deferred: CLI start-up
 
         code, engine = join_or_launch(args, default_bundle=default_bundle_path)
         if engine is None:
@@ -132,7 +132,7 @@ def run(args) -> int:
     model_id = args.model_id or (engine.loaded.path.name if engine.loaded.path else "model")
     if engine.loaded.path is not None and engine.loaded.path.is_file():
         model_id = args.model_id or engine.loaded.path.stem  # a GGUF file
-    from edgespec.hub.names import as_hub_name
+    from edgespec.hub.names import as_hub_name  # deferred: CLI start-up
 
     if args.model_id is None and as_hub_name(args.model) is not None:
         model_id = str(as_hub_name(args.model))  # the name clients know, not the snapshot's commit
@@ -151,12 +151,12 @@ def run(args) -> int:
 
 def _shelf(app, args, settings):
     """The served app behind apps.server.shelf: models stored by name listed and loaded on request."""
-    import copy
-    import dataclasses
+    import copy  # deferred: CLI start-up
+    import dataclasses  # deferred: CLI start-up
 
-    from edgespec.apps.common import load_engine
-    from edgespec.apps.server import create_app
-    from edgespec.apps.server.shelf import ModelShelf
+    from edgespec.apps.common import load_engine  # deferred: CLI start-up
+    from edgespec.apps.server import create_app  # deferred: CLI start-up
+    from edgespec.apps.server.shelf import ModelShelf  # deferred: CLI start-up
 
     def make_app(name: str):
         ns = copy.copy(args)

@@ -295,7 +295,7 @@ def _program(mb, specs, names, body, opset):
     """A one-function MIL program whose inputs are named `names` (mb.program would name them
     after a Python function's parameters; these depend on the assistant's layer types)."""
     # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
-    from coremltools.converters.mil.mil import Function, Program
+    from coremltools.converters.mil.mil import Function, Program  # optional: coremltools
 
     with Function(dict(zip(names, specs, strict=True)), opset) as func:
         outs = body(*[func.inputs[n] for n in names])
@@ -350,9 +350,9 @@ def export_assistant(
             weights[name] = compress_linear(weights[name], compress)
 
     # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
-    import coremltools as ct
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import types
+    import coremltools as ct  # optional: coremltools
+    from coremltools.converters.mil import Builder as mb  # optional: coremltools
+    from coremltools.converters.mil.mil import types  # optional: coremltools
 
     names = function_names(append_tokens)
     with package_staging(out, force) as work:

@@ -257,9 +257,9 @@ def export_drafter(
     weights = prepare_weights(model, shape, packed)
 
     # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
-    import coremltools as ct
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import types
+    import coremltools as ct  # optional: coremltools
+    from coremltools.converters.mil import Builder as mb  # optional: coremltools
+    from coremltools.converters.mil.mil import types  # optional: coremltools
 
     specs = function_specs(prefill_chunk, decode_tokens)
     with package_staging(out, force) as work:

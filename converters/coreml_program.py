@@ -95,7 +95,7 @@ def _linear(mb, x, w, b: np.ndarray | None, name: str):
         kw["bias"] = b.astype(np.float16)
     if isinstance(w, dict):
         # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
-        from coremltools.converters.mil.mil import types
+        from coremltools.converters.mil.mil import types  # optional: coremltools
         weight = emit_weight(mb, types, w, f"{name}_weight")
     else:
         weight = w.astype(np.float16)[:, :, None, None]

@@ -291,9 +291,9 @@ def export_dflash(model, verifier, out: str | Path, context_length: int = 1024, 
     check_exportable(args)
     weights = prepare_weights(model, verifier)
 
-    import coremltools as ct
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import types
+    import coremltools as ct  # optional: coremltools
+    from coremltools.converters.mil import Builder as mb  # optional: coremltools
+    from coremltools.converters.mil.mil import types  # optional: coremltools
 
     sizes = sorted({s for s in FEED_SIZES if s <= context_length} | {prefill_chunk})
     tied = bool(verifier.args.tie_word_embeddings)

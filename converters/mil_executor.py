@@ -31,8 +31,8 @@ from edgespec.errors import ModelLoadError
 def load_program(path: str | Path):
     """-> (spec, MIL program) of a saved .mlpackage; clear ModelLoadError if it is damaged."""
     # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load
+    import coremltools as ct  # optional: coremltools
+    from coremltools.converters.mil.frontend.milproto.load import load  # optional: coremltools
 
     path = Path(path)
     if not (path / "Manifest.json").is_file():
@@ -50,7 +50,7 @@ def load_program(path: str | Path):
 
 def _dtype_name(var) -> str:
     # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
-    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil import types  # optional: coremltools
 
     t = var.dtype
     return types.builtin_to_string(t) if t is not None else "unknown"
@@ -95,7 +95,7 @@ class MILExecutor:
     def state_specs(self, function: str = "decode") -> dict[str, tuple[tuple[int, ...], str]]:
         """state name -> (shape, dtype name) of a function's state inputs."""
         # coremltools is heavy and optional (the convert extra): imported only when a package is built or read
-        from coremltools.converters.mil.mil import types
+        from coremltools.converters.mil.mil import types  # optional: coremltools
 
         fn = self._function(function)
         return {

@@ -74,26 +74,26 @@ def load(
     positions is bitwise what a one-token pass gives, so speculation cannot flip a near-tie.
     A process-wide setting; None = $EDGESPEC_BITWISE (off unless set to 1).
     """
-    from edgespec.caches.kv_quant import check_settings
+    from edgespec.caches.kv_quant import check_settings  # deferred: light import edgespec
 
     check_settings(kv_bits, kv_group_size, quantized_kv_start)  # before the model loads
-    from edgespec.caches.prefix import check_limit
+    from edgespec.caches.prefix import check_limit  # deferred: light import edgespec
 
     check_limit(prompt_cache_bytes)
-    from edgespec.adaptive.history import history_mode
-    from edgespec.weights.loader import load as load_any
+    from edgespec.adaptive.history import history_mode  # deferred: light import edgespec
+    from edgespec.weights.loader import load as load_any  # deferred: light import edgespec
 
     history_mode(history)  # a bad setting fails before the model is fetched or loaded
     if bitwise is not None:
-        from edgespec.kernels import exact
+        from edgespec.kernels import exact  # deferred: light import edgespec
 
         exact.set_enabled(bitwise)  # builds the CPU kernel now: fails before the model loads
 
-    from edgespec.hub.names import as_hub_name
+    from edgespec.hub.names import as_hub_name  # deferred: light import edgespec
 
     hub, paired, notes = as_hub_name(model), None, []
     if hub is not None or as_hub_name(drafter) is not None:  # names: resolved (fetched once) before loading
-        from edgespec.hub.fetch import resolve
+        from edgespec.hub.fetch import resolve  # deferred: light import edgespec
 
         report = _stderr if progress else None
         if as_hub_name(drafter) is not None:
@@ -102,7 +102,7 @@ def load(
             resolved = resolve(hub, progress=progress, report=report)
             model, paired, notes = resolved.local.path, resolved.drafter, resolved.notes
     if model is None:
-        from edgespec.weights.default_model import load_default
+        from edgespec.weights.default_model import load_default  # deferred: light import edgespec
 
         loaded = load_default(progress=progress, verify_hashes=verify_hashes)
     else:
@@ -110,7 +110,7 @@ def load(
     if hub is not None:  # named by the hub name, not by the snapshot folder's commit hash
         loaded.manifest = {**loaded.manifest, "source": {**(loaded.manifest.get("source") or {}),
                                                          "name": hub.repo_id.split("/")[1], "hub": str(hub)}}
-    from edgespec.drafters import attach_drafter
+    from edgespec.drafters import attach_drafter  # deferred: light import edgespec
 
     engine = Engine(loaded, history=history, prompt_cache_bytes=prompt_cache_bytes, kv_bits=kv_bits,
                     kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
@@ -122,7 +122,7 @@ def load(
 
 
 def _stderr(message: str) -> None:
-    import sys
+    import sys  # deferred: light import edgespec
 
     print(f"edgespec: {message}", file=sys.stderr, flush=True)
 
@@ -130,8 +130,8 @@ def _stderr(message: str) -> None:
 def _attach_paired(engine: Engine, folder: Path) -> list[str]:
     """The catalog's drafter for a model run by name, when its weights fit the memory free now;
     the tokenizer check runs as for any drafter, and a refusal is a note, not an error."""
-    from edgespec.drafters import attach_drafter
-    from edgespec.lookahead.memory import available_memory
+    from edgespec.drafters import attach_drafter  # deferred: light import edgespec
+    from edgespec.lookahead.memory import available_memory  # deferred: light import edgespec
 
     size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
     free = available_memory()

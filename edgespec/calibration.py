@@ -53,10 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from edgespec.adaptive.estimate import Costs
 from edgespec.paths import home as edgespec_home
-from edgespec.safe_write import clean_stale_temps, temp_prefix
+from edgespec.safe_write import aside_name, clean_stale_temps, temp_prefix
 from edgespec.tree import (
     controller as tree_controller,  # calibrate_tree looked up per call (tests forbid it)
 )
@@ -118,8 +119,6 @@ def weight_bytes(model) -> int:
     if model is None or not hasattr(model, "parameters"):
         return 0
     try:
-        from mlx.utils import tree_flatten
-
         return sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
     except Exception:  # noqa: BLE001  (no MLX parameters: unknown)
         return 0
@@ -208,8 +207,6 @@ def model_identity(loaded) -> dict | None:
                                                  "intermediate_size", "num_attention_heads",
                                                  "num_key_value_heads", "vocab_size")}
     try:
-        from mlx.utils import tree_flatten
-
         dtypes = sorted({str(v.dtype) for _, v in tree_flatten(loaded.model.parameters())})
     except Exception:  # noqa: BLE001
         dtypes = []
@@ -303,8 +300,6 @@ class CostStore:
                     raise ValueError(f"bad draft entry {k!r}: {v!r}")
             loaded_counts = {int(k): int(v) for k, v in counts.items() if isinstance(v, int)}
         except (ValueError, TypeError) as e:
-            from edgespec.safe_write import aside_name
-
             aside = aside_name(p)
             try:
                 os.replace(p, aside)

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from edgespec.version import __version__
+    from edgespec.version import __version__  # deferred: CLI start-up
 
     return __version__
 

@@ -448,3 +448,31 @@ def test_processed_model_rows_follow_their_own_prefix(engine):
     pm.emitted.extend([cid("a"), cid("b")])
     row = np.array(pm(mx.array([[cid("d")]], dtype=mx.int32), cache)[0, -1])
     assert set(np.nonzero(np.isfinite(row))[0].tolist()) == {0}
+
+
+def test_processed_model_records_positions_after_a_tree_step(engine):
+    """After a tree step, the wrapper's record of which token sits at each cache position
+    stays aligned: a later chain call's tokens are recorded at their own positions (the
+    tree path's positions filled from the handed-out reply), so a call that must read the
+    record (a mode calling ahead of what it handed out) reads the true prefix."""
+    from edgespec.generate import prefill
+    from edgespec.kernels import tree_mask
+    from edgespec.logits.processors import GrammarProcessor, ProcessedModel
+
+    ids = prompt_ids(engine)
+    g = parse_response_format({"type": "regex", "pattern": "abcde"})
+    pm = ProcessedModel(engine.model, ids, [GrammarProcessor(g.matcher(engine.tokenizer, V), V)])
+    cache = pm.make_cache()
+    prefill(pm, cache, ids)
+    a, b, c, d = (cid(x) for x in "abcd")
+    mask, pos = tree_mask(mx.array([-1, 0, 1], dtype=mx.int32), cache[0].offset)
+    pm(mx.array([[a, b, c]], dtype=mx.int32), cache, mask=mask, positions=pos)  # root 'a', path 'b', 'c'
+    for layer in cache:
+        layer.keep(len(ids), [0, 1, 2])
+    pm.emitted.extend([a, b, c])  # the mode hands out the step
+    pm(mx.array([[d]], dtype=mx.int32), cache)  # a chain call at position P + 3
+    record = pm._records[id(cache[0])]  # noqa: SLF001
+    assert record[len(ids):] == [a, b, c, d]
+    # a call ahead of what was handed out ('d' not yet emitted) is masked after 'abcd' + 'e'
+    row = np.array(pm(mx.array([[cid("e")]], dtype=mx.int32), cache)[0, -1])
+    assert set(np.nonzero(np.isfinite(row))[0].tolist()) == {0}

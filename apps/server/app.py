@@ -262,7 +262,7 @@ def _tool_plan(body: ChatCompletionRequest, engine):
     None when the request has neither."""
     if body.tools is None and body.tool_choice is None:
         return None  # parallel_tool_calls alone (some clients send it always) changes nothing
-    from edgespec.logits.tools import plan_tools
+    from edgespec.logits.tools import plan_tools  # deferred: CLI start-up
 
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
@@ -280,7 +280,7 @@ def _tool_plan(body: ChatCompletionRequest, engine):
 
 def _reseeded(options, i: int):
     """`options` for choice i of n: seed + i when a seed is set."""
-    import dataclasses
+    import dataclasses  # deferred: CLI start-up
 
     seed = options.sampling.seed
     if seed is None:
@@ -453,7 +453,7 @@ class _Reply:
         return self._take(self._end())
 
     def _take(self, events) -> tuple[str, list[dict]]:
-        from edgespec.logits.tools import openai_tool_call_deltas
+        from edgespec.logits.tools import openai_tool_call_deltas  # deferred: CLI start-up
 
         text = "".join(e for kind, e in events if kind == "content")
         calls = [e for kind, e in events if kind == "call"]
@@ -559,7 +559,7 @@ async def _sse(jobs: list[Job], firsts: list, base: dict, shape: _Shape, include
 def _error_event(payload) -> dict:
     """The in-band error of a stream that failed after its 200: a grammar the matcher gave
     up on (the request's own grammar: 400, short, no matcher state) or a server failure."""
-    from edgespec.logits.structured import GrammarError
+    from edgespec.logits.structured import GrammarError  # deferred: CLI start-up
 
     if isinstance(payload, (GrammarError, ValueError, EdgespecError)):
         return error_body(400, _grammar_message(payload), "response_format" if isinstance(payload, GrammarError)
@@ -568,8 +568,8 @@ def _error_event(payload) -> dict:
 
 
 def _grammar_message(e) -> str:
-    from edgespec.logits.structured import GrammarError
-    from edgespec.logits.structured._worker import short
+    from edgespec.logits.structured import GrammarError  # deferred: CLI start-up
+    from edgespec.logits.structured._worker import short  # deferred: CLI start-up
 
     if isinstance(e, GrammarError):
         return f"response_format: the grammar could not be followed further: {short(e)}"
@@ -577,7 +577,7 @@ def _grammar_message(e) -> str:
 
 
 def _raise_if_error(event, engine=None) -> None:
-    from edgespec.logits.structured import GrammarError
+    from edgespec.logits.structured import GrammarError  # deferred: CLI start-up
 
     kind, payload = event
     if kind != "error":
@@ -625,7 +625,7 @@ async def _collect(jobs: list[Job], firsts: list, base: dict, shape: _Shape) -> 
 def _clear_mlx_cache() -> None:
     """Give memory back when the queue drains: MLX's buffer cache, then (glibc) the malloc
     arenas the request threads grew, so RSS returns to its baseline between bursts."""
-    import mlx.core as mx
+    import mlx.core as mx  # deferred: CLI start-up
 
     clear = getattr(mx, "clear_cache", None) or getattr(getattr(mx, "metal", None), "clear_cache", None)
     if clear is not None:

@@ -25,7 +25,7 @@ COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
 
 def stored_names() -> list[str]:
     """The names `edgespec list` shows whose files are all on disk."""
-    from edgespec.hub.manage import stored_models
+    from edgespec.hub.manage import stored_models  # deferred: CLI start-up
 
     return [s.name for s in stored_models() if s.complete]
 
@@ -95,7 +95,7 @@ class ModelShelf:
                 pass  # the served model's app answers malformed or too deeply nested JSON
         if not isinstance(model, str) or model in self.served:
             return await self.primary(scope, replay, send)
-        from edgespec.hub.names import as_hub_name
+        from edgespec.hub.names import as_hub_name  # deferred: CLI start-up
 
         if model not in stored_names():
             if as_hub_name(model) is None:

@@ -48,7 +48,7 @@ from collections import Counter
 from pathlib import Path
 
 from edgespec.paths import home
-from edgespec.safe_write import clean_stale_temps, temp_prefix
+from edgespec.safe_write import aside_name, clean_stale_temps, temp_prefix
 
 log = logging.getLogger("edgespec.history")
 
@@ -267,8 +267,6 @@ class HistoryStore:
                        "this history in memory only")  # fmt: skip
             return
         except ValueError as e:
-            from edgespec.safe_write import aside_name
-
             aside = aside_name(self.path)
             try:
                 os.replace(self.path, aside)

@@ -12,13 +12,13 @@ ACCEPTANCE_PNG = "acceptance.png"
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib
     except ImportError:
         raise ValueError(
             "plots need matplotlib: pip install 'edgespec[bench]' (or pass --no-plots)"
         ) from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib
 
     return plt
 
@@ -104,7 +104,7 @@ def plot_acceptance(report: dict, path: Path) -> None:
         )
     else:
         ax.legend(fontsize=8)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional: matplotlib
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, 1.02)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import os
 import threading
 from dataclasses import dataclass
 
@@ -64,12 +65,10 @@ def check_limit(value) -> None:
 
 def _total_memory() -> int | None:
     try:
-        import psutil
+        import psutil  # optional: psutil
 
         return int(psutil.virtual_memory().total)
     except ImportError:
-        import os
-
         try:
             return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):

@@ -50,7 +50,7 @@ class CoreMLAssistantBackend:
     def __init__(self, path: Path, functions: list[str], compute_units: str):
         try:
             # coremltools is optional (macOS, the convert extra): imported only where a package runs
-            import coremltools as ct
+            import coremltools as ct  # optional: coremltools
         except ImportError:
             raise CoreMLUnavailable("coremltools is not installed; the MLX assistant is used instead") from None
         cu = getattr(ct.ComputeUnit, compute_units)

@@ -53,7 +53,7 @@ class CoreMLBackend:
     def __init__(self, path: Path, functions: list[str], compute_units: str):
         try:
             # coremltools is optional (macOS, the convert extra): imported only where a package runs
-            import coremltools as ct
+            import coremltools as ct  # optional: coremltools
         except ImportError:
             raise CoreMLUnavailable(
                 "coremltools is not installed; the MLX drafter is used instead"
@@ -108,7 +108,7 @@ def read_package_info(path: Path, prefer_manifest: bool = True) -> dict[str, Any
             return entry
     try:
         # coremltools is optional (macOS, the convert extra): imported only where a package runs
-        import coremltools as ct
+        import coremltools as ct  # optional: coremltools
     except ImportError:
         return {}
     try:

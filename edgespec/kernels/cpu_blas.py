@@ -74,7 +74,7 @@ class OpenBLAS:
 def numpy_openblas() -> OpenBLAS:
     """numpy's bundled OpenBLAS: its file, symbol names and integer width."""
     import numpy  # noqa: F401  (loads its BLAS, so threadpoolctl sees it)
-    from threadpoolctl import threadpool_info
+    from threadpoolctl import threadpool_info  # only when building the shim
 
     numpy_dir = Path(numpy.__file__).resolve().parent.parent
     found = [d for d in threadpool_info() if d.get("internal_api") == "openblas"
@@ -207,7 +207,7 @@ def describe(preload: str | None = None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    import argparse  # only when building the shim
 
     ap = argparse.ArgumentParser(
         prog="python -m edgespec.kernels.cpu_blas",

@@ -309,9 +309,14 @@ class ProcessedModel:
             m = m.reshape(-1, m.shape[-2], m.shape[-1])[0][:, offset: offset + T]
             paths_idx = [np.nonzero(m[j, : j + 1])[0].tolist() for j in range(T)]
         # Record what the call wrote at each position (the causal chain; a tree's nodes are
-        # resolved from what the mode then emits).
+        # resolved from what the mode then emits). Positions a tree step committed since the
+        # last chain call are known once handed out: filled from the reply first, so that the
+        # record stays aligned with the cache's positions; where they are not known yet, the
+        # record stops short (and a call that would need them is refused, not guessed).
+        if len(record) < offset:
+            record.extend((self.prompt + self.emitted)[len(record): offset])
         del record[offset:]
-        if paths_idx is None:
+        if paths_idx is None and len(record) == offset:
             record.extend(toks)
         rows = [T - 1] if last_only else list(range(T))
         paths: list[list[int] | None] = []

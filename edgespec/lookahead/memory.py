@@ -51,7 +51,7 @@ def drafter_bytes(drafter, verifier, context: int) -> tuple[int, int]:
 
 def available_memory() -> int | None:
     try:
-        import psutil
+        import psutil  # optional: psutil
 
         return int(psutil.virtual_memory().available)
     except ImportError:

@@ -25,7 +25,7 @@ STACK_BYTES = 256 << 20  # llguidance recurses over grammar structure; a deep st
 
 
 def limits():
-    import llguidance
+    import llguidance  # worker: loaded on use
 
     # verbose_errors=False: errors never carry the grammar or the parser's state.
     return llguidance.LLParserLimits(verbose_errors=False)
@@ -41,7 +41,7 @@ def short(message: str, limit: int = 200) -> str:
 
 def build_ll_tokenizer(tokens, special, eos: list[int], bos, n: int, encode):
     """llguidance's tokenizer: token bytes (special ones b'\\xff' + name), eos ids, encode(str)->ids."""
-    import llguidance
+    import llguidance  # worker: loaded on use
 
     class _Vocab:  # what llguidance.TokenizerWrapper reads
         eos_token_id = eos[0]
@@ -68,7 +68,7 @@ def byte_tokenizer():
 def compile_source(kind: str, source: str, json_options: dict) -> str:
     """A response format's source (JSON schema text, regex, Lark or GBNF) -> llguidance grammar
     text; ValueError with a short message when it does not compile."""
-    import llguidance
+    import llguidance  # worker: loaded on use
 
     M = llguidance.LLMatcher
     what = {"json_schema": "JSON schema", "json_object": "json_object", "regex": "regex",
@@ -81,7 +81,7 @@ def compile_source(kind: str, source: str, json_options: dict) -> str:
         else:
             lark = source
             if kind == "grammar:gbnf":
-                from llguidance.gbnf_to_lark import gbnf_to_lark
+                from llguidance.gbnf_to_lark import gbnf_to_lark  # worker: loaded on use
 
                 lark = gbnf_to_lark(source)
             text = M.grammar_from_lark(lark)
@@ -96,7 +96,7 @@ def compile_source(kind: str, source: str, json_options: dict) -> str:
 def first_step_error(ll_tokenizer, text: str, tokenized: bool) -> str | None:
     """Why a matcher over `text` cannot start (None: it can): a compile error, a grammar that
     accepts no text, or (`tokenized`: a model's vocabulary) none that this tokenizer can write."""
-    import llguidance
+    import llguidance  # worker: loaded on use
 
     m = llguidance.LLMatcher(ll_tokenizer, text, log_level=0, limits=limits())
     if m.is_error():
@@ -114,7 +114,7 @@ def first_step_error(ll_tokenizer, text: str, tokenized: bool) -> str | None:
 
 
 def _serve(rfd: int, wfd: int, json_options: dict) -> None:
-    from multiprocessing.connection import Connection
+    from multiprocessing.connection import Connection  # worker: loaded on use
 
     rd, wr = Connection(rfd, writable=False), Connection(wfd, readable=False)
     toks: dict = {}
@@ -133,7 +133,7 @@ def _serve(rfd: int, wfd: int, json_options: dict) -> None:
                 err = first_step_error(byte_tok, text, tokenized=False)
                 wr.send(("error", f"response_format: {err}") if err else ("ok", text))
             elif op == "tokenizer":
-                from tokenizers import Tokenizer
+                from tokenizers import Tokenizer  # worker: loaded on use
 
                 p = req[2]
                 backend = Tokenizer.from_str(p["backend"])
@@ -152,7 +152,7 @@ def _serve(rfd: int, wfd: int, json_options: dict) -> None:
 
 
 def main(json_options: dict) -> None:
-    import os
+    import os  # worker: loaded on use
 
     try:  # a compile competes for the CPU with the server's event loop: the loop goes first
         os.nice(10)
