@@ -33,6 +33,9 @@ renaming the old destination aside and the new one into place, it leaves the old
 `.<name>.old-...`: kept, never removed automatically.)
 
 Runtime module (the history store uses it): it must not import edgespec.converters.
+
+About 470 lines: one rule (replace only what edgespec wrote) and every writer that keeps it
+(files, folders, packages, the checks before a write); kept together so the rule is read once.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Bounded by bytes (`max_bytes`; 0 turns reuse off), least recently used leaves ev
 (a node is used whenever a request walks through it, so a parent is never older than its
 children), pinned nodes (a loaded prompt cache or session) never evicted. Thread-safe: the
 trie changes under one lock; arrays are immutable once stored.
+
+About 520 lines: the trie, its byte bound and eviction, and a request's use of it (`Reuse`,
+which the drafter's store subclasses) share the lock and the block layout.
 """
 
 from __future__ import annotations

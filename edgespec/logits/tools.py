@@ -22,6 +22,10 @@ schema built from the tools' parameter schemas (edgespec's response_format): a n
 function's reply is its arguments object; "required" replies with a JSON array of
 {"name", "arguments"} calls (one at most with parallel_tool_calls=False). An arguments
 object takes no properties beyond those declared unless its schema says otherwise.
+
+About 680 lines: the call formats of each model family, their streaming reader and the
+tool_choice constraints all read the one table of formats above; split, each half would
+import the other.
 """
 
 from __future__ import annotations
