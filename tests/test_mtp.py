@@ -194,8 +194,10 @@ def check_head_cache_is_the_committed_paths(engine):
     cache = model.mtp.make_cache()
     model.mtp(model.embed(mx.array([seq[1 : fed + 1]])), h[:, :fed], cache)
     keys, vals = drafter.head.cache[0].state
-    np.testing.assert_allclose(np.array(keys[..., :fed, :]), np.array(cache[0].state[0]), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.array(vals[..., :fed, :]), np.array(cache[0].state[1]), rtol=1e-4, atol=1e-5)
+    # Entries written by passes of other widths round differently (about 3e-5 here, as every
+    # multi-position pass does: docs/bitwise.md); a rejected guess left behind differs by O(1).
+    np.testing.assert_allclose(np.array(keys[..., :fed, :]), np.array(cache[0].state[0]), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(np.array(vals[..., :fed, :]), np.array(cache[0].state[1]), rtol=1e-3, atol=1e-4)
     steps.close()
 
 
