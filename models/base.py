@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from edgespec.models import supported_model_types
+from edgespec.models.registry import supported_model_types
 
 from edgespec.caches.kv import HiddenKVCache, KVCache
 from edgespec.kernels import exact

@@ -95,7 +95,7 @@ def test_a_worker_crash_mid_compile_costs_the_request_and_the_next_compile_works
     """A real SIGSEGV in the worker (sent while it compiles a slow grammar): the caller gets
     a ValueError saying the grammar crashed the compiler, this process goes on, and the pool
     starts a new worker for the next grammar."""
-    from edgespec.logits.structured import _isolated
+    from edgespec.logits.structured.grammar import _isolated
 
     monkeypatch.setattr(LIMITS, "max_alternatives", 10**6)
     monkeypatch.setattr(LIMITS, "max_bytes", 10**7)
