@@ -352,7 +352,7 @@ class CostStore:
         if self.path is None:
             return False
         with self._lock:
-            seen, counts = dict(self.costs.seen), dict(self.costs.counts)
+            seen, counts = self.costs.current(), dict(self.costs.counts)
             if not seen and not any(d.fresh for d in list(self.drafts.values())):
                 return False
             total = self._new()
@@ -471,6 +471,7 @@ def measure(engine, reps: int = 1) -> CostStore:
     tree = tree_controller.calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
     for T, v in zip(tree.sizes, tree.verify_s, strict=True):
         store.costs.seen.pop(T, None)
+        store.costs.ref.pop(T, None)
         store.costs.observe(T, v)
     store.publish(engine)
     return store

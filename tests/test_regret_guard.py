@@ -173,3 +173,25 @@ def test_guard_interleaves_when_no_plain_step_is_paired():
     g.plain_done(1.0)
     g.round_done(1, 4.0)
     assert g.trips == 1
+
+
+def test_a_size_measured_under_load_is_priced_at_todays_plain_step():
+    """Wider passes are measured only when chosen, plain steps all the time: a size timed
+    while other processes held the cores is priced by the plain step's time now, so it does
+    not stay dear (and unchosen) after the load is gone, nor cheap when load comes."""
+    from edgespec.adaptive.estimate import Costs
+
+    c = Costs(sizes=[1, 4, 16], verify_s=[0.01, 0.012, 0.02])
+    for _ in range(5):
+        c.observe(1, 0.10)  # busy: a plain step takes 0.1 s
+    c.observe(4, 0.30)  # a 4-token pass measured then: 3x a plain step
+    assert c.verify(4) == pytest.approx(0.30)
+    for _ in range(30):
+        c.observe(1, 0.05)  # the load is gone: plain steps take 0.05 s
+    assert c.verify(1) == pytest.approx(0.05, rel=1e-3)
+    assert c.verify(4) == pytest.approx(0.15, rel=1e-2)  # still 3x a plain step, not 0.30
+    assert c.verify(8) < c.verify(16) and c.verify(2) < c.verify(4)  # sizes between follow it
+    assert c.current()[4] == pytest.approx(0.15, rel=1e-2)  # and so does what is persisted
+    for _ in range(30):
+        c.observe(1, 0.20)  # heavier load than when it was measured
+    assert c.verify(4) == pytest.approx(0.60, rel=1e-2)

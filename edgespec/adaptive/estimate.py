@@ -107,6 +107,13 @@ class Costs:
     the base (interpolated between the nearest measured sizes below and above it, the
     nearest one's ratio beyond them). So one measured plain step puts the whole curve in
     this machine's seconds, and every size used fills in its own point.
+
+    Prices that contention cannot fool: a size's time is kept with the plain step's time of
+    the moment it was measured (`ref`), and priced as that time scaled by the plain step's
+    time now. Plain steps are measured all the time, wider passes only when chosen: without
+    this, a size measured while other processes held the cores stayed dear after they left
+    (so it was not chosen again, and not measured again), and one measured on quiet cores
+    stayed cheap under load.
     """
 
     sizes: list[int]
@@ -117,6 +124,9 @@ class Costs:
     # Sizes whose base value is itself a measurement (persisted by an earlier process): the first
     # measurement here is averaged into it instead of replacing it.
     anchored: set[int] = field(default_factory=set)
+    # Per measured size T > 1: the plain step's seconds (seen[1]) when its samples were taken,
+    # averaged as they are; verify(T) = seen[T] * seen[1] / ref[T] (see the class docstring).
+    ref: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         self._table: list[float] | None = None  # verify(T) for T = 0..max_tokens, rebuilt after observe
@@ -130,25 +140,34 @@ class Costs:
         base = np.interp(n, self.sizes, self.verify_s)
         if self.seen:
             ks = sorted(self.seen)
-            ratio = [self.seen[k] / max(self.calibrated(k), 1e-12) for k in ks]
+            now = {k: self._now(k) for k in ks}
+            ratio = [now[k] / max(self.calibrated(k), 1e-12) for k in ks]
             base = base * np.interp(n, ks, ratio)  # clamps: the nearest measured ratio outside
             for k in ks:
                 if k <= self.max_tokens:
-                    base[k] = self.seen[k]
+                    base[k] = now[k]
         return base.tolist()
+
+    def _now(self, T: int) -> float:
+        """A measured size's seconds at the plain step's current time (see `ref`)."""
+        s, r, one = self.seen[T], self.ref.get(T), self.seen.get(1)
+        return s * one / r if r and one and T != 1 else s
 
     def verify(self, T: int) -> float:
         T = int(T)
-        s = self.seen.get(T)
-        if s is not None:
-            return s
+        if T in self.seen:
+            return self._now(T)
         if self._table is None:
             self._table = self._build()
         if 0 <= T < len(self._table):
             return self._table[T]
         ks = sorted(self.seen)
-        r = self.seen[ks[-1]] / max(self.calibrated(ks[-1]), 1e-12) if ks else 1.0
+        r = self._now(ks[-1]) / max(self.calibrated(ks[-1]), 1e-12) if ks else 1.0
         return self.calibrated(T) * r
+
+    def current(self) -> dict[int, float]:
+        """The measured sizes' seconds as priced now (what a later process starts from)."""
+        return {T: self._now(T) for T in self.seen}
 
     def observe(self, T: int, seconds: float) -> None:
         """A pass over T tokens, run alone, took `seconds` (all the round's work but drafting)."""
@@ -158,6 +177,10 @@ class Costs:
         old = self.seen.get(T)
         if old is None and T in self.anchored:
             old = self.verify(T)
+        one = self.seen.get(1)  # the plain step's seconds as this sample is taken
+        if T != 1 and one is not None:
+            r = self.ref.get(T)
+            self.ref[T] = one if r is None or old is None else 0.7 * r + 0.3 * one
         self.seen[T] = float(seconds) if old is None else 0.7 * old + 0.3 * float(seconds)
         self.counts[T] = self.counts.get(T, 0) + 1
         self._table = None
