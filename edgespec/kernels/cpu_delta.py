@@ -21,8 +21,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from edgespec.kernels import cpu_blas  # its functions looked up per call: tests replace them
 from edgespec.kernels.attention import _pool, _workers
-from edgespec.kernels.cpu_blas import compiler, write_library
 from edgespec.kernels.delta import tree_slots
 from edgespec.kernels.delta_reference import delta_recurrent
 from edgespec.kernels.native import NativeBuildError, _cpu_key
@@ -45,7 +45,7 @@ def build(home: Path | None = None) -> Path:
     built = next((p for p in paths.values() if p.exists()), None)
     if built is not None:
         return built
-    cc, errors = compiler(), []
+    cc, errors = cpu_blas.compiler(), []
     for flags, out in paths.items():
         def compile_to(tmp: str, flags=flags) -> bool:
             r = subprocess.run([cc, *flags, "-shared", "-fPIC", "-fvisibility=hidden", "-o", tmp, str(SOURCE), "-lm"],
@@ -54,7 +54,7 @@ def build(home: Path | None = None) -> Path:
                 errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-300:]}")
             return r.returncode == 0
 
-        if write_library(out, compile_to):
+        if cpu_blas.write_library(out, compile_to):
             return out
     raise NativeBuildError("; ".join(errors))
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edgespec.kernels.cpu_blas import BlasShimError, compiler, write_library
+from edgespec.kernels import cpu_blas  # its functions looked up per call: tests replace them
 from edgespec.paths import home as default_home
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -86,8 +86,8 @@ def build(home: Path | None = None, source: Path | None = None, stem: str = "lib
     if built is not None:
         return built
     try:
-        cc = compiler()
-    except BlasShimError as e:
+        cc = cpu_blas.compiler()
+    except cpu_blas.BlasShimError as e:
         raise NativeBuildError(str(e)) from None
     errors = []
     for flags, out in paths.items():
@@ -98,7 +98,7 @@ def build(home: Path | None = None, source: Path | None = None, stem: str = "lib
                 errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-300:]}")
             return r.returncode == 0
 
-        if write_library(out, compile_to):
+        if cpu_blas.write_library(out, compile_to):
             return out
     raise NativeBuildError("; ".join(errors))
 
