@@ -89,13 +89,14 @@ MODES = [
     ("prompt_lookup", {}),
     ("lookahead", {}),
     ("tree", {}),
+    ("tree", {"adaptive": 0}),
     ("tree", {"sources": "prompt_lookup+pool"}),
     ("adaptive", {}),
     ("auto", {}),
 ]
 
 
-@pytest.mark.parametrize("mode,extra", MODES, ids=[m + ("+" + "+".join(e.values()) if e else "") for m, e in MODES])
+@pytest.mark.parametrize("mode,extra", MODES, ids=[m + ("+" + "+".join(f"{k}={v}" if k == "adaptive" else str(v) for k, v in e.items()) if e else "") for m, e in MODES])
 def test_greedy_constrained_equals_plain_constrained_in_every_mode(engine, plain_refs, mode, extra):
     ids = prompt_ids(engine)
     grew = 0
@@ -103,7 +104,9 @@ def test_greedy_constrained_equals_plain_constrained_in_every_mode(engine, plain
         r = engine.generate(ids, max_tokens=MAX, mode=mode, response_format=rf, **extra)
         assert r.tokens == plain_refs[name], (mode, name, r.text)
         grew += r.stats.accepted
-    if mode != "speculative":  # the self-speculative drafter of a random model rarely agrees
+    # The self-speculative drafter of a random model rarely agrees; the default tree's
+    # controller may choose plain steps from its timings (its always-full form is checked).
+    if mode != "speculative" and not (mode == "tree" and not extra):
         assert grew > 0, "no draft was ever accepted: the mode did not speculate"
 
 

@@ -95,6 +95,9 @@ class AcceptanceStats:
         t.trials[:seen] += 1.0
 
 
+SCALE_MAX = 4.0  # how far a load change since a size was measured may move its price, either way
+
+
 @dataclass
 class Costs:
     """Seconds of one verifier pass over T tokens, learnt from the passes actually run.
@@ -151,7 +154,9 @@ class Costs:
     def _now(self, T: int) -> float:
         """A measured size's seconds at the plain step's current time (see `ref`)."""
         s, r, one = self.seen[T], self.ref.get(T), self.seen.get(1)
-        return s * one / r if r and one and T != 1 else s
+        if not (r and one) or T == 1:
+            return s
+        return s * min(max(one / r, 1 / SCALE_MAX), SCALE_MAX)
 
     def verify(self, T: int) -> float:
         T = int(T)
