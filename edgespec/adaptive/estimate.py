@@ -128,7 +128,7 @@ class Costs:
     # measurement here is averaged into it instead of replacing it.
     anchored: set[int] = field(default_factory=set)
     # Per measured size T > 1: the plain step's seconds (seen[1]) when its samples were taken,
-    # averaged as they are; verify(T) = seen[T] * seen[1] / ref[T] (see the class docstring).
+    # averaged as they are; verify(T) = seen[T] * seen[1] / ref[T], that factor bounded by SCALE_MAX.
     ref: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
