@@ -10,8 +10,10 @@ plain (on an engine of its own) and then `repeats` times in auto: each round a f
 schema last, so that its run follows the other schemas' requests as in the report and auto's
 history holds earlier replies of other schemas, never plain's reply of the same one. Every
 emitted token is checked by the guard (edgespec.logits.exactness); with --seeded the auto
-runs use SeededPolicy(round) instead of the timed choices. Prints one line per divergence (with
-plain's log-probs there) and a summary; exit 1 on any divergence.
+runs use SeededPolicy(round) instead of the timed choices. With --shared, each auto run follows a plain run of
+the same schema on its engine. The guard also replays every request from empty caches when it
+ends (keys and values restored or packed for the wrong tokens fail there). Prints one line per
+divergence or guard failure (with plain's log-probs there) and a summary; exit 1 on any.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-engine", action="store_true",
                     help="one auto engine for every round (default: a fresh one per round, so that each "
                          "schema's run sees the earlier schemas' requests of its round only)")
+    ap.add_argument("--shared", action="store_true",
+                    help="each auto run right after a plain run of the same schema on the same engine (as a "
+                         "harness comparing modes on one loaded model would): auto's prefix cache then holds "
+                         "plain's blocks and its history plain's reply")
     ap.add_argument("--only", type=int, default=0, help="the first N cases only (0: all)")
     ap.add_argument("--max-tokens", type=int, default=192, help="tokens per reply")
     args = ap.parse_args(argv)
@@ -73,8 +79,18 @@ def main(argv=None) -> int:
         for name, schema, prompt in cases:
             plain = plains[name]
             eng.policy = SeededPolicy(r) if args.seeded else None
-            got = eng.chat([{"role": "user", "content": prompt}], response_format=_rf(name, schema), temperature=0,
-                           max_tokens=args.max_tokens, mode="auto")
+            msgs = [{"role": "user", "content": prompt}]
+            try:
+                if args.shared:
+                    eng.chat(msgs, response_format=_rf(name, schema), temperature=0, max_tokens=args.max_tokens,
+                             mode="plain")
+                got = eng.chat(msgs, response_format=_rf(name, schema), temperature=0,
+                               max_tokens=args.max_tokens, mode="auto")
+            except AssertionError as e:  # the guard (ExactnessError): a token plain would not emit
+                runs += 1
+                bad += 1
+                print(f"GUARD {name} round {r}: {e}", flush=True)
+                continue
             runs += 1
             if got.tokens != plain.tokens:
                 bad += 1

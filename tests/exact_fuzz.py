@@ -235,6 +235,11 @@ def run_case(verifiers: Verifiers, case: Case, mode: str = "auto") -> tuple[str,
             got = [r.tokens for r in eng.generate_many(prompts, **_options(case, mode))]
         else:
             got = [eng.generate(case.prompt, **_options(case, mode)).tokens]
+        if case.prefix_warm and case.batch == 1 and got[0]:
+            # The conversation goes on: its next request restores the blocks this reply
+            # committed to the prefix cache, which the guard's replay checks against empty
+            # caches (keys and values stored for the wrong tokens would fail there).
+            eng.generate(case.prompt + got[0], **_options(case, mode))
     finally:
         eng.policy = None
         case.decisions = policy.decisions

@@ -91,3 +91,28 @@ def test_the_fuzzer_catches_a_row_read_from_another_node(verifiers, monkeypatch)
     monkeypatch.setattr(dec, "draw_tokens", shifted)
     rep = run_cases(verifiers, range(12), ["tiny"])
     assert rep.errors, _report(rep)
+
+
+def test_the_guard_catches_keys_and_values_restored_for_other_tokens(verifiers, monkeypatch):
+    """Mutation: the prefix cache restores each block's values in reverse order (keys in order:
+    reversing both would only permute the sum attention takes), so every request that reuses a prefix (plain's too: the fuzzer's comparison cannot see it)
+    attends to keys and values of other tokens. Only the guard's replay, from empty caches of
+    its own, can tell (edgespec/logits/exactness.py)."""
+    import exact_fuzz
+
+    from edgespec.batch.arena import SlotCache
+    from edgespec.caches.kv import KVCache
+    from edgespec.caches.prefix import BLOCK
+
+    for cls in (KVCache, SlotCache):  # alone, and a request of the batch
+        def reversed_span(self, parts, real=cls.import_span):
+            k, v = parts
+            return real(self, (k, v[..., ::-1, :]))
+
+        monkeypatch.setattr(cls, "import_span", reversed_span)
+    seeds = [s for s in range(400)
+             if (c := exact_fuzz.draw_case(s, ["tiny"])).prefix_warm and c.greedy and c.kv_bits is None
+             and c.batch == 1 and len(c.prompt) > BLOCK][:4]
+    assert seeds
+    rep = run_cases(verifiers, seeds, ["tiny"])
+    assert rep.errors and all("replayed" in e for e in rep.errors), _report(rep)

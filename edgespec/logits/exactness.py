@@ -19,9 +19,21 @@ it is handed out, against an independent recomputation:
    by position (plain, adaptive: Gumbel noise keyed by (seed, position)) it must be
    exactly that draw.
 
+Those checks take the verifier's raw rows as given, so keys and values that do not belong to
+the tokens they are stored for (a prefix-cache or history restore, a rolled-back or packed
+cache, a row of the batch arena) would pass them. When the request ends (its reply complete,
+cut short by max_tokens or a stop, or cancelled) the guard therefore also *replays* it
+(`ExactnessGuard.replay`): the verifier runs over prompt + reply from empty caches of its own,
+in fixed chunks as a prefill does, and every reply token is checked against that independent
+row processed along the reply by a third, fresh set of processors (greedy: within
+`REPLAY_TOLERANCE` of the argmax, the difference a pass of another width can round to;
+sampled: probability > 0). Not replayed: quantized KV (a one-shot prefill quantizes other
+blocks than the decode did, so its rows are not plain's).
+
 On with `EDGESPEC_CHECK_EXACT=1` (the test suite sets it) or `Engine(check_exact=True)`;
 off by default in production, where it costs a grammar matcher and a row's argmax per
-token. A failure raises `ExactnessError` in the request that broke, naming the token.
+token, and one prefill per request. A failure raises `ExactnessError` in the request that
+broke, naming the token.
 """
 
 from __future__ import annotations
@@ -34,6 +46,13 @@ import numpy as np
 # Modes whose sampled draws are Gumbel-max with noise keyed by (seed, position)
 # (edgespec.logits.sampling.Sampler.sample_at): the guard can recompute their exact draw.
 POSITION_DRAW_MODES = ("plain", "adaptive")
+
+# How far (nats of log-probability) a replayed greedy token may fall below its row's best: the
+# replay's passes are wider than the decode's, and float32 passes of other widths differ by
+# ~1e-5 (measured on the default model: 6e-5 at most); a token from a row whose keys and values
+# belong elsewhere is typically off by far more (the reported miss: 1.95).
+REPLAY_TOLERANCE = 1e-2
+REPLAY_CHUNK = 256  # positions per replay pass (bounded memory on long contexts)
 
 
 class ExactnessError(AssertionError):
@@ -51,10 +70,12 @@ class ExactnessGuard:
     """Checks each emitted token of one request (see the module docstring)."""
 
     def __init__(self, shadow_processors: list, sampler, mode_name: str, prompt_len: int,
-                 draws_known: bool = True):
+                 draws_known: bool = True, replay=None):
         """draws_known: `sampler` is the request's own (or has its seed), so a position's draw
-        can be recomputed."""
+        can be recomputed. replay: (model, make_cache, fresh processors) to replay the finished
+        request with (see `replay`), or None."""
         self.shadow = list(shadow_processors)
+        self._replay = replay
         self.sampler = sampler
         self.by_position = mode_name in POSITION_DRAW_MODES and draws_known
         self.mode_name = mode_name
@@ -93,3 +114,40 @@ class ExactnessGuard:
                 if draw != token:
                     raise ExactnessError(f"{where}: the position's draw there is {draw}")
         self.checked += 1
+
+    def replay(self, prompt: list[int], reply: list[int]) -> None:
+        """The whole request again, from empty caches: each reply token against the verifier's
+        row computed apart from everything the mode used (see the module docstring)."""
+        if self._replay is None or not reply:
+            return
+        model, make_cache, procs = self._replay
+        self._replay = None  # once per request
+        seq = list(prompt) + list(reply[:-1])
+        P = len(prompt)
+        cache = make_cache()
+        rows: list[np.ndarray] = []
+        for start in range(0, len(seq), REPLAY_CHUNK):
+            chunk = seq[start: start + REPLAY_CHUNK]
+            logits = model(mx.array([chunk], dtype=mx.int32), cache)
+            first = max(P - 1 - start, 0)  # rows that draw reply tokens: positions P-1 ...
+            if first < len(chunk):
+                out = logits[0, first:].astype(mx.float32)
+                mx.eval(out)
+                rows.extend(np.array(out))
+        for k, token in enumerate(reply):
+            where = f"mode {self.mode_name!r}, reply token {k} (id {token}), replayed"
+            ref = mx.array(rows[k])[None]
+            for proc in procs:
+                ref = proc.process(ref, list(reply[:k]), [[]])
+            row = ref[0].astype(mx.float32)
+            lp = np.array(row - mx.logsumexp(row))
+            if not np.isfinite(lp[token]):
+                raise ExactnessError(f"{where}: has probability 0 in the verifier's row processed along the reply")
+            if self.sampler.params.greedy:
+                best = int(np.argmax(lp))
+                gap = float(lp[best] - lp[token])
+                if gap > REPLAY_TOLERANCE:
+                    raise ExactnessError(
+                        f"{where}: the verifier alone prefers {best} there by {gap:.4g} nats (log-prob "
+                        f"{lp[token]:.4f} vs {lp[best]:.4f}): the rows the mode drew from were not the "
+                        "verifier's for this reply (keys and values of other tokens, or another row)")

@@ -254,15 +254,24 @@ class ProcessedModel:
 
     # -------------------------------------------------------------- following the reply
     def follow(self, steps):
-        """Pass a mode's tokens through, recording them (and their logprobs when asked)."""
-        for tok in steps:
-            if self.logprobs is not None:
-                tok.top_logprobs = self.token_logprobs(len(self.emitted), tok.id)
+        """Pass a mode's tokens through, recording them (and their logprobs when asked). With
+        the guard on, the request is replayed when it ends: its reply complete, or its reader
+        done (max_tokens, a stop, a cancel: the generator is closed)."""
+        try:
+            for tok in steps:
+                if self.logprobs is not None:
+                    tok.top_logprobs = self.token_logprobs(len(self.emitted), tok.id)
+                if self.guard is not None:
+                    k = len(self.emitted)
+                    self.guard.check(k, tok.id, list(self.emitted), *self._row_of(k))
+                self.emitted.append(tok.id)
+                yield tok
+        except GeneratorExit:
             if self.guard is not None:
-                k = len(self.emitted)
-                self.guard.check(k, tok.id, list(self.emitted), *self._row_of(k))
-            self.emitted.append(tok.id)
-            yield tok
+                self.guard.replay(self.prompt, self.emitted)
+            raise
+        if self.guard is not None:
+            self.guard.replay(self.prompt, self.emitted)
 
     def committed(self, record: list[int], offset: int) -> list[int]:
         """The reply's tokens at cache positions [len(prompt), offset)."""
@@ -413,9 +422,12 @@ def wrap_processors(model, mode, engine, options, prompt: list[int], sampler=Non
     if guard_enabled(engine) and model is not None:
         # Without the request's sampler its draws can be recomputed only when its seed is fixed.
         known = sampler is not None or options.sampling.seed is not None
+        replay = None
+        if engine.kv_bits is None:  # quantized KV: a one-shot replay is not plain's (exactness.py)
+            replay = (engine.model, engine.make_cache, make_processors(options, prompt, engine.tokenizer, V))
         guard = ExactnessGuard(make_processors(options, prompt, engine.tokenizer, V),
                                sampler if sampler is not None else Sampler(options.sampling),
-                               getattr(mode, "name", "?"), len(prompt), draws_known=known)
+                               getattr(mode, "name", "?"), len(prompt), draws_known=known, replay=replay)
     if not procs and options.logprobs is None and guard is None:
         return model, lambda steps: steps
     if model is None:
