@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from edgespec.logits.processors import Penalties, TokenLogprob
     from edgespec.logits.sampling import SamplingParams
     from edgespec.options import GenerateOptions
-    from edgespec.version import __version__
+    from edgespec.version import __version__  # noqa: F401  (edgespec.__version__)
 
 # public name -> the module that defines it
 _EXPORTS = {

@@ -125,7 +125,7 @@ def join_or_launch(args, argv: list[str] | None = None, default_bundle=None):
                 raise DistributedError("--distributed needs --model BUNDLE here (no default model bundle given)")
             argv += ["--model", str(default_bundle())]
         return launch(args.distributed, argv), None
-    from edgespec.lookahead.memory import parse_size  # deferred: CLI start-up (add_distributed_arguments)
+    from edgespec.lookahead.memory import parse_size  # deferred: CLI start-up
     from edgespec.weights.default_model import default_bundle_dir  # deferred: CLI start-up
 
     if args.model is None:
