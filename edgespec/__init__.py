@@ -6,22 +6,50 @@ speculative and lookahead decoding.
     print(engine.generate("Hello", max_tokens=32).text)
     for chunk in engine.stream(messages=[{"role": "user", "content": "Hi"}]):
         print(chunk.text, end="", flush=True)
+
+The names below are re-exported lazily: each is imported from its module on first use, so
+`import edgespec.cli` (every `import edgespec.X` runs this file) does not load the engine.
 """
 
-from edgespec.api import load
-from edgespec.engine import Engine, GenerationResult, make_options
-from edgespec.errors import (
-    ContextLengthError,
-    DrafterRequiredError,
-    EdgespecError,
-    ModelLoadError,
-    UnknownOptionError,
-    VocabularyMismatchError,
-)
-from edgespec.logits.processors import Penalties, TokenLogprob
-from edgespec.logits.sampling import SamplingParams
-from edgespec.options import GenerateOptions
-from edgespec.version import __version__  # noqa: F401  (edgespec.__version__)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgespec.api import load
+    from edgespec.engine import Engine, GenerationResult, make_options
+    from edgespec.errors import (
+        ContextLengthError,
+        DrafterRequiredError,
+        EdgespecError,
+        ModelLoadError,
+        UnknownOptionError,
+        VocabularyMismatchError,
+    )
+    from edgespec.logits.processors import Penalties, TokenLogprob
+    from edgespec.logits.sampling import SamplingParams
+    from edgespec.options import GenerateOptions
+    from edgespec.version import __version__  # noqa: F401  (edgespec.__version__)
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "load": "edgespec.api",
+    "Engine": "edgespec.engine",
+    "GenerationResult": "edgespec.engine",
+    "make_options": "edgespec.engine",
+    "GenerateOptions": "edgespec.options",
+    "SamplingParams": "edgespec.logits.sampling",
+    "Penalties": "edgespec.logits.processors",
+    "TokenLogprob": "edgespec.logits.processors",
+    "EdgespecError": "edgespec.errors",
+    "ModelLoadError": "edgespec.errors",
+    "VocabularyMismatchError": "edgespec.errors",
+    "ContextLengthError": "edgespec.errors",
+    "DrafterRequiredError": "edgespec.errors",
+    "UnknownOptionError": "edgespec.errors",
+    "__version__": "edgespec.version",
+}
 
 __all__ = [
     "load",
@@ -39,3 +67,16 @@ __all__ = [
     "DrafterRequiredError",
     "UnknownOptionError",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'edgespec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,7 +1,9 @@
 """The `edgespec` command: one entry point, one subcommand per app.
 
 Each app module exposes HELP, add_arguments(parser) and run(args) -> exit code,
-and imports its heavy dependencies inside run().
+and imports its heavy dependencies inside run(). main() adds the arguments of the
+subcommand it runs only, so `edgespec --help` and a mistyped command cost no app's
+argument set-up (a mode's options help loads the modes, and with them mlx).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, *, all_arguments: bool = True) -> argparse.ArgumentParser:
+    """The `edgespec` parser: every subcommand with its arguments; with all_arguments=False
+    only `command`'s arguments are added (the others are listed, with their help line)."""
     parser = argparse.ArgumentParser(
         prog="edgespec",
         description="On-device LLM inference with lossless speculative and lookahead decoding.",
@@ -44,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
             description=getattr(module, "DESCRIPTION", module.HELP),
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
-        module.add_arguments(p)
+        if all_arguments or name == command:
+            module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
 
@@ -55,8 +60,15 @@ def _version() -> str:
     return __version__
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand argv names: its first word that is not an option (the top-level
+    options, --help and --version, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(argv), all_arguments=False)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import os
 import threading
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from edgespec.caches.kv import kv_bytes
+from edgespec.host_memory import total_memory as _total_memory
 
 BLOCK = 32  # tokens per trie edge
 # The default bound: this many full contexts of the verifier's KV cache, at most CAP and
@@ -64,18 +64,6 @@ def check_limit(value) -> None:
     if total is not None and value > total:
         raise ValueError(f"prompt_cache_bytes {value} is more than this machine's memory ({total >> 20} MiB); "
                          "give a size it can hold, e.g. 512M")
-
-
-def _total_memory() -> int | None:
-    try:
-        import psutil  # optional: psutil
-
-        return int(psutil.virtual_memory().total)
-    except ImportError:
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
 
 
 def default_limit(engine, memory_share: float) -> int:

@@ -11,14 +11,39 @@ Every rank runs the same program under `mlx.launch` (or `edgespec ... --distribu
 or "tensor" (every layer split by heads and MLP columns, partial sums all_sum'ed). Each
 rank loads only its shard. The drafter (if any) runs on rank 0 only. load and load_model:
 loading.py; the pieces: comm.py, shard.py, stage.py, model.py, launch.py. See docs/distributed.md.
+
+The names below are re-exported lazily (each imported from its module on first use), so
+the CLI's `add_distributed_arguments` (launch.py) does not load mlx.
 """
 
-from edgespec.distributed.comm import Group
-from edgespec.distributed.errors import EXIT_PEER_LOST, DistributedError
-from edgespec.distributed.loading import load, load_model
-from edgespec.distributed.model import ShardedModel, follow
-from edgespec.distributed.shard import MODES, Plan, load_shard, shard_bytes
-from edgespec.distributed.stage import Stage
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgespec.distributed.comm import Group
+    from edgespec.distributed.errors import EXIT_PEER_LOST, DistributedError
+    from edgespec.distributed.loading import load, load_model
+    from edgespec.distributed.model import ShardedModel, follow
+    from edgespec.distributed.shard import MODES, Plan, load_shard, shard_bytes
+    from edgespec.distributed.stage import Stage
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Group": "edgespec.distributed.comm",
+    "EXIT_PEER_LOST": "edgespec.distributed.errors",
+    "DistributedError": "edgespec.distributed.errors",
+    "load": "edgespec.distributed.loading",
+    "load_model": "edgespec.distributed.loading",
+    "ShardedModel": "edgespec.distributed.model",
+    "follow": "edgespec.distributed.model",
+    "MODES": "edgespec.distributed.shard",
+    "Plan": "edgespec.distributed.shard",
+    "load_shard": "edgespec.distributed.shard",
+    "shard_bytes": "edgespec.distributed.shard",
+    "Stage": "edgespec.distributed.stage",
+}
 
 __all__ = [
     "EXIT_PEER_LOST",
@@ -34,3 +59,16 @@ __all__ = [
     "load_shard",
     "shard_bytes",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'edgespec.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import edgespec.distributed as dist
 from edgespec.distributed.errors import DistributedError
-from edgespec.lookahead.memory import parse_size
-from edgespec.weights.default_model import default_bundle_dir
 
 DISTRIBUTED_HELP = (
     "shard the verifier over the hosts of HOSTFILE (mlx.launch's JSON host list, ring backend) "
@@ -127,6 +125,9 @@ def join_or_launch(args, argv: list[str] | None = None, default_bundle=None):
                 raise DistributedError("--distributed needs --model BUNDLE here (no default model bundle given)")
             argv += ["--model", str(default_bundle())]
         return launch(args.distributed, argv), None
+    from edgespec.lookahead.memory import parse_size  # deferred: CLI start-up
+    from edgespec.weights.default_model import default_bundle_dir  # deferred: CLI start-up
+
     if args.model is None:
         args.model = default_bundle_dir()
         if not (args.model / "manifest.json").is_file():

@@ -9,12 +9,12 @@ loaded models already hold.
 
 from __future__ import annotations
 
-import os
 import re
 
 from mlx.utils import tree_flatten
 
 from edgespec.caches.kv import kv_bytes  # noqa: F401  (re-exported: the memory accounting's unit)
+from edgespec.host_memory import available_memory  # api and batch.memory take it from here
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -47,18 +47,6 @@ def drafter_bytes(drafter, verifier, context: int) -> tuple[int, int]:
     n_layers = len((drafter.layer_ids if drafter.caps.mlx_model else None) or model.layers)
     own = 0 if model is verifier else tree_bytes(model)
     return own, kv_bytes(model.args, context) * n_layers // max(model.args.num_hidden_layers, 1)
-
-
-def available_memory() -> int | None:
-    try:
-        import psutil  # optional: psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
 
 
 def drafter_fits(engine, budget: int | None = None) -> bool:
