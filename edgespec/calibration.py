@@ -33,7 +33,7 @@ device, the machine (architecture, CPU model, CPUs usable, BLAS preload and thre
 settings) and the edgespec and MLX versions. Engines built in memory (no model path, as
 in the tests) learn in memory only. `EDGESPEC_CALIBRATION=off` turns reading and writing off.
 
-About 480 lines: the store, its key, and the careful file handling above belong together;
+About 550 lines: the store, its key, and the careful file handling above belong together;
 the curve's arithmetic is adaptive/estimate.py.
 """
 

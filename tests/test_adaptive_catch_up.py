@@ -100,7 +100,7 @@ def test_a_round_is_priced_catch_up_plus_k_tokens_and_grows_with_what_is_unseen(
     src.begin(prompt)
     prices = [src.draft_s(prompt + [7] * n, 4, 0.05) for n in range(0, 50, 7)]
     assert prices == pytest.approx([0.002 * n + 4 * 0.01 for n in range(0, 50, 7)])
-    assert all(a < b for a, b in zip(prices, prices[1:]))
+    assert all(a < b for a, b in zip(prices[:-1], prices[1:], strict=True))
     ks = np.arange(1, 9)
     assert np.allclose(src.draft_s(prompt + [7] * 10, ks, 0.05), 0.02 + 0.01 * ks)
 
