@@ -15,7 +15,9 @@ each engine holds one `CostStore` whose curve (`estimate.Costs`) starts from
   unknown (a drafter without MLX weights),
 
 and learns from every pass run alone: plain steps give T = 1, tree and speculative rounds
-their own T, drafting its seconds per token. Unmeasured sizes follow the measured ones
+their own T, drafting its seconds per token and, apart, per committed token the drafter had
+not seen before the call (its catch-up, `DraftCost`; a file written before that term existed
+loads, its per-token figures unused: they held catch-up time). Unmeasured sizes follow the measured ones
 (`Costs.verify`). What was learnt is written back (atomically: a temp file, then
 `os.replace`) after a request once enough is new, at most every SAVE_EVERY_S seconds, and
 at exit. Files are treated as the history store treats its own (edgespec.safe_write's rule:
@@ -31,7 +33,7 @@ device, the machine (architecture, CPU model, CPUs usable, BLAS preload and thre
 settings) and the edgespec and MLX versions. Engines built in memory (no model path, as
 in the tests) learn in memory only. `EDGESPEC_CALIBRATION=off` turns reading and writing off.
 
-About 480 lines: the store, its key, and the careful file handling above belong together;
+About 550 lines: the store, its key, and the careful file handling above belong together;
 the curve's arithmetic is adaptive/estimate.py.
 """
 
@@ -73,6 +75,9 @@ PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (only rati
 PRIOR_SLOPE = {"cpu": 0.08, "gpu": 0.02}  # extra cost per extra token, in plain steps
 DRAFT_PRIOR = 0.5  # seconds per drafted token before one is measured, in plain steps (share unknown)
 DRAFT_PRIOR_FACTOR = 1.5  # ... else this times the drafter's share of the verifier's weight bytes
+CATCH_UP_PRIOR = 0.25  # seconds per unseen token fed before drafting, before measured, in drafted tokens
+FIT_DECAY = 0.85  # forgetting per draft call of DraftCost's least-squares fit
+FIT_RIDGE = 0.5  # pull of a loaded DraftCost value on that fit, in tokens^2
 SAVE_EVERY_S = 30.0  # a long-running server writes at most this often (and at exit)
 SAVE_AFTER = 8  # new measurements before a write after a request
 PUBLISH_CHANGE = 0.1  # relative change of the curve at some size that republishes it (batcher)
@@ -95,23 +100,70 @@ def prior_curve(sizes=SIZES, kind: str | None = None, step_s: float = PRIOR_STEP
 
 @dataclass
 class DraftCost:
-    """Seconds per drafted token of one drafter: a moving average of measured drafting calls."""
+    """One drafter's learnt costs: seconds per drafted token (`per_token`) and seconds per
+    committed token it had not seen (`catch_up`: fed before drafting, the tokens other sources'
+    rounds committed since it last drafted).
+
+    A draft call of k tokens after c unseen ones takes about catch_up x c + per_token x k.
+    Where a drafter feeds its catch-up inside its first drafting pass (the MLX and Core ML
+    drafters: one pass over the unseen tokens and the last one), a call's time cannot be split
+    by timing, so both terms are fitted to the calls' (c, k, seconds) by least squares with
+    exponential forgetting (FIT_DECAY per call): calls of different c and k tell them apart.
+    Values loaded from a file pull the fit weakly (FIT_RIDGE tokens^2); with no call that had
+    unseen tokens the catch-up stays unmeasured (CATCH_UP_PRIOR of a drafted token applies),
+    and calls with c = 0 (mode speculative's) teach per_token alone, as seconds / tokens."""
 
     per_token: float | None = None  # None: not measured (the prior applies)
+    catch_up: float | None = None  # seconds per unseen token; None: not measured
     prior: float = DRAFT_PRIOR  # seconds per token before one is measured, in plain steps
     count: int = 0  # measurements in this process
     fresh: bool = False  # measured in this process (persist it)
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def __post_init__(self):
+        self._anchor = (self.catch_up, self.per_token)  # what it started from (a file's values)
+        self._sums = [0.0] * 5  # decayed sums of c*c, c*k, k*k, c*t, k*t over the calls
+
+    def observe(self, tokens: int, seconds: float, unseen: int = 0) -> None:
+        """A draft call of `tokens` tokens that first fed `unseen` committed tokens took `seconds`."""
         if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return
-        s = seconds / tokens
-        self.per_token = s if self.per_token is None else 0.7 * self.per_token + 0.3 * s
+        c, k, t = max(int(unseen), 0), int(tokens), float(seconds)
+        s = self._sums
+        for i, v in enumerate((c * c, c * k, k * k, c * t, k * t)):
+            s[i] = FIT_DECAY * s[i] + v
+        self._fit()
         self.count += 1
         self.fresh = True
 
+    def _fit(self) -> None:
+        cc, ck, kk, ct, kt = self._sums
+        a0, b0 = self._anchor
+        # A loaded value pulls its term weakly; an unmeasured catch-up is pulled to 0 only
+        # infinitesimally (it decides a only where no call had c > 0, or c/k never varied).
+        la, a0 = (FIT_RIDGE, a0) if a0 is not None else (1e-9, 0.0)
+        lb, b0 = (FIT_RIDGE, b0) if b0 is not None else (0.0, 0.0)
+        m11, m12, m22 = cc + la, ck, kk + lb
+        r1, r2 = ct + la * a0, kt + lb * b0
+        det = m11 * m22 - m12 * m12
+        a = (r1 * m22 - m12 * r2) / det
+        b = (m11 * r2 - m12 * r1) / det
+        if a < 0:  # noise: no catch-up cost, the steps alone
+            a, b = 0.0, r2 / m22
+        if not b > 0:  # noise the other way: keep the steps' price, the catch-up takes the rest
+            b = self.per_token if self.per_token is not None else r2 / m22
+            a = max((r1 - m12 * b) / m11, 0.0)
+        self.per_token = float(b)
+        if cc > 0 or self.catch_up is not None:
+            self.catch_up = float(a)
+
     def value(self, plain_s: float) -> float:
+        """Seconds per drafted token: measured, else the prior relative to a plain step."""
         return self.per_token if self.per_token is not None else self.prior * plain_s
+
+    def catch_up_s(self, unseen, plain_s: float):
+        """Seconds to feed `unseen` committed tokens before drafting (a number or an array)."""
+        per = self.catch_up if self.catch_up is not None else CATCH_UP_PRIOR * self.value(plain_s)
+        return unseen * per
 
 
 def weight_bytes(model) -> int:
@@ -240,6 +292,10 @@ def _positive(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
+def _nonnegative(v) -> bool:
+    return _positive(v) or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+
+
 class CostStore:
     """One engine's learnt costs: the verify curve (`costs`, shared by every decoder on the
     engine), seconds per drafted token per drafter, and the file they persist in."""
@@ -250,6 +306,7 @@ class CostStore:
         self.loaded_verify: dict[int, float] = {}
         self.loaded_counts: dict[int, int] = {}
         self.loaded_drafts: dict[str, float] = {}
+        self.loaded_catch: dict[str, float | None] = {}  # per drafter: its catch-up (None: unmeasured)
         if path is not None:
             self._load()
         prior = Costs(list(SIZES), prior_curve(SIZES, self.kind))
@@ -257,7 +314,11 @@ class CostStore:
             prior.observe(T, v)
         sizes = sorted(set(SIZES) | {T for T in self.loaded_verify if T <= SIZES[-1]})
         self.costs = Costs(sizes, [prior.verify(T) for T in sizes], anchored=set(self.loaded_verify))
-        self.drafts: dict[str, DraftCost] = {k: DraftCost(v) for k, v in self.loaded_drafts.items()}
+        # A drafter's per-token figure loads only with its catch-up entry beside it: one written
+        # before the catch-up was priced apart (no such entry) holds catch-up time, so it is not
+        # used (the weight-share prior applies until a call is timed), and kept in the file.
+        self.drafts: dict[str, DraftCost] = {k: DraftCost(v, self.loaded_catch[k])
+                                             for k, v in self.loaded_drafts.items() if k in self.loaded_catch}
         self._saved_at = 0.0
         self._saved_counts = 0
         self._counted: dict[int, int] = {}  # this process's measurements per size already in the file
@@ -287,8 +348,9 @@ class CostStore:
             if not isinstance(data, dict) or data.get("format") != FORMAT or "key" not in data:
                 raise ValueError(f"not a format-{FORMAT} edgespec calibration file")
             verify, counts, drafts = data.get("verify"), data.get("counts", {}), data.get("draft", {})
-            if not isinstance(verify, dict) or not isinstance(counts, dict) or not isinstance(drafts, dict):
-                raise ValueError("'verify', 'counts' and 'draft' must be objects")
+            catch = data.get("catch_up", {})  # absent in files written before it was priced apart
+            if not all(isinstance(x, dict) for x in (verify, counts, drafts, catch)):
+                raise ValueError("'verify', 'counts', 'draft' and 'catch_up' must be objects")
             out = {}
             for k, v in verify.items():
                 T = int(k)
@@ -298,6 +360,9 @@ class CostStore:
             for k, v in drafts.items():
                 if not _positive(v):
                     raise ValueError(f"bad draft entry {k!r}: {v!r}")
+            for k, v in catch.items():
+                if v is not None and not _nonnegative(v):
+                    raise ValueError(f"bad catch_up entry {k!r}: {v!r}")
             loaded_counts = {int(k): int(v) for k, v in counts.items() if isinstance(v, int)}
         except (ValueError, TypeError) as e:
             aside = aside_name(p)
@@ -315,6 +380,7 @@ class CostStore:
         self.loaded_verify = out
         self.loaded_counts = loaded_counts
         self.loaded_drafts = {str(k): float(v) for k, v in drafts.items()}
+        self.loaded_catch = {str(k): None if v is None else float(v) for k, v in catch.items()}
 
     def _refuse(self, why: str) -> None:
         log.warning("edgespec: ignoring the calibration file %s (%s); leaving it as it is, costs are learnt "
@@ -359,11 +425,13 @@ class CostStore:
             verify = dict(self.loaded_verify)
             all_counts = dict(self.loaded_counts)
             drafts = dict(self.loaded_drafts)
+            catch = dict(self.loaded_catch)
             current = self._read_entries()
             if current is not None:  # another process may have written since we loaded
                 verify.update(current[0])
                 all_counts.update(current[1])
                 drafts.update(current[2])
+                catch.update(current[3])
             for T, v in seen.items():
                 if not counts.get(T):
                     continue  # set here without a measurement (never happens today): keep the file's
@@ -372,10 +440,11 @@ class CostStore:
             for k, d in list(self.drafts.items()):
                 if d.fresh and d.per_token is not None:
                     drafts[k] = d.per_token
+                    catch[k] = d.catch_up  # beside it: this per-token figure excludes catch-up
             data = {"format": FORMAT, "key": self.key, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "verify": {str(T): verify[T] for T in sorted(verify)},
                     "counts": {str(T): all_counts[T] for T in sorted(all_counts)},
-                    "draft": drafts}
+                    "draft": drafts, "catch_up": catch}
             tmp = None
             try:
                 if os.path.lexists(self.path) and current is None:
@@ -413,7 +482,9 @@ class CostStore:
             verify = {int(k): float(v) for k, v in data["verify"].items() if _positive(v)}
             counts = {int(k): int(v) for k, v in data.get("counts", {}).items() if isinstance(v, int)}
             drafts = {str(k): float(v) for k, v in data.get("draft", {}).items() if _positive(v)}
-            return verify, counts, drafts
+            catch = {str(k): None if v is None else float(v) for k, v in data.get("catch_up", {}).items()
+                     if v is None or _nonnegative(v)}
+            return verify, counts, drafts, catch
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return None
 

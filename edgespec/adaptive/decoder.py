@@ -106,6 +106,8 @@ class AdaptiveDecoder:
         self.jacobi = jacobi
         self.memory = memory if memory is not None else {}
         self.drafter = drafter
+        if drafter is not None:
+            drafter.clock = self.clock  # its draft calls are timed alike
         self.costs = costs
         self.guesses, self.span = guesses, span
         self.max_tree = max(2, min(max_tree, costs.max_tokens))
@@ -197,8 +199,10 @@ class AdaptiveDecoder:
         p1 = min(1.0, sum(nodes[i].prob for i in kept if nodes[i].parent < 0))
         gain = others + e_tree + (1.0 - p1) * pd
         t_tree = 1 + len(kept)
-        # Drafting runs inside this sequence's turn: in a batch every row waits for it.
-        cost = ks * d.cost_per_token(plain_s) + np.array([costs.verify(int(t)) for t in t_tree + ks])
+        # Drafting runs inside this sequence's turn: in a batch every row waits for it. A call
+        # first catches the drafter up on the tokens it has not seen (other sources' rounds):
+        # priced apart, once per call, then k drafted tokens.
+        cost = d.draft_s(seq, ks, plain_s) + np.array([costs.verify(int(t)) for t in t_tree + ks])
         rates = gain / cost
         k = int(np.argmax(rates))
         probe = False

@@ -11,6 +11,10 @@ decoder needs to know about a source is declared, not probed:
   asks such a source for its greedy chain and treats it as point-mass;
 - `cost_per_token`: seconds per proposed token (0 for look-ups); a source
   with a cost is only asked when the planner expects it to pay;
+- `catches_up`: before proposing, the source first feeds the committed tokens it has not
+  seen (`unseen(seq)`, counted before the call), priced apart from its tokens
+  (`catch_up_s`): a drafter that drafts rarely has much to catch up on, which says nothing
+  about what its drafted tokens cost;
 - `grammar`: the source follows the request's grammar (bound per request with
   `bind`, see edgespec.logits.processors.wrap_processors); it proposes nothing without one;
 - `vets`: the source also trims other sources' candidates (`vet`) to the prefix the
@@ -43,6 +47,7 @@ class Capabilities:
     cost_per_token: float = 0.0
     grammar: bool = False
     vets: bool = False
+    catches_up: bool = False
 
 
 @dataclass
@@ -115,15 +120,20 @@ class HistorySource:
 class DrafterSource:
     """A drafter's chain of k tokens (with its q), asked only when the planner expects it to pay.
 
-    Its cost per drafted token is learnt from the drafting calls it makes (`observe`, into a
-    `calibration.DraftCost` the engine keeps and persists); until one is measured the planner
-    prices it from a prior (a fraction of a plain step, `calibration.DRAFT_PRIOR`)."""
+    A draft call first feeds the drafter the committed tokens it has not seen (those of the
+    rounds it did not draft: its catch-up), then drafts k tokens. A drafter that declares it
+    (`DrafterCaps.catches_up`) counts those tokens beforehand (`unseen`), and a call is priced
+    `draft_s` = catch-up x unseen + k x per token. Both are learnt from the drafting calls it
+    makes (`observe`, into a `calibration.DraftCost` the engine keeps and persists); until
+    measured the planner prices them from priors (a fraction of a plain step,
+    `calibration.DRAFT_PRIOR`; a fraction of a drafted token, `calibration.CATCH_UP_PRIOR`)."""
 
     name = "drafter"
 
-    def __init__(self, drafter, draft_s=None):
+    def __init__(self, drafter, draft_s=None, clock=time.perf_counter):
         """draft_s: seconds per drafted token (a number: fixed), a calibration.DraftCost (learnt),
-        or None (learnt from nothing)."""
+        or None (learnt from nothing). clock: what draft calls are timed with (the adaptive
+        decoder hands it its policy's clock)."""
         if drafter.caps.needs_features:
             raise ValueError(f"drafter {drafter.name!r} reads verifier features; it drafts in mode 'speculative' only")
         if not drafter.caps.syncs:
@@ -133,15 +143,34 @@ class DrafterSource:
             None if draft_s is None else float(draft_s))
         self.expected_acceptance = float(drafter.expected_acceptance)
         self._prompt: list[int] | None = None
+        self.clock = clock
         self.last_s = 0.0  # seconds of the last draft call, the drafter's prefill of the prompt excluded
+        self.last_unseen = 0  # committed tokens the last draft call fed before drafting
 
     @property
     def caps(self) -> Capabilities:
-        return Capabilities(point_mass=False, has_q=True, cost_per_token=self.cost.per_token or 0.0)
+        return Capabilities(point_mass=False, has_q=True, cost_per_token=self.cost.per_token or 0.0,
+                            catches_up=self.drafter.caps.catches_up)
 
     def cost_per_token(self, plain_s: float) -> float:
         """Seconds per drafted token: measured, else the prior relative to a plain step."""
         return self.cost.value(plain_s)
+
+    def unseen(self, seq: list[int]) -> int:
+        """Committed tokens of `seq` (but its last) a draft call now would feed before drafting:
+        0 for a drafter that does not declare a catch-up. Before the request's first draft the
+        drafter has not begun: it will read the prompt (unpriced, as in `draft`) and catch up
+        on every token committed after it."""
+        if not self.drafter.caps.catches_up:
+            return 0
+        if self._prompt is not None:
+            return max(len(seq) - len(self._prompt), 0)
+        return self.drafter.unseen(seq)
+
+    def draft_s(self, seq: list[int], k, plain_s: float):
+        """Seconds of a draft call of k tokens (a number or an array) after `seq`: its catch-up
+        on the tokens it has not seen, plus k drafted tokens."""
+        return self.cost.catch_up_s(self.unseen(seq), plain_s) + k * self.cost.value(plain_s)
 
     def bind_verifier_cache(self, cache) -> None:
         """The verifier cache of this generation, for a drafter that drafts from it."""
@@ -153,18 +182,19 @@ class DrafterSource:
         self._prompt = list(prompt)
 
     def draft(self, seq: list[int], k: int, sampler) -> Candidate:
+        self.last_unseen = self.unseen(seq)
         if self._prompt is not None:
             self.drafter.begin(self._prompt)
             self._prompt = None
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.drafter.sync(list(seq))
         d = self.drafter.draft(k, sampler)
-        self.last_s = time.perf_counter() - t0
+        self.last_s = self.clock() - t0
         return Candidate(list(d.tokens), self.name, 0, d.logprobs)
 
     def observe(self, tokens: int) -> None:
-        """Learn the cost per token from the last draft call (`tokens` asked for)."""
-        self.cost.observe(tokens, self.last_s)
+        """Learn the costs from the last draft call (`tokens` asked for, after `last_unseen`)."""
+        self.cost.observe(tokens, self.last_s, self.last_unseen)
 
     def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
         return []  # costly: drafted on the planner's request only (see draft)

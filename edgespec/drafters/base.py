@@ -13,7 +13,8 @@ sequence to any list sharing a prefix with what it has seen: pipelining, `auto` 
 the cascade need it), `fork()` (a state of its own per request), what it reads from
 the verifier (`add_features` / `bind_verifier_cache`), whether it is an MLX causal LM
 (tree growing, the cascade's mid level), whether its cache goes through a prefix store,
-where it runs, and the modes it drafts in.
+where it runs, the modes it drafts in, and whether its next draft first catches up on
+committed tokens it has not seen (`unseen`, priced apart).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class DrafterCaps:
         `reuses_prefixes()`, `stored_caches()`).
     runs_on: "mlx", "coreml" or "host" (no model).
     modes: the modes it drafts in.
+    catches_up: its next draft call first feeds the committed tokens it has not seen yet
+        (all but the last: tokens other sources' rounds committed since it drafted), and
+        `unseen(committed)` counts them beforehand; callers price that catch-up apart from
+        the drafting steps (edgespec.adaptive.sources.DrafterSource).
     """
 
     reads: str = "nothing"
@@ -68,6 +73,7 @@ class DrafterCaps:
     prefix_store: bool = False
     runs_on: str = "mlx"
     modes: frozenset = ALL_MODES
+    catches_up: bool = False
 
     def __post_init__(self):
         if self.reads not in READS:
@@ -177,6 +183,22 @@ class CommittedSequence(AcceptsDrafts):
         self._last_draft = []
         self._rollback()
 
+    def unseen(self, committed: list[int]) -> int:
+        """Tokens of `committed` but its last that the next draft feeds before drafting (its
+        catch-up), counted before the call: nothing changes. `fed` agrees with `seq` up to
+        `seq`'s last token (sync and draft keep it so), so when `committed` extends the last
+        synced sequence (the adaptive decoder's only grows) just the tail after it is compared."""
+        body = len(committed) - 1
+        if body <= 0:
+            return 0
+        n = len(self.seq)
+        if 0 < n <= len(committed):
+            i = min(len(self.fed), n - 1)
+            while i < len(self.fed) and i < body and self.fed[i] == committed[i]:
+                i += 1
+            return body - i
+        return body - common_prefix(self.fed, committed[:-1])
+
 
 class ModelDrafter(CommittedSequence):
     """A drafter backed by an MLX causal LM with its own KV cache.
@@ -190,7 +212,7 @@ class ModelDrafter(CommittedSequence):
 
     name = "mlx"
     device = "cpu"
-    caps = DrafterCaps(forks=True, mlx_model=True, prefix_store=True)
+    caps = DrafterCaps(forks=True, mlx_model=True, prefix_store=True, catches_up=True)
     vocab_map = None  # a reduced-vocabulary drafter's VocabMap (DistilledDrafter sets its own)
 
     def __init__(self, model, layer_ids: list[int] | None = None):

@@ -50,7 +50,7 @@ class CoreMLDrafter(CommittedSequence):
     """Drafter protocol (begin / draft / accept / sync / close) over a Core ML drafter package."""
 
     name = "coreml"
-    caps = DrafterCaps(forks=True, runs_on="coreml")
+    caps = DrafterCaps(forks=True, runs_on="coreml", catches_up=True)
 
     def __init__(self, backend, info: dict[str, Any], device: str = "ane", vocab_map=None):
         """vocab_map: the `VocabMap` of a reduced-vocabulary package (required for one)."""
