@@ -33,7 +33,7 @@ device, the machine (architecture, CPU model, CPUs usable, BLAS preload and thre
 settings) and the edgespec and MLX versions. Engines built in memory (no model path, as
 in the tests) learn in memory only. `EDGESPEC_CALIBRATION=off` turns reading and writing off.
 
-About 550 lines: the store, its key, and the careful file handling above belong together;
+About 480 lines: the store, its key, and the careful file handling above belong together;
 the curve's arithmetic is adaptive/estimate.py.
 """
 
@@ -51,13 +51,12 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from edgespec.adaptive.estimate import Costs
+from edgespec.adaptive.estimate import DRAFT_PRIOR, Costs, DraftCost
 from edgespec.paths import home as edgespec_home
 from edgespec.safe_write import aside_name, clean_stale_temps, temp_prefix
 from edgespec.tree import (
@@ -73,11 +72,7 @@ FORMAT = 1
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
 PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (only ratios matter until then)
 PRIOR_SLOPE = {"cpu": 0.08, "gpu": 0.02}  # extra cost per extra token, in plain steps
-DRAFT_PRIOR = 0.5  # seconds per drafted token before one is measured, in plain steps (share unknown)
 DRAFT_PRIOR_FACTOR = 1.5  # ... else this times the drafter's share of the verifier's weight bytes
-CATCH_UP_PRIOR = 0.25  # seconds per unseen token fed before drafting, before measured, in drafted tokens
-FIT_DECAY = 0.85  # forgetting per draft call of DraftCost's least-squares fit
-FIT_RIDGE = 0.5  # pull of a loaded DraftCost value on that fit, in tokens^2
 SAVE_EVERY_S = 30.0  # a long-running server writes at most this often (and at exit)
 SAVE_AFTER = 8  # new measurements before a write after a request
 PUBLISH_CHANGE = 0.1  # relative change of the curve at some size that republishes it (batcher)
@@ -97,73 +92,6 @@ def prior_curve(sizes=SIZES, kind: str | None = None, step_s: float = PRIOR_STEP
     slope = PRIOR_SLOPE[kind or device_kind()]
     return [step_s * (1.0 + slope * (T - 1)) for T in sizes]
 
-
-@dataclass
-class DraftCost:
-    """One drafter's learnt costs: seconds per drafted token (`per_token`) and seconds per
-    committed token it had not seen (`catch_up`: fed before drafting, the tokens other sources'
-    rounds committed since it last drafted).
-
-    A draft call of k tokens after c unseen ones takes about catch_up x c + per_token x k.
-    Where a drafter feeds its catch-up inside its first drafting pass (the MLX and Core ML
-    drafters: one pass over the unseen tokens and the last one), a call's time cannot be split
-    by timing, so both terms are fitted to the calls' (c, k, seconds) by least squares with
-    exponential forgetting (FIT_DECAY per call): calls of different c and k tell them apart.
-    Values loaded from a file pull the fit weakly (FIT_RIDGE tokens^2); with no call that had
-    unseen tokens the catch-up stays unmeasured (CATCH_UP_PRIOR of a drafted token applies),
-    and calls with c = 0 (mode speculative's) teach per_token alone, as seconds / tokens."""
-
-    per_token: float | None = None  # None: not measured (the prior applies)
-    catch_up: float | None = None  # seconds per unseen token; None: not measured
-    prior: float = DRAFT_PRIOR  # seconds per token before one is measured, in plain steps
-    count: int = 0  # measurements in this process
-    fresh: bool = False  # measured in this process (persist it)
-
-    def __post_init__(self):
-        self._anchor = (self.catch_up, self.per_token)  # what it started from (a file's values)
-        self._sums = [0.0] * 5  # decayed sums of c*c, c*k, k*k, c*t, k*t over the calls
-
-    def observe(self, tokens: int, seconds: float, unseen: int = 0) -> None:
-        """A draft call of `tokens` tokens that first fed `unseen` committed tokens took `seconds`."""
-        if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
-            return
-        c, k, t = max(int(unseen), 0), int(tokens), float(seconds)
-        s = self._sums
-        for i, v in enumerate((c * c, c * k, k * k, c * t, k * t)):
-            s[i] = FIT_DECAY * s[i] + v
-        self._fit()
-        self.count += 1
-        self.fresh = True
-
-    def _fit(self) -> None:
-        cc, ck, kk, ct, kt = self._sums
-        a0, b0 = self._anchor
-        # A loaded value pulls its term weakly; an unmeasured catch-up is pulled to 0 only
-        # infinitesimally (it decides a only where no call had c > 0, or c/k never varied).
-        la, a0 = (FIT_RIDGE, a0) if a0 is not None else (1e-9, 0.0)
-        lb, b0 = (FIT_RIDGE, b0) if b0 is not None else (0.0, 0.0)
-        m11, m12, m22 = cc + la, ck, kk + lb
-        r1, r2 = ct + la * a0, kt + lb * b0
-        det = m11 * m22 - m12 * m12
-        a = (r1 * m22 - m12 * r2) / det
-        b = (m11 * r2 - m12 * r1) / det
-        if a < 0:  # noise: no catch-up cost, the steps alone
-            a, b = 0.0, r2 / m22
-        if not b > 0:  # noise the other way: keep the steps' price, the catch-up takes the rest
-            b = self.per_token if self.per_token is not None else r2 / m22
-            a = max((r1 - m12 * b) / m11, 0.0)
-        self.per_token = float(b)
-        if cc > 0 or self.catch_up is not None:
-            self.catch_up = float(a)
-
-    def value(self, plain_s: float) -> float:
-        """Seconds per drafted token: measured, else the prior relative to a plain step."""
-        return self.per_token if self.per_token is not None else self.prior * plain_s
-
-    def catch_up_s(self, unseen, plain_s: float):
-        """Seconds to feed `unseen` committed tokens before drafting (a number or an array)."""
-        per = self.catch_up if self.catch_up is not None else CATCH_UP_PRIOR * self.value(plain_s)
-        return unseen * per
 
 
 def weight_bytes(model) -> int:

@@ -34,7 +34,7 @@ class CostModel:
     draft_s: float  # seconds per drafted token
     measured: bool = True  # False: a prior, in no machine's seconds yet
     curve: Any = None  # the engine's learnt curve (estimate.Costs) that passes run alone teach
-    drafting: Any = None  # the drafter's learnt cost (calibration.DraftCost) that drafting calls teach
+    drafting: Any = None  # the drafter's learnt cost (estimate.DraftCost) that drafting calls teach
 
     @property
     def kmax(self) -> int:

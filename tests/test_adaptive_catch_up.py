@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import make_tiny_model, make_tiny_tokenizer
 
+import edgespec.adaptive.estimate as estimate
 import edgespec.calibration as cal
 from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.estimate import AcceptanceStats, Costs
@@ -162,7 +163,7 @@ def test_draft_cost_without_unseen_tokens_learns_per_token_alone():
     d.observe(4, 0.04)
     d.observe(2, 0.02)
     assert d.per_token == pytest.approx(0.01) and d.catch_up is None
-    assert d.catch_up_s(10, 0.05) == pytest.approx(10 * cal.CATCH_UP_PRIOR * 0.01)  # the prior
+    assert d.catch_up_s(10, 0.05) == pytest.approx(10 * estimate.CATCH_UP_PRIOR * 0.01)  # the prior
     loaded = cal.DraftCost(per_token=0.01, catch_up=0.003)
     loaded.observe(4, 0.04)  # no unseen tokens: the loaded catch-up stands
     assert loaded.catch_up == pytest.approx(0.003) and loaded.per_token == pytest.approx(0.01)

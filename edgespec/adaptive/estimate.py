@@ -19,6 +19,7 @@ tokens, in verify(n + 1) seconds (the measured cost curve) plus fixed costs.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -341,3 +342,78 @@ def plan_tree(nodes: list[Node], costs: Costs, fixed_s: float = 0.0, plain_s: fl
             kept.append(i)
             have.add(i)
     return kept, float(rate[best])
+
+
+# ------------------------------------------------------------------ a drafter's cost
+DRAFT_PRIOR = 0.5  # seconds per drafted token before one is measured, in plain steps (share unknown)
+CATCH_UP_PRIOR = 0.25  # seconds per unseen token fed before drafting, before measured, in drafted tokens
+FIT_DECAY = 0.85  # forgetting per draft call of DraftCost's least-squares fit
+FIT_RIDGE = 0.5  # pull of a loaded DraftCost value on that fit, in tokens^2
+
+
+@dataclass
+class DraftCost:
+    """One drafter's learnt costs: seconds per drafted token (`per_token`) and seconds per
+    committed token it had not seen (`catch_up`: fed before drafting, the tokens other sources'
+    rounds committed since it last drafted).
+
+    A draft call of k tokens after c unseen ones takes about catch_up x c + per_token x k.
+    Where a drafter feeds its catch-up inside its first drafting pass (the MLX and Core ML
+    drafters: one pass over the unseen tokens and the last one), a call's time cannot be split
+    by timing, so both terms are fitted to the calls' (c, k, seconds) by least squares with
+    exponential forgetting (FIT_DECAY per call): calls of different c and k tell them apart.
+    Values loaded from a file pull the fit weakly (FIT_RIDGE tokens^2); with no call that had
+    unseen tokens the catch-up stays unmeasured (CATCH_UP_PRIOR of a drafted token applies),
+    and calls with c = 0 (mode speculative's) teach per_token alone, as seconds / tokens."""
+
+    per_token: float | None = None  # None: not measured (the prior applies)
+    catch_up: float | None = None  # seconds per unseen token; None: not measured
+    prior: float = DRAFT_PRIOR  # seconds per token before one is measured, in plain steps
+    count: int = 0  # measurements in this process
+    fresh: bool = False  # measured in this process (persist it)
+
+    def __post_init__(self):
+        self._anchor = (self.catch_up, self.per_token)  # what it started from (a file's values)
+        self._sums = [0.0] * 5  # decayed sums of c*c, c*k, k*k, c*t, k*t over the calls
+
+    def observe(self, tokens: int, seconds: float, unseen: int = 0) -> None:
+        """A draft call of `tokens` tokens that first fed `unseen` committed tokens took `seconds`."""
+        if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        c, k, t = max(int(unseen), 0), int(tokens), float(seconds)
+        s = self._sums
+        for i, v in enumerate((c * c, c * k, k * k, c * t, k * t)):
+            s[i] = FIT_DECAY * s[i] + v
+        self._fit()
+        self.count += 1
+        self.fresh = True
+
+    def _fit(self) -> None:
+        cc, ck, kk, ct, kt = self._sums
+        a0, b0 = self._anchor
+        # A loaded value pulls its term weakly; an unmeasured catch-up is pulled to 0 only
+        # infinitesimally (it decides a only where no call had c > 0, or c/k never varied).
+        la, a0 = (FIT_RIDGE, a0) if a0 is not None else (1e-9, 0.0)
+        lb, b0 = (FIT_RIDGE, b0) if b0 is not None else (0.0, 0.0)
+        m11, m12, m22 = cc + la, ck, kk + lb
+        r1, r2 = ct + la * a0, kt + lb * b0
+        det = m11 * m22 - m12 * m12
+        a = (r1 * m22 - m12 * r2) / det
+        b = (m11 * r2 - m12 * r1) / det
+        if a < 0:  # noise: no catch-up cost, the steps alone
+            a, b = 0.0, r2 / m22
+        if not b > 0:  # noise the other way: keep the steps' price, the catch-up takes the rest
+            b = self.per_token if self.per_token is not None else r2 / m22
+            a = max((r1 - m12 * b) / m11, 0.0)
+        self.per_token = float(b)
+        if cc > 0 or self.catch_up is not None:
+            self.catch_up = float(a)
+
+    def value(self, plain_s: float) -> float:
+        """Seconds per drafted token: measured, else the prior relative to a plain step."""
+        return self.per_token if self.per_token is not None else self.prior * plain_s
+
+    def catch_up_s(self, unseen, plain_s: float):
+        """Seconds to feed `unseen` committed tokens before drafting (a number or an array)."""
+        per = self.catch_up if self.catch_up is not None else CATCH_UP_PRIOR * self.value(plain_s)
+        return unseen * per

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from edgespec.calibration import DraftCost
+from edgespec.adaptive.estimate import DraftCost
 from edgespec.lookahead.pool import JacobiWindow, NgramPool
 
 
@@ -124,14 +124,14 @@ class DrafterSource:
     rounds it did not draft: its catch-up), then drafts k tokens. A drafter that declares it
     (`DrafterCaps.catches_up`) counts those tokens beforehand (`unseen`), and a call is priced
     `draft_s` = catch-up x unseen + k x per token. Both are learnt from the drafting calls it
-    makes (`observe`, into a `calibration.DraftCost` the engine keeps and persists); until
+    makes (`observe`, into a `estimate.DraftCost` the engine keeps and persists); until
     measured the planner prices them from priors (a fraction of a plain step,
-    `calibration.DRAFT_PRIOR`; a fraction of a drafted token, `calibration.CATCH_UP_PRIOR`)."""
+    `estimate.DRAFT_PRIOR`; a fraction of a drafted token, `estimate.CATCH_UP_PRIOR`)."""
 
     name = "drafter"
 
     def __init__(self, drafter, draft_s=None, clock=time.perf_counter):
-        """draft_s: seconds per drafted token (a number: fixed), a calibration.DraftCost (learnt),
+        """draft_s: seconds per drafted token (a number: fixed), a estimate.DraftCost (learnt),
         or None (learnt from nothing). clock: what draft calls are timed with (the adaptive
         decoder hands it its policy's clock)."""
         if drafter.caps.needs_features:

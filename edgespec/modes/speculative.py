@@ -26,8 +26,8 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from edgespec.adaptive.estimate import Costs, PlainTimer
-from edgespec.calibration import SIZES, DraftCost, cost_store, prior_curve
+from edgespec.adaptive.estimate import Costs, DraftCost, PlainTimer
+from edgespec.calibration import SIZES, cost_store, prior_curve
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft, request_drafter
 from edgespec.errors import DrafterRequiredError
@@ -388,7 +388,7 @@ def engine_memory(engine, drafter, name: str) -> dict:
 
 
 def prior_costs(curve=None, drafting=None) -> CostModel:
-    """Costs from a learnt curve (estimate.Costs) and drafting cost (calibration.DraftCost),
+    """Costs from a learnt curve (estimate.Costs) and drafting cost (estimate.DraftCost),
     fresh priors when not given: nothing is measured here."""
     curve = curve if curve is not None else Costs(list(SIZES), prior_curve(SIZES))
     drafting = drafting if drafting is not None else DraftCost()
