@@ -10,7 +10,8 @@ plain (on an engine of its own) and then `repeats` times in auto: each round a f
 schema last, so that its run follows the other schemas' requests as in the report and auto's
 history holds earlier replies of other schemas, never plain's reply of the same one. Every
 emitted token is checked by the guard (edgespec.logits.exactness); with --seeded the auto
-runs use SeededPolicy(round) instead of the timed choices. With --shared, each auto run follows a plain run of
+runs use SeededPolicy(round) instead of the timed choices. With --concurrent N, N requests are in
+flight at once (the batch decodes them together). With --shared, each auto run follows a plain run of
 the same schema on its engine. The guard also replays every request from empty caches when it
 ends (keys and values restored or packed for the wrong tokens fail there). Prints one line per
 divergence or guard failure (with plain's log-probs there) and a summary; exit 1 on any.
@@ -22,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -42,6 +44,8 @@ def main(argv=None) -> int:
                     help="each auto run right after a plain run of the same schema on the same engine (as a "
                          "harness comparing modes on one loaded model would): auto's prefix cache then holds "
                          "plain's blocks and its history plain's reply")
+    ap.add_argument("--concurrent", type=int, default=1,
+                    help="auto requests in flight at once (decoded together in the engine's batch)")
     ap.add_argument("--only", type=int, default=0, help="the first N cases only (0: all)")
     ap.add_argument("--max-tokens", type=int, default=192, help="tokens per reply")
     args = ap.parse_args(argv)
@@ -76,9 +80,12 @@ def main(argv=None) -> int:
         if eng is None or not args.keep_engine:
             eng = edgespec.load(args.model, progress=False, history=args.history)
             eng.check_exact = True  # every emitted token checked (edgespec.logits.exactness)
-        for name, schema, prompt in cases:
+        eng.policy = SeededPolicy(r) if args.seeded else None
+
+        def one(case, r=r, eng=eng):
+            """None when auto's reply equals plain's, else what to print."""
+            name, schema, prompt = case
             plain = plains[name]
-            eng.policy = SeededPolicy(r) if args.seeded else None
             msgs = [{"role": "user", "content": prompt}]
             try:
                 if args.shared:
@@ -87,18 +94,25 @@ def main(argv=None) -> int:
                 got = eng.chat(msgs, response_format=_rf(name, schema), temperature=0,
                                max_tokens=args.max_tokens, mode="auto")
             except AssertionError as e:  # the guard (ExactnessError): a token plain would not emit
-                runs += 1
+                return f"GUARD {name} round {r}: {e}"
+            if got.tokens == plain.tokens:
+                return None
+            k = next((i for i, (a, b) in enumerate(zip(plain.tokens, got.tokens, strict=False)) if a != b),
+                     min(len(plain.tokens), len(got.tokens)))
+            top = plain.logprobs[k].top if k < len(plain.logprobs) else None
+            return (f"DIFF {name} round {r} at token {k}: plain {plain.tokens[k:k + 1]} auto {got.tokens[k:k + 1]} "
+                    f"(plain's top there: {top}; {eng.policy.describe() if args.seeded else ''})")
+
+        if args.concurrent > 1:  # requests decoded together in the engine's batch
+            with ThreadPoolExecutor(args.concurrent) as pool:
+                outcomes = list(pool.map(one, cases))
+        else:
+            outcomes = [one(c) for c in cases]
+        runs += len(outcomes)
+        for line in outcomes:
+            if line is not None:
                 bad += 1
-                print(f"GUARD {name} round {r}: {e}", flush=True)
-                continue
-            runs += 1
-            if got.tokens != plain.tokens:
-                bad += 1
-                k = next((i for i, (a, b) in enumerate(zip(plain.tokens, got.tokens, strict=False)) if a != b),
-                         min(len(plain.tokens), len(got.tokens)))
-                top = plain.logprobs[k].top if k < len(plain.logprobs) else None
-                print(f"DIFF {name} round {r} at token {k}: plain {plain.tokens[k:k + 1]} auto {got.tokens[k:k + 1]} "
-                      f"(plain's top there: {top}; {eng.policy.describe() if args.seeded else ''})", flush=True)
+                print(line, flush=True)
         print(f"round {r}: {len(cases)} schemas, {runs} auto runs so far, {bad} differ, {time.time() - t0:.0f} s",
               flush=True)
     eng.policy = None
