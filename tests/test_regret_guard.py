@@ -195,3 +195,41 @@ def test_a_size_measured_under_load_is_priced_at_todays_plain_step():
     for _ in range(30):
         c.observe(1, 0.20)  # heavier load than when it was measured
     assert c.verify(4) == pytest.approx(0.60, rel=1e-2)
+
+
+def test_guard_judges_the_time_of_rounds_not_their_luck():
+    # Rounds that take what they were priced at (1.2 plain steps for 2 expected tokens) but
+    # happened to accept less: no trip. The same rounds judged by what they committed would
+    # trip (the control), which is what kept an idle machine's chat replies plain.
+    lucky = RegretGuard(rounds=4, min_rounds=3, refresh=100)
+    control = RegretGuard(rounds=4, min_rounds=3, refresh=100)
+    for g in (lucky, control):
+        g.plain_done(1.0)
+    for _ in range(6):
+        lucky.round_done(1, 1.2, expected=2.0)
+        control.round_done(1, 1.2)
+    assert lucky.trips == 0 and not lucky.want_plain
+    assert control.trips >= 1 and control.want_plain
+    # Contention: the same expected tokens now take 4 plain steps: it trips.
+    lucky.plain_done(1.0)  # a paired plain step (the decoder interleaves one when none is recent)
+    for _ in range(3):
+        lucky.round_done(2, 4.0, expected=2.0)
+    assert lucky.trips == 1 and lucky.want_plain
+
+
+def test_a_request_starts_without_the_last_ones_hold():
+    g = RegretGuard(rounds=4, min_rounds=3, hold=4, max_hold=64, refresh=100)
+    policy = TimedPolicy(guard=g)
+    policy.begin({})
+    g.plain_done(1.0)
+    for _ in range(9):  # trips, holds, probes, trips again: the hold doubles
+        g.round_done(1, 4.0)
+        while g.want_plain:
+            g.plain_done(1.0)
+    assert g.trips >= 2 and g.hold > 4
+    for _ in range(3):  # a fresh verdict (the trip cleared the rounds) that loses again
+        g.round_done(1, 4.0)
+    assert g.want_plain  # held inside this request
+    policy.begin({})  # the next request: its own verdicts, the load's plain steps kept
+    assert not g.want_plain and g.hold == 4 and g.hold_left == 0 and not g.spec
+    assert g.plain_s() == 1.0

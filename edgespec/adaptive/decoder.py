@@ -84,6 +84,7 @@ class Plan:
     draft_k: int = 0
     rate: float = 0.0
     probe: bool = False
+    expected: float | None = None  # tokens the round is expected to commit (what the prices assumed)
 
 
 class AdaptiveDecoder:
@@ -186,7 +187,8 @@ class AdaptiveDecoder:
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         costs, plain_s, others, cap = self._pricing(nodes)
         kept, rate = plan_tree(nodes, costs, 0.0, plain_s, cap, self.margin, others)
-        best = Plan("tree" if kept else "plain", cands, 0, rate)
+        e_tree = 1.0 + sum(nodes[i].prob for i in kept)
+        best = Plan("tree" if kept else "plain", cands, 0, rate, expected=e_tree if kept else None)
         d = self.drafter
         if d is None:
             return best
@@ -195,7 +197,6 @@ class AdaptiveDecoder:
         self.since_draft += 1
         ks = np.arange(1, KMAX + 1)
         pd = np.cumsum(self.acc.path_probs("drafter", 0, KMAX))
-        e_tree = 1.0 + sum(nodes[i].prob for i in kept)
         p1 = min(1.0, sum(nodes[i].prob for i in kept if nodes[i].parent < 0))
         gain = others + e_tree + (1.0 - p1) * pd
         t_tree = 1 + len(kept)
@@ -212,7 +213,7 @@ class AdaptiveDecoder:
             probe = True  # measure the drafter again, now and then (waits grow while it loses)
         else:
             return best
-        return Plan("tree", cands, int(ks[k]), float(rates[k]), probe)
+        return Plan("tree", cands, int(ks[k]), float(rates[k]), probe, expected=float(gain[k] - others))
 
     # ------------------------------------------------------------------ steps
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
@@ -282,7 +283,8 @@ class AdaptiveDecoder:
             self._host_time("tree", dt, blocked)
             alone = not self._in_batch()
             if alone:
-                self.policy.round_done(len(new), dt)  # what the choice realised (RegretGuard)
+                # what the choice cost, and the tokens it was expected to bring (RegretGuard)
+                self.policy.round_done(len(new), dt, None if window else plan.expected)
             if self.wctl is not None:
                 self.wctl.record("full" if window else "lean", len(new), dt)
             # A window round's extra tokens are priced by the window controller; in a batch the

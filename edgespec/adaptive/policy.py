@@ -60,8 +60,17 @@ class RegretGuard:
       `hold` steps, `hold` doubling at every trip up to `max_hold` (back off while
       speculation keeps losing), then speculation is probed again on fresh samples.
       A window that pays resets `hold`.
+    - What is judged is time, not luck: a round's tokens are those its prices expected
+      (`round_done(..., expected)`; the committed count where none is given) over its
+      measured seconds. Contention makes rounds take longer than priced, which is what the
+      guard is for; how many drafts a window happened to accept is the acceptance
+      statistics' business (they learn it), and judging it here tripped the guard on an
+      idle machine whenever a few rounds were unlucky (chat: 6 trips in 14 requests).
 
-    State is kept across requests (a busy machine stays busy); times come from `clock`.
+    The plain steps' timings are kept across requests (a busy machine stays busy); the hold
+    and the verdict's rounds are not (`new_request`: a request's content says nothing about
+    the next one's; a hold carried over, doubled to 1024 steps, kept whole requests plain).
+    Times come from `clock`.
     Counts only, no timing: `trips`, `releases`, `interleaves`, `events` (each
     ("trip"|"release"|"interleave", tokens so far)) for tests and reports.
     """
@@ -94,10 +103,20 @@ class RegretGuard:
             self.hold_left -= 1
         self.want_plain = self.hold_left > 0
 
-    def round_done(self, tokens: int, seconds: float) -> None:
+    def new_request(self) -> None:
+        """A request starts: the plain steps measured before still say what the load is (kept),
+        but what the last request's content did says nothing about this one's: no hold, no
+        backed-off wait, its verdicts on its own rounds."""
+        self.spec.clear()
+        self.hold, self.hold_left = self.base_hold, 0
+        self.interleave = self.want_plain = self._tripped = False
+
+    def round_done(self, tokens: int, seconds: float, expected: float | None = None) -> None:
+        """A speculative round committed `tokens` in `seconds`; `expected`: the tokens its
+        prices assumed (judged instead of `tokens` where given: see the class docstring)."""
         self.tokens += tokens
         self.round_no += 1
-        self.spec.append((self.round_no, tokens, seconds))
+        self.spec.append((self.round_no, tokens if expected is None else expected, seconds))
         if len(self.spec) < self.min_rounds:
             return
         plain = self._paired()
@@ -170,7 +189,7 @@ class Policy:
     def plain_done(self, seconds: float | None) -> None:
         pass
 
-    def round_done(self, tokens: int, seconds: float) -> None:
+    def round_done(self, tokens: int, seconds: float, expected: float | None = None) -> None:
         pass
 
     def plain_s(self, default: float) -> float:
@@ -220,6 +239,7 @@ class TimedPolicy(Policy):
     def begin(self, memory):
         if not self._own:
             self.guard = memory.setdefault("guard", RegretGuard())
+        self.guard.new_request()
 
     def prefer(self, default, can_tree, can_draft, kmax):
         """The priced choice before the guard looks at it (a test overrides it to stand for
@@ -244,9 +264,9 @@ class TimedPolicy(Policy):
         if self.guard is not None:
             self.guard.plain_done(seconds)
 
-    def round_done(self, tokens, seconds):
+    def round_done(self, tokens, seconds, expected=None):
         if self.guard is not None:
-            self.guard.round_done(tokens, seconds)
+            self.guard.round_done(tokens, seconds, expected)
 
     def plain_s(self, default):
         s = self.guard.plain_s() if self.guard is not None else None
