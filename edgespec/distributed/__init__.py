@@ -18,8 +18,9 @@ the CLI's `add_distributed_arguments` (launch.py) does not load mlx.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from edgespec.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from edgespec.distributed.comm import Group
@@ -61,14 +62,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'edgespec.distributed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
