@@ -197,24 +197,37 @@ def test_a_size_measured_under_load_is_priced_at_todays_plain_step():
     assert c.verify(4) == pytest.approx(0.60, rel=1e-2)
 
 
-def test_guard_judges_the_time_of_rounds_not_their_luck():
+def test_guard_judges_time_quickly_and_luck_over_a_window():
     # Rounds that take what they were priced at (1.2 plain steps for 2 expected tokens) but
-    # happened to accept less: no trip. The same rounds judged by what they committed would
-    # trip (the control), which is what kept an idle machine's chat replies plain.
-    lucky = RegretGuard(rounds=4, min_rounds=3, refresh=100)
-    control = RegretGuard(rounds=4, min_rounds=3, refresh=100)
-    for g in (lucky, control):
-        g.plain_done(1.0)
-    for _ in range(6):
-        lucky.round_done(1, 1.2, expected=2.0)
-        control.round_done(1, 1.2)
-    assert lucky.trips == 0 and not lucky.want_plain
-    assert control.trips >= 1 and control.want_plain
-    # Contention: the same expected tokens now take 4 plain steps: it trips.
-    lucky.plain_done(1.0)  # a paired plain step (the decoder interleaves one when none is recent)
+    # happen to accept little: a few of them are no verdict (the control, judged on what 3
+    # rounds committed as before, trips: what kept an idle machine's chat replies plain) ...
+    g = RegretGuard(rounds=8, min_rounds=3, refresh=100)
+    control = RegretGuard(rounds=3, min_rounds=3, refresh=100)
+    for guard in (g, control):
+        guard.plain_done(1.0)
+        for _ in range(3):
+            guard.round_done(1, 1.2, expected=2.0)
+    assert g.trips == 0 and not g.want_plain
+    assert control.trips == 1
+    # ... lucky rounds after them even out the window ...
+    for _ in range(4):
+        g.round_done(3, 1.2, expected=2.0)
+    assert g.trips == 0
+    # ... but a full window that commits less than plain would is one (the estimates are
+    # wrong for this content): it trips.
+    g.plain_done(1.0)  # a paired plain step (the decoder interleaves one when none is recent)
+    for _ in range(8):
+        g.round_done(1, 1.2, expected=2.0)
+        if g.trips:
+            break
+    assert g.trips == 1 and g.want_plain
+    # Contention: the same expected tokens now take 4 plain steps: it trips within
+    # min_rounds rounds, whatever they committed.
+    h = RegretGuard(rounds=8, min_rounds=3, refresh=100)
+    h.plain_done(1.0)
     for _ in range(3):
-        lucky.round_done(2, 4.0, expected=2.0)
-    assert lucky.trips == 1 and lucky.want_plain
+        h.round_done(3, 4.0, expected=2.0)
+    assert h.trips == 1 and h.want_plain
 
 
 def test_a_request_starts_without_the_last_ones_hold():
