@@ -144,7 +144,6 @@ def calibration_files(home: Path) -> int:
 def steady(args) -> int:
     os.environ["EDGESPEC_CALIBRATION"] = "off"  # the learning engine starts from the prior, writes nothing
     import edgespec
-    import edgespec.adaptive  # noqa: F401  (before calibration: the two import each other, adaptive first)
     import edgespec.calibration as cal
     from edgespec.drafters import attach_drafter
     from edgespec.engine import Engine
