@@ -125,7 +125,7 @@ class ExactnessGuard:
         seq = list(prompt) + list(reply[:-1])
         P = len(prompt)
         cache = make_cache()
-        rows: list[np.ndarray] = []
+        k = 0  # the reply token the next replayed row draws
         for start in range(0, len(seq), REPLAY_CHUNK):
             chunk = seq[start: start + REPLAY_CHUNK]
             logits = model(mx.array([chunk], dtype=mx.int32), cache)
@@ -133,21 +133,25 @@ class ExactnessGuard:
             if first < len(chunk):
                 out = logits[0, first:].astype(mx.float32)
                 mx.eval(out)
-                rows.extend(np.array(out))
-        for k, token in enumerate(reply):
-            where = f"mode {self.mode_name!r}, reply token {k} (id {token}), replayed"
-            ref = mx.array(rows[k])[None]
-            for proc in procs:
-                ref = proc.process(ref, list(reply[:k]), [[]])
-            row = ref[0].astype(mx.float32)
-            lp = np.array(row - mx.logsumexp(row))
-            if not np.isfinite(lp[token]):
-                raise ExactnessError(f"{where}: has probability 0 in the verifier's row processed along the reply")
-            if self.sampler.params.greedy:
-                best = int(np.argmax(lp))
-                gap = float(lp[best] - lp[token])
-                if gap > REPLAY_TOLERANCE:
-                    raise ExactnessError(
-                        f"{where}: the verifier alone prefers {best} there by {gap:.4g} nats (log-prob "
-                        f"{lp[token]:.4f} vs {lp[best]:.4f}): the rows the mode drew from were not the "
-                        "verifier's for this reply (keys and values of other tokens, or another row)")
+                for row in out:  # checked as they come: one chunk's rows held at a time
+                    self._check_replayed(k, reply, row, procs)
+                    k += 1
+
+    def _check_replayed(self, k: int, reply: list[int], row: mx.array, procs: list) -> None:
+        token = reply[k]
+        where = f"mode {self.mode_name!r}, reply token {k} (id {token}), replayed"
+        ref = row[None]
+        for proc in procs:
+            ref = proc.process(ref, list(reply[:k]), [[]])
+        row = ref[0].astype(mx.float32)
+        lp = np.array(row - mx.logsumexp(row))
+        if not np.isfinite(lp[token]):
+            raise ExactnessError(f"{where}: has probability 0 in the verifier's row processed along the reply")
+        if self.sampler.params.greedy:
+            best = int(np.argmax(lp))
+            gap = float(lp[best] - lp[token])
+            if gap > REPLAY_TOLERANCE:
+                raise ExactnessError(
+                    f"{where}: the verifier alone prefers {best} there by {gap:.4g} nats (log-prob "
+                    f"{lp[token]:.4f} vs {lp[best]:.4f}): the rows the mode drew from were not the "
+                    "verifier's for this reply (keys and values of other tokens, or another row)")
