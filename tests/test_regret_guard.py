@@ -246,3 +246,60 @@ def test_a_request_starts_without_the_last_ones_hold():
     policy.begin({})  # the next request: its own verdicts, the load's plain steps kept
     assert not g.want_plain and g.hold == 4 and g.hold_left == 0 and not g.spec
     assert g.plain_s() == 1.0
+
+
+def test_rounds_dearer_than_priced_raise_every_wider_size_until_plain_steps_ease_it():
+    """Costs.load: under contention a wide pass slows down more than the plain step it is
+    scaled by; the measured/priced ratio of the rounds prices every size > 1, measured or
+    not, and timed plain steps ease it back towards the curve."""
+    from edgespec.adaptive.estimate import LOAD_EASE, Costs
+
+    c = Costs(sizes=[1, 4, 16], verify_s=[0.01, 0.012, 0.02])
+    for _ in range(5):
+        c.observe(1, 0.02)  # a busy machine: plain steps take 2x
+    priced4, priced12 = c.verify(4), c.verify(12)
+    assert c.load == 1.0 and c.under_load().verify(4) == pytest.approx(priced4)
+    for _ in range(4):
+        c.observe(4, 3 * c.verify(4))  # 4-token rounds run 3x what the curve says, each time
+    assert c.load > 1.5
+    loaded = c.under_load()
+    assert loaded.verify(1) == c.verify(1)  # the plain step is measured all the time: as is
+    assert loaded.verify(12) == pytest.approx(c.verify(12) * c.load)  # a size never measured too
+    assert loaded.verify(12) > 1.5 * priced12
+    before = c.load
+    c.observe(1, 0.02)
+    assert c.load == pytest.approx(before ** LOAD_EASE)
+    for _ in range(200):  # plain steps only: the curve's own prices return
+        c.observe(1, 0.02)
+    assert c.load == pytest.approx(1.0, abs=0.03)
+    for _ in range(10):  # rounds cheaper than priced lower it, within the bound
+        c.observe(4, 0.0001)
+    assert 0.2 < c.load < 0.5
+
+
+def test_the_planner_prices_the_load_its_rounds_measured(plain_ref):
+    """With the real prices and a guard that never trips, the request takes less (fake) time
+    when the rounds' measured load prices every size (Costs.load) than when it is held at 1
+    (the per-size curve alone): fewer wide rounds while wide passes are slow, and speculation
+    again soon after (plain steps ease the load back; the per-size curve alone stays dear, as
+    the plain step it scales by never slowed). The output is plain's either way."""
+    import edgespec.adaptive.estimate as estimate
+
+    def run(weight):
+        old = estimate.LOAD_WEIGHT
+        estimate.LOAD_WEIGHT = weight
+        try:
+            eng, model = _engine(SLOW, RegretGuard(margin=0.0), TimedPolicy)
+            assert _run(eng, model) == plain_ref
+            c = model.calls
+            return model.clock.t, len(_wide(c, 0, SLOW[0])), len(_wide(c, *SLOW)), len(_wide(c, SLOW[1], 10**9))
+        finally:
+            estimate.LOAD_WEIGHT = old
+
+    t, before, slow, after = run(estimate.LOAD_WEIGHT)
+    t_held, before_held, slow_held, after_held = run(0.0)
+    print("fake seconds", t, "held", t_held, "; wide rounds before/slow/after", (before, slow, after), "held",
+          (before_held, slow_held, after_held))
+    assert before >= 5 and before_held >= 5  # both speculate before the slowdown
+    assert slow < slow_held and after >= 5
+    assert t < t_held

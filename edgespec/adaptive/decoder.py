@@ -162,7 +162,8 @@ class AdaptiveDecoder:
         if ctx is None:
             # Alone: against a plain step measured in the same window of rounds when the policy
             # has one (RegretGuard.plain_s), not an average from another moment's load.
-            return self.costs, self.policy.plain_s(self.plain_s), 0.0, self.max_tree
+            # The curve under the load its rounds measured lately (Costs.under_load).
+            return self.costs.under_load(), self.policy.plain_s(self.plain_s), 0.0, self.max_tree
         peers, step, key = ctx
         gains = gain_curve(nodes, self.max_tree)
         extra_s = max(self._host["tree"] - self._host["plain"], 0.0)

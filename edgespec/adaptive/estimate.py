@@ -97,6 +97,8 @@ class AcceptanceStats:
 
 
 SCALE_MAX = 4.0  # how far a load change since a size was measured may move its price, either way
+LOAD_WEIGHT = 0.3  # a round's weight in Costs.load (as a sample's in a size's own average)
+LOAD_EASE = 0.98  # per timed plain step, log(load) shrinks by this factor (back to the curve)
 
 
 @dataclass
@@ -118,6 +120,19 @@ class Costs:
     this, a size measured while other processes held the cores stayed dear after they left
     (so it was not chosen again, and not measured again), and one measured on quiet cores
     stayed cheap under load.
+
+    What that scaling misses, priced apart (`load`): a wider pass does not slow down with
+    the plain step in proportion. With two busy processes on this machine's two cores a plain
+    step took 2x its idle time and a tree round 3-5x (several threads wait on each other), so
+    rounds ran 1.5-2x dearer than priced, round after round, until the regret guard tripped.
+    Every round run alone compares its measured seconds with the curve's price before teaching
+    the curve (`observe`); the running ratio (a moving average in log space, bounded by
+    SCALE_MAX either way) multiplies every size > 1 where the decoder prices its rounds
+    (`under_load`), so a measured size moves every other size at once, and the planner keeps
+    only the trees that pay at today's prices (long copies still do; a guess at 1.3 tokens does
+    not). Each timed plain step eases it back towards 1 (LOAD_EASE): while no round is run, the
+    curve's own prices return, and a round run then measures the load again. Not persisted: a
+    load is this moment's.
     """
 
     sizes: list[int]
@@ -132,8 +147,20 @@ class Costs:
     # averaged as they are; verify(T) = seen[T] * seen[1] / ref[T], that factor bounded by SCALE_MAX.
     ref: dict[int, float] = field(default_factory=dict)
 
+    # The load's factor on sizes > 1 (see the class docstring): log of measured / priced, averaged.
+    log_load: float = 0.0
+
     def __post_init__(self):
         self._table: list[float] | None = None  # verify(T) for T = 0..max_tokens, rebuilt after observe
+
+    @property
+    def load(self) -> float:
+        """How much dearer than the curve rounds of T > 1 run now (1.0: as priced)."""
+        return math.exp(self.log_load)
+
+    def under_load(self) -> LoadedCosts:
+        """The curve as rounds are priced now: sizes > 1 times `load`."""
+        return LoadedCosts(self, self.load)
 
     def calibrated(self, T: int) -> float:
         """The base curve at T (before anything was measured)."""
@@ -180,6 +207,12 @@ class Costs:
         if not seconds > 0 or not np.isfinite(seconds):
             return
         T = int(T)
+        if T == 1:
+            self.log_load *= LOAD_EASE
+        else:  # before the curve learns from it: how far the price was off
+            r = math.log(float(seconds) / max(self.verify(T), 1e-12))
+            lim = math.log(SCALE_MAX)
+            self.log_load = min(max((1 - LOAD_WEIGHT) * self.log_load + LOAD_WEIGHT * r, -lim), lim)
         old = self.seen.get(T)
         if old is None and T in self.anchored:
             old = self.verify(T)
@@ -207,6 +240,22 @@ class Costs:
     @property
     def max_tokens(self) -> int:
         return int(self.sizes[-1])
+
+
+class LoadedCosts:
+    """A `Costs` curve priced under the current load (`Costs.under_load`): verify(T) of sizes
+    > 1 times the load's factor; the plain step (T = 1) is measured all the time already."""
+
+    def __init__(self, costs: Costs, load: float):
+        self.costs, self.load = costs, load
+
+    def verify(self, T: int) -> float:
+        v = self.costs.verify(T)
+        return v * self.load if int(T) > 1 else v
+
+    @property
+    def max_tokens(self) -> int:
+        return self.costs.max_tokens
 
 
 class PlainTimer:
