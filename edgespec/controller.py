@@ -147,7 +147,15 @@ class KController:
         best = max(range(1, self.costs.kmax + 1), key=lambda k: expected_tokens(a, k) / self.round_cost(k))
         return best, expected_tokens(a, best) / self.round_cost(best)
 
-    def choose(self) -> int:
+    def choose(self, policy=None) -> int:
+        """K for the next round (0: a plain step). policy: the request's
+        edgespec.adaptive.policy.Policy, which carries the timed choice out or replaces it."""
+        k = self._timed()
+        if policy is None or self.fixed_k is not None:  # a K the user fixed is not timing-driven
+            return k
+        return policy.spec_k(k, self.costs.kmax)
+
+    def _timed(self) -> int:
         if self.fixed_k is not None:
             return self.fixed_k
         k, rate = self.best_k()

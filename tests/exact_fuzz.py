@@ -167,8 +167,8 @@ class Verifiers:
         return self._models["dflash"]
 
 
-def _options(case: Case, mode: str, logprobs: int | None = None) -> dict:
-    o = dict(max_tokens=case.max_tokens, mode=mode, response_format=case.grammar, **case.penalties)
+def _options(case: Case, mode: str, logprobs: int | None = None, **mode_options) -> dict:
+    o = dict(max_tokens=case.max_tokens, mode=mode, response_format=case.grammar, **case.penalties, **mode_options)
     if not case.greedy:
         o.update(temperature=1.0, seed=1000 + case.seed)
     if logprobs is not None:
@@ -218,8 +218,9 @@ class Report:
     coverage: dict = field(default_factory=dict)
 
 
-def run_case(verifiers: Verifiers, case: Case, mode: str = "auto") -> tuple[str, str] | None:
-    """None when `mode` under the case's seeded decisions equals plain; else the classification."""
+def run_case(verifiers: Verifiers, case: Case, mode: str = "auto", **mode_options) -> tuple[str, str] | None:
+    """None when `mode` (with `mode_options`) under the case's seeded decisions equals plain; else
+    the classification."""
     eng = verifiers.engine(case)
     prompts = _prompts(case)
     _warm(eng, case)
@@ -232,14 +233,14 @@ def run_case(verifiers: Verifiers, case: Case, mode: str = "auto") -> tuple[str,
     eng.policy = policy
     try:
         if case.batch > 1:
-            got = [r.tokens for r in eng.generate_many(prompts, **_options(case, mode))]
+            got = [r.tokens for r in eng.generate_many(prompts, **_options(case, mode, **mode_options))]
         else:
-            got = [eng.generate(case.prompt, **_options(case, mode)).tokens]
+            got = [eng.generate(case.prompt, **_options(case, mode, **mode_options)).tokens]
         if case.prefix_warm and case.batch == 1 and got[0]:
             # The conversation goes on: its next request restores the blocks this reply
             # committed to the prefix cache, which the guard's replay checks against empty
             # caches (keys and values stored for the wrong tokens would fail there).
-            eng.generate(case.prompt + got[0], **_options(case, mode))
+            eng.generate(case.prompt + got[0], **_options(case, mode, **mode_options))
     finally:
         eng.policy = None
         case.decisions = policy.decisions

@@ -62,6 +62,46 @@ def test_auto_equals_plain_on_recurrent_verifiers_under_seeded_decisions(hybrid_
     assert all(rep.coverage.get(f"verifier={a}", 0) > 0 for a in names)
 
 
+# Modes tree, lookahead and speculative (and prompt_lookup, cascade: the same loop) take their
+# timed choices from the engine's policy too: step kinds, dynamic tree sizes, draft lengths and
+# fallbacks to plain steps. Greedy only: mode speculative's rejection sampling keeps plain's
+# distribution, not its seeded tokens.
+SEEDED_MODES = {
+    "tree": (lambda c: c.drafter == "model", lambda c: {"sources": "drafter+prompt_lookup+pool"},
+             ("step", "tree_size")),
+    "lookahead": (lambda c: True, lambda c: {}, ("step",)),
+    "speculative": (lambda c: c.drafter is not None, lambda c: {}, ("spec_k",)),
+}
+
+
+@pytest.mark.parametrize("mode", list(SEEDED_MODES))
+def test_every_timed_mode_equals_plain_under_seeded_decisions(verifiers, mode):
+    from exact_fuzz import draw_case, run_case
+
+    fits, options, kinds = SEEDED_MODES[mode]
+    n = max(16, FUZZ_CASES // 2)
+    cases = [c for c in (draw_case(s, ["tiny"]) for s in range(20_000, 22_000))
+             if c.greedy and c.batch == 1 and fits(c)][:n]
+    seen: dict[tuple, int] = {}
+    bad = []
+    for case in cases:
+        out = run_case(verifiers, case, mode, **options(case))
+        if out is not None:
+            bad.append(f"{out}\n  {case.describe()}")
+        for d in case.decisions:
+            if d[0] in kinds:
+                key = (d[0], d[1]) if d[0] == "step" else (d[0], min(d[1], 1))
+                seen[key] = seen.get(key, 0) + 1
+    print(mode, len(cases), "cases; decisions", seen)
+    assert len(cases) == n and not bad, "\n".join(bad[:5])
+    # The policy was asked, and its answers covered the choices (plain steps among them).
+    want = {"step": [("step", "plain"), ("step", "full")], "tree_size": [("tree_size", 0), ("tree_size", 1)],
+            "spec_k": [("spec_k", 0), ("spec_k", 1)]}
+    for kind in kinds:
+        for key in want[kind]:
+            assert seen.get(key, 0) > 0, (key, seen)
+
+
 def test_the_fuzzer_catches_a_grammar_state_built_from_the_parent_path(verifiers, monkeypatch):
     """Mutation: each row's grammar mask computed after its path minus the last token."""
     real = processors.GrammarProcessor.process

@@ -30,7 +30,10 @@ Decision kinds (the tuple recorded):
 - ("plan", kind, draft_k): "plain" or "tree", and the drafter chain's length (0: none);
 - ("tree", kept): the trie node indices verified (ancestor-closed, topological);
 - ("window", on): whether the Jacobi window rides along this round;
-- ("spec_k", k): mode speculative's draft length for the next round.
+- ("spec_k", k): modes speculative's, prompt_lookup's and cascade's draft length for the next
+  round (0: a plain step);
+- ("step", kind): modes tree's and lookahead's step kind ("full", "lean" or "plain");
+- ("tree_size", n): the drafted nodes a dynamic tree of mode tree keeps.
 """
 
 from __future__ import annotations
@@ -228,6 +231,18 @@ class Policy:
         self.decisions.append(("spec_k", k))
         return k
 
+    def step(self, default: str, kinds: tuple[str, ...]) -> str:
+        """A step controller's kind (modes tree and lookahead: edgespec.lookahead.StepController)."""
+        kind = self.choose("step", default, kinds=tuple(kinds))
+        self.decisions.append(("step", kind))
+        return kind
+
+    def tree_size(self, default: int, n_max: int) -> int:
+        """How many drafted nodes a dynamic tree of mode tree keeps (edgespec.tree.TreeBudget)."""
+        n = int(self.choose("tree_size", default, n_max=n_max))
+        self.decisions.append(("tree_size", n))
+        return n
+
     def choose(self, kind: str, default, **ctx):
         return default
 
@@ -283,6 +298,12 @@ class TimedPolicy(Policy):
     def spec_k(self, default, kmax):
         return default
 
+    def step(self, default, kinds):
+        return default
+
+    def tree_size(self, default, n_max):
+        return default
+
 
 class SeededPolicy(Policy):
     """Seeded random choices: plain or tree rounds, any draft length, any ancestor-closed
@@ -321,8 +342,12 @@ class SeededPolicy(Policy):
             return kept
         if kind == "window":
             return r.random() < 0.5
-        if kind == "spec_k":
-            return r.randint(1, ctx["kmax"])
+        if kind == "spec_k":  # 0: a plain step (the fallback)
+            return 0 if r.random() < self.p_plain else r.randint(1, ctx["kmax"])
+        if kind == "step":
+            return r.choice(ctx["kinds"])
+        if kind == "tree_size":
+            return r.randint(0, ctx["n_max"])
         return default
 
     def describe(self) -> str:
@@ -349,6 +374,10 @@ class ScriptedPolicy(Policy):
             if kind == "tree":
                 nodes = ctx["nodes"]
                 return [i for i in d[1] if i < len(nodes)]
+            if kind == "step":
+                return d[1] if d[1] in ctx["kinds"] else default
+            if kind == "tree_size":
+                return min(d[1], ctx["n_max"])
             return d[1]
         return default
 

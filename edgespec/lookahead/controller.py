@@ -38,7 +38,13 @@ class StepController:
         self.count = dict.fromkeys(KINDS, 0)
         self.since = dict.fromkeys(KINDS, 0)  # steps since the kind last ran (of the allowed ones)
 
-    def choose(self) -> str:
+    def choose(self, policy=None) -> str:
+        """The kind of the next step. policy: the request's edgespec.adaptive.policy.Policy,
+        which carries the timed choice out or replaces it (a seeded or scripted one in tests)."""
+        kind = self._timed()
+        return kind if policy is None else policy.step(kind, self.kinds)
+
+    def _timed(self) -> str:
         kinds = self.kinds
         if not self.adaptive:
             return kinds[0]

@@ -16,7 +16,7 @@ from edgespec.drafters.self_spec import SelfSpecDrafter, self_drafter
 from edgespec.errors import DrafterRequiredError
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
-from edgespec.modes.speculative import SpeculativeMode, after_request, engine_costs, engine_memory
+from edgespec.modes.speculative import SpeculativeMode, bind_engine, engine_costs, engine_memory
 from edgespec.tree.cascade import CascadeDrafter
 
 OPTION_HELP = {
@@ -106,5 +106,5 @@ def make_cascade(engine, options):
     # Drafted with a fork: concurrent requests of a batch each keep a state of their own.
     mode = SpeculativeMode(engine.model, request_drafter(drafter), options, stats_name="cascade", costs=costs,
                            memory=engine_memory(engine, drafter, "cascade"))
-    mode.after_request = after_request(engine)
+    bind_engine(mode, engine)
     return mode

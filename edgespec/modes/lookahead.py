@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from edgespec.adaptive.policy import policy_for
 from edgespec.generate import GenerationStats, Token, prefill
 from edgespec.logits.sampling import Sampler
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, StepTree, verify_step
@@ -69,6 +70,7 @@ class LookaheadMode:
         that did not pay on earlier replies is not warmed up again for every new one."""
         self.model = model
         self.memory = memory if memory is not None else {}
+        self.policy = None  # the engine's Policy: the step kinds (make_lookahead sets it)
         self.W, self.N, self.G = window, ngram, guesses
         self.span = max(span, ngram - 1)
         self.adaptive = adaptive
@@ -96,7 +98,7 @@ class LookaheadMode:
         ctl = self.memory["ctl"]
         fell_back_noted = False
         while True:
-            kind = ctl.choose()
+            kind = ctl.choose(self.policy)
             t_step = time.perf_counter()
             tree = StepTree.rooted(x0)
             if kind != "plain":
@@ -139,4 +141,6 @@ class LookaheadMode:
 def make_lookahead(engine, options):
     o = parse_options(options.mode_options)
     memory = engine.memory.lookahead.setdefault(tuple(sorted(o.items())), {})
-    return LookaheadMode(engine.model, **o, memory=memory)
+    mode = LookaheadMode(engine.model, **o, memory=memory)
+    mode.policy = policy_for(engine)  # the step kinds (a seeded or scripted policy in tests)
+    return mode

@@ -5,7 +5,7 @@ from __future__ import annotations
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
-from edgespec.modes.speculative import SpeculativeMode, after_request, engine_costs, engine_memory
+from edgespec.modes.speculative import SpeculativeMode, bind_engine, engine_costs, engine_memory
 
 OPTIONS = [
     Option("ngram_max", "int", 3, "longest context suffix looked up", 1, 16),
@@ -30,5 +30,5 @@ def make_prompt_lookup(engine, options):
     costs = engine_costs(engine, drafter) if options.draft_tokens == "auto" else None
     mode = SpeculativeMode(engine.model, drafter, options, stats_name="prompt_lookup", costs=costs,
                            memory=engine_memory(engine, drafter, "prompt_lookup"))
-    mode.after_request = after_request(engine)
+    bind_engine(mode, engine)
     return mode

@@ -27,6 +27,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from edgespec.adaptive.estimate import Costs, DraftCost, PlainTimer
+from edgespec.adaptive.policy import policy_for
 from edgespec.calibration import SIZES, cost_store, prior_curve
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import Draft, request_drafter
@@ -117,6 +118,7 @@ class SpeculativeMode:
         and the plain fallback learnt on earlier replies carry over to the next one.
         """
         self.memory = memory if memory is not None else {}
+        self.policy = None  # the engine's Policy: the draft lengths and fallbacks (bind_engine sets it)
         self.model = model
         self.drafter = drafter
         self.name = stats_name
@@ -263,7 +265,7 @@ class SpeculativeMode:
             if step_s is not None:
                 self._learn_verify(1, step_s)
             r += 1
-            k = ctl.choose()
+            k = ctl.choose(self.policy)
             more = k == 0
             if more:
                 pending = queue(t, r)
@@ -317,7 +319,7 @@ class SpeculativeMode:
                 if told == len(seq):
                     (draft, guess), hidden = early, dt_e
             else:
-                k_req = next_k.pop() if next_k else ctl.choose()
+                k_req = next_k.pop() if next_k else ctl.choose(self.policy)
             if draft is None and k_req > 0:
                 self._catch_up(worker, seq, told)
                 told = len(seq)
@@ -337,7 +339,7 @@ class SpeculativeMode:
             k = len(draft.tokens)
             # ---- start drafting round r+1 early: assume all k kept and `guess` next
             if pipelined and guess is not None:
-                k_next = ctl.choose()
+                k_next = ctl.choose(self.policy)
                 if k_next > 0:
                     dsn, _ = self._samplers(sampler, base, r + 1)
                     ahead = (worker.submit(self._draft_after, k, guess, k_next, dsn), k_next)
@@ -408,6 +410,15 @@ def after_request(engine):
     return done
 
 
+def bind_engine(mode, engine):
+    """What a mode made for a request takes from its engine: the hook that publishes and saves
+    the learnt costs when the request's rounds end, and the policy that carries out (or, in
+    tests, replaces) its timing-driven choices (edgespec.adaptive.policy)."""
+    mode.after_request = after_request(engine)
+    mode.policy = policy_for(engine)
+    return mode
+
+
 def engine_costs(engine, drafter) -> CostModel:
     """Costs for this engine/drafter pair from what the engine has learnt so far (its cost
     store, edgespec.calibration: persisted by an earlier process, else a prior that the
@@ -433,7 +444,7 @@ def make_speculative(engine, options):
     mode = SpeculativeMode(engine.model, request_drafter(drafter), options, costs=costs,
                            memory=engine_memory(engine, drafter, "speculative"))
     mode.request_drafter = mode.drafter  # the batch binds its prefix reuse
-    mode.after_request = after_request(engine)
+    bind_engine(mode, engine)
     # Notes from attaching the drafter (e.g. Core ML unavailable -> MLX copy); apps show each once.
     mode.extra_notes = list(engine.drafter_notes)
     return mode

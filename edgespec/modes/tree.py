@@ -22,6 +22,7 @@ is measured before the first token).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 
@@ -36,7 +37,7 @@ from edgespec.logits.sampling import Sampler
 from edgespec.lookahead import JacobiWindow, NgramPool, StepController, verify_step
 from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE, Option
-from edgespec.modes.speculative import after_request
+from edgespec.modes.speculative import bind_engine
 from edgespec.tree.candidates import SourceTree
 from edgespec.tree.controller import TreeBudget
 from edgespec.tree.drafting import TreeDrafter, TreePlan
@@ -190,6 +191,7 @@ class TreeMode:
             costs = Costs(list(SIZES), prior_curve(SIZES))  # a prior, learnt from this mode's passes
         self.costs = costs
         self.after_request = None  # called when a request's rounds end (the engine saves learnt costs)
+        self.policy = None  # the engine's Policy: the step kinds and tree sizes (make_tree_mode sets it)
         self.budget = TreeBudget(
             costs, fixed=fixed or (None if costs else MAX_TREE), max_tokens=MAX_TREE
         )
@@ -231,12 +233,13 @@ class TreeMode:
         ctl = StepController(adaptive=self.adaptive, kinds=self._kinds())
         fell_back_noted = False
         while True:
-            kind = ctl.choose()
+            kind = ctl.choose(self.policy)
             t_step = time.perf_counter()
             tree = SourceTree.rooted(x0)
             draft_s = 0.0
             if kind == "full" and td is not None:
-                td.grow(seq, tree, plan, self.budget.pick if plan.shape == "dynamic" else None)
+                pick = functools.partial(self.budget.pick, policy=self.policy) if plan.shape == "dynamic" else None
+                td.grow(seq, tree, plan, pick)
                 draft_s = time.perf_counter() - t_step
                 stats.draft_s += draft_s
             if kind != "plain":
@@ -316,7 +319,7 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     )
 
     mode = TreeMode(engine.model, drafter, costs=costs, name=name, **o)
-    mode.after_request = after_request(engine)
+    bind_engine(mode, engine)
     return mode
 
 

@@ -80,8 +80,10 @@ class TreeBudget:
         self.draft_s = 0.0  # EMA of drafting seconds per pass
         self.last_pred = 0.0
 
-    def pick(self, scores: list[float]) -> int:
-        """scores sorted best first -> how many to keep (so the tree has that many + 1 tokens)."""
+    def pick(self, scores: list[float], policy=None) -> int:
+        """scores sorted best first -> how many to keep (so the tree has that many + 1 tokens).
+        policy: the request's edgespec.adaptive.policy.Policy (carries the choice out or
+        replaces it: a seeded or scripted one in tests)."""
         n_max = min(len(scores), self.max_tokens - 1)
         if self.fixed is not None:
             n = min(n_max, self.fixed - 1)
@@ -89,6 +91,8 @@ class TreeBudget:
             gain = 1.0 + self.c * np.cumsum([0.0] + list(scores[:n_max]))  # E(n), n = 0..n_max
             cost = np.array([self.draft_s + self.costs.verify(n + 1) for n in range(n_max + 1)])
             n = int(np.argmax(gain / cost))
+        if policy is not None:
+            n = min(max(policy.tree_size(n, n_max), 0), n_max)
         self.last_pred = float(sum(scores[:n]))
         return n
 
