@@ -172,7 +172,7 @@ def test_plain_fallback_steps_keep_the_features(trained, verifier, vmap, monkeyp
 
     drafter = FeatureDrafter(trained[0], verifier, vmap)
     ks = itertools.cycle([0, 0, 3, 0, 2, 2, 0])
-    monkeypatch.setattr(KController, "choose", lambda self: next(ks))
+    monkeypatch.setattr(KController, "choose", lambda self, policy=None: next(ks))
     from edgespec.controller import CostModel
 
     mode = SpeculativeMode(verifier, drafter, GenerateOptions(draft_tokens="auto"), costs=CostModel([1.0] * 9, 0.1))
