@@ -191,7 +191,7 @@ class TreeMode:
             costs = Costs(list(SIZES), prior_curve(SIZES))  # a prior, learnt from this mode's passes
         self.costs = costs
         self.after_request = None  # called when a request's rounds end (the engine saves learnt costs)
-        self.policy = None  # the engine's Policy: the step kinds and tree sizes (make_tree_mode sets it)
+        self.policy = None  # the engine's Policy: the step kinds and tree sizes (bind_engine sets it)
         self.budget = TreeBudget(
             costs, fixed=fixed or (None if costs else MAX_TREE), max_tokens=MAX_TREE
         )
