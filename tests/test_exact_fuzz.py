@@ -80,8 +80,12 @@ def test_every_timed_mode_equals_plain_under_seeded_decisions(verifiers, mode):
 
     fits, options, kinds = SEEDED_MODES[mode]
     n = max(16, FUZZ_CASES // 2)
-    cases = [c for c in (draw_case(s, ["tiny"]) for s in range(20_000, 22_000))
-             if c.greedy and c.batch == 1 and fits(c)][:n]
+    cases, seed = [], 20_000
+    while len(cases) < n:  # as many seeds as it takes (EDGESPEC_FUZZ_CASES may ask thousands)
+        c = draw_case(seed, ["tiny"])
+        seed += 1
+        if c.greedy and c.batch == 1 and fits(c):
+            cases.append(c)
     seen: dict[tuple, int] = {}
     bad = []
     for case in cases:
