@@ -75,6 +75,26 @@ def make_tiny_tokenizer(vocab_size: int = 64) -> Tokenizer:
     return Tokenizer(backend, {"eos_token": "</s>"})
 
 
+# JSON's punctuation pairs as single tokens, as real BPE vocabularies have them: a token that
+# ends one lexeme and starts the next (`{"`: the object, then a key) is where a grammar
+# matcher's state is most delicate (issue 42: tests/test_grammar_forks.py).
+JSON_PAIRS = ('{"', '["', '",', '":', '"]', '"}', '"],', '"]]', ': "', ', "', ': [', ': {', '[[', ']]', '},', '],')
+
+
+def make_json_tokenizer() -> Tokenizer:
+    """EOS, the 95 printable ASCII characters (ids 1-95, one a token) and JSON_PAIRS (ids 96-).
+    It encodes text one character a token; the pairs are there to be drafted and masked."""
+    vocab = {"</s>": 0}
+    for c in range(32, 127):
+        vocab[chr(c)] = len(vocab)
+    for pair in JSON_PAIRS:
+        vocab[pair] = len(vocab)
+    backend = HFTokenizer(tk_models.WordLevel(vocab=vocab, unk_token="</s>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return Tokenizer(backend, {"eos_token": "</s>"})
+
+
 def make_tiny_engine(seed: int = 0, **overrides) -> Engine:
     model = make_tiny_model(seed, **overrides)
     tok = make_tiny_tokenizer(model.args.vocab_size)

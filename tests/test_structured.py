@@ -377,10 +377,10 @@ def test_a_grammar_failure_fails_its_request_alone(engine, monkeypatch):
     real = processors.GrammarProcessor.allowed
     ids = prompt_ids(engine)
 
-    def flaky(self):  # fails the request whose reply starts with '[' (the array schema) at its 5th token
+    def flaky(self, m=None):  # fails the request whose reply starts with '[' (the array schema) at its 5th token
         if self.state[:1] == [cid("[")] and len(self.state) >= 4:
             raise GrammarError("simulated matcher failure")
-        return real(self)
+        return real(self, m)
 
     monkeypatch.setattr(processors.GrammarProcessor, "allowed", flaky)
     errors, oks = [], []

@@ -91,3 +91,43 @@ def test_token_bytes_of_the_default_tokenizer(real_engine):
     assert set(tok.eos_token_ids) <= set(special)
     for s in ['{"name": "Zoë", "age": 42}\n', "  naïve café — ünïcode ✓ 日本", "tabs\tand\r\nlines"]:
         assert b"".join(tb[i] for i in tok.encode(s, add_special_tokens=False)) == s.encode()
+
+
+def test_the_reported_miss_a_key_row_beside_a_string_row(real_engine):
+    """Issue 42's miss, on the default model and its reported schema and prompt (plain's 87th
+    reply token is `",` at -0.80; ` Job` is fourth, at -2.75). A tree call whose first branch
+    drafts an object key (`{"`) and whose second continues the reply (`["`, `Com`, `pleted`):
+    every row must be masked as plain masks it, so the last row's best token is still `",`.
+    A grammar matcher rolled back from the key gave the string the key's mask, every token
+    that closes it (`",`, `"]`, `"]]`, ...) forbidden, and ` Job` won (tests/test_grammar_forks.py)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from edgespec.generate import prefill
+    from edgespec.kernels import tree_mask
+    from edgespec.logits.processors import GrammarProcessor, ProcessedModel
+    from edgespec.logits.structured import parse_response_format
+
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    schema = json.loads((root / "benchmarks/schemas/kb_480_job_condition.json").read_text())
+    rf = {"type": "json_schema", "json_schema": {"name": "kb_480_job_condition", "schema": schema}}
+    msgs = [{"role": "user", "content": "Describe a Kubernetes job condition as JSON saying the job is Complete "
+                                        "with status True."}]
+    plain = real_engine.generate(messages=msgs, response_format=rf, temperature=0, max_tokens=88, mode="plain")
+    tok = real_engine.tokenizer
+    reply = plain.tokens
+    assert tok.decode(reply[84:87]) == '["Completed' and reply[87] == 1002  # the report's context
+    key = tok.encode('{"', add_special_tokens=False)
+    assert len(key) == 1
+    ids = real_engine.encode_prompt(messages=msgs)
+    V = real_engine.model.args.vocab_size
+    grammar = parse_response_format(rf)
+    pm = ProcessedModel(real_engine.model, ids, [GrammarProcessor(grammar.matcher(tok, V), V)])
+    cache = pm.make_cache()
+    prefill(pm, cache, ids + reply[:84])
+    pm.emitted.extend(reply[:84])
+    nodes = [key[0], reply[84], reply[85], reply[86]]
+    mask, pos = tree_mask(mx.array([-1, -1, 1, 2], dtype=mx.int32), cache[0].offset)
+    out = np.array(pm(mx.array([nodes], dtype=mx.int32), cache, mask=mask, positions=pos)[0])
+    assert int(np.argmax(out[3])) == 1002, tok.decode([int(np.argmax(out[3]))])
+    assert np.isfinite(out[3][1002]) and not np.isfinite(out[0][1002])  # a string may close; a key not with `",`
