@@ -1,7 +1,8 @@
 """The exactness fuzzer: seeded random decision sequences against plain decoding.
 
-A case is drawn from its seed: a verifier (tiny dense Llama, or a hybrid with recurrent
-layers), features (a grammar, penalties, prefix cache warm, history warm, quantized KV,
+A case is drawn from its seed: a verifier (tiny dense Llama; the same with a tokenizer that
+has JSON's punctuation pairs, for JSON schemas; or a hybrid with recurrent layers), features
+(a grammar, penalties, prefix cache warm, history warm, quantized KV,
 a batch of concurrent rows, a drafter), greedy or sampled, and a `SeededPolicy` that
 replaces every timing-driven choice of `auto` (plain or tree rounds, draft lengths, tree
 shapes, the Jacobi window). Its output is compared with plain decoding's under the same
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from conftest import make_tiny_model, make_tiny_tokenizer
+from conftest import make_json_tokenizer, make_tiny_model, make_tiny_tokenizer
 
 from edgespec.adaptive.policy import SeededPolicy
 from edgespec.benchmark.runner import NEAR_TIE_LOGPROB
@@ -44,6 +45,19 @@ GRAMMARS = [
     {"type": "grammar", "syntax": "lark", "grammar": 'start: word (" " word)* "."\nword: /[a-h]{1,5}/ | "the" | "then"'},
     {"type": "grammar", "syntax": "gbnf", "grammar": 'root ::= item (" " item)*\nitem ::= [a-f]+ | [0-9][0-9]'},
 ]
+# JSON schemas for the tiny_json verifier (conftest.make_json_tokenizer: ASCII one character a
+# token, plus JSON's punctuation pairs such as `{"` and `["`, where a row's grammar state is most
+# delicate: issue 42's miss). Open objects take keys and values of any kind.
+JSON_GRAMMARS = [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "open", "schema": {
+        "type": "object", "properties": {"type": {"type": ["string", "null"]}, "status": {"type": ["string", "null"]}},
+        "required": ["type", "status"]}}},
+    {"type": "json_schema", "json_schema": {"name": "rows", "schema": {
+        "type": "array", "items": {"anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "string"}}]}}}},
+]
+# tiny_json's prompts: `{"`, `["`, `":`, `",`, `"]`, `: [`, `: {`, `"}` and some letters and digits.
+JSON_PROMPT_IDS = [96, 97, 98, 99, 100, 101, 106, 107, 66, 67, 68, 17, 18, 1]
 # The hybrids' tokenizer (tests/test_architectures.vocab_tokenizer) has letters only.
 LETTER_GRAMMARS = [
     {"type": "regex", "pattern": "[a-h]{4,40}"},
@@ -92,11 +106,16 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
     base = [r.randrange(1, V) for _ in range(r.randrange(2, 14))]
     prompt = base * r.choice((1, 2, 3))  # repeats: the context source finds continuations
     verifier = r.choice(verifiers)
+    if verifier == "tiny_json":  # JSON-like text, pairs included, so the sources draft keys beside values
+        j = random.Random(seed + 1)
+        base = [j.choice(JSON_PROMPT_IDS) for _ in range(len(base))]
+        prompt = base * (len(prompt) // len(base))
     return Case(
         seed=seed,
         verifier=verifier,
         greedy=r.random() < 0.6,
-        grammar=r.choice(GRAMMARS if verifier == "tiny" else LETTER_GRAMMARS) if r.random() < 0.4 else None,
+        grammar=r.choice(GRAMMARS if verifier == "tiny" else JSON_GRAMMARS if verifier == "tiny_json" else
+                         LETTER_GRAMMARS) if r.random() < (0.8 if verifier == "tiny_json" else 0.4) else None,
         penalties=r.choice(({}, {}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.8},
                              {"repetition_penalty": 1.3})),
         prefix_warm=r.random() < 0.3,
@@ -118,6 +137,12 @@ class Verifiers:
         self._models: dict = {}
 
     def loaded(self, name: str) -> LoadedModel:
+        if name == "tiny_json":
+            if name not in self._models:
+                tok = make_json_tokenizer()
+                m = make_tiny_model(0, scale=3.0, vocab_size=tok.vocab_size)
+                self._models[name] = LoadedModel(m, tok, None)
+            return self._models[name]
         if name in ("tiny", "tiny_q", "tiny_dflash"):
             if name not in self._models:
                 # tiny_q: head size 32, so its KV cache can be quantized (groups of 32); tiny_dflash:

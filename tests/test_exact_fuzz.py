@@ -38,6 +38,16 @@ def test_auto_equals_plain_under_seeded_decisions(verifiers):
         assert rep.coverage.get(key, 0) > 0, key
 
 
+def test_auto_equals_plain_on_json_schemas_under_seeded_decisions(verifiers):
+    """JSON schemas (open objects, arrays of objects or arrays) on a tokenizer with JSON's
+    punctuation pairs: sibling rows drafting a key and a value at one position (issue 42)."""
+    n = max(12, FUZZ_CASES // 4)
+    rep = run_cases(verifiers, range(30_000, 30_000 + n), ["tiny_json"])
+    print(_report(rep))
+    assert not rep.errors, _report(rep)
+    assert rep.coverage.get("grammar=True", 0) >= n // 2
+
+
 @pytest.fixture(scope="module")
 def hybrid_verifiers(tmp_path_factory):
     pytest.importorskip("transformers")
