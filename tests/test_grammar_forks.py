@@ -154,3 +154,21 @@ def test_tree_rows_equal_fresh_matchers_along_random_trees(name, schema):
             c += rng.randint(1, 4)
         assert gp.rebuilds == 0
     assert checked > 50
+
+
+def test_a_calls_rows_cost_a_copy_per_leaf():
+    """A copy costs in proportion to the reply, so a call's rows share them: a chain of rows
+    takes one copy of the reply's matcher, a tree one per leaf."""
+    g = parse_response_format({"type": "json_object"})
+    gp = GrammarProcessor(g.matcher(TOK, V), V)
+    committed = ids('{"b": [')
+    chain = ids('"abcdef"')
+    gp.process(mx.zeros((len(chain) + 1, V)), committed, [[]] + [chain[:j] for j in range(1, len(chain) + 1)])
+    assert gp.copies == 1
+    leaves = [ids('{"k'), ids('["x'), ids('"ab'), ids('"ac')]
+    paths = sorted({tuple(p[:j]) for p in leaves for j in range(1, len(p) + 1)}, key=len)
+    gp.copies = 0
+    got = processed_masks(gp, committed, [list(p) for p in paths])
+    assert gp.copies == len(leaves)
+    for row, path in zip(got, paths, strict=True):
+        assert np.array_equal(row, fresh_mask(g, committed + list(path)))

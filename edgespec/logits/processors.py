@@ -131,30 +131,39 @@ class GrammarProcessor:
     """The grammar's token mask per row.
 
     The matcher `m` only ever moves forward, along the committed reply, as plain decoding's
-    does. Every state past the reply (a tree row's path, a source's context) is reached on a
-    copy of an earlier state (`deep_copy`, about 2 µs), never by rolling back: llguidance
-    (1.9.1) keeps what a mask computation left behind across `rollback()` and `reset()`, and
-    serves it at the next state that looks alike to its lexer. After `..."list": [` a mask
-    computed after `{"` (an object key: `":` allowed, `",` forbidden), then a rollback of that
-    token and `["` consumed, gave the key's mask to the string value: issue 42's miss, where
-    `",` was masked out and ` Job` drawn. Copies of a rolled-back matcher carry the same
-    stale state, so a copy is only ever taken of a matcher that never went back.
+    does. Every state past the reply is reached on a copy (`deep_copy`), never by rolling
+    back: llguidance (1.9.1) keeps what a mask computation left behind across `rollback()`
+    and `reset()`, and serves it at the next state that looks alike to its lexer. After
+    `..."list": [` a mask computed after `{"` (an object key: `":` allowed, `",` forbidden),
+    then a rollback of that token and `["` consumed, gave the key's mask to the string value:
+    issue 42's miss, where `",` was masked out and ` Job` drawn. A copy of a rolled-back
+    matcher carries the same stale state, so copies are only taken of matchers that never
+    went back.
+
+    A copy costs time in proportion to the reply (about 35 µs per 1,000 tokens here), so a
+    call's rows are masked in one walk of their trie: a node's mask first, then its children,
+    each on a copy except the last, which goes on in the node's own matcher. A chain costs one
+    copy, a tree one per leaf.
     """
 
-    FORKS = 1024  # states past the committed reply kept for the rows of the next calls
+    ASKED = 64  # the sources' contexts past the reply kept until it advances
 
     def __init__(self, matcher, vocab_size: int):
         self._start = matcher.deep_copy()  # the start state, never consumed into: rebuilds copy it
         self.m = matcher
         self.V = vocab_size
         self.state: list[int] = []  # reply tokens `m` has consumed
-        self._forks: dict[tuple[int, ...], object] = {}  # path past `state` -> a matcher at its end
-        self._forbidden: set[tuple[int, ...]] = set()  # paths past `state` the grammar forbids
+        self._asked: dict[tuple[int, ...], object | None] = {}  # a context past `state` -> a matcher there
         self.rebuilds = 0  # times the reply went back and `m` was rebuilt (tests read it)
+        self.copies = 0  # matcher copies taken (tests read it)
 
     def _check(self, m) -> None:
         if m.is_error():
             raise GrammarError(f"the grammar matcher failed: {m.get_error()}")
+
+    def _copy(self, m):
+        self.copies += 1
+        return m.deep_copy()
 
     def _follow(self, committed: list[int]) -> bool:
         """Bring `m` forward to `committed`; False when the grammar forbids it (`m` is then at
@@ -163,60 +172,40 @@ class GrammarProcessor:
         s = self.state
         n = len(s)
         if len(committed) < n or committed[:n] != s:
-            self.m = self._start.deep_copy()
+            self.m = self._copy(self._start)
             s = self.state = []
             n = 0
             self.rebuilds += 1
-            self._forks.clear()
-            self._forbidden.clear()
+            self._asked.clear()
         rest = committed[n:]
         if not rest:
             return True
-        self._forks.clear()
-        self._forbidden.clear()
+        self._asked.clear()
         took = self.m.try_consume_tokens(rest)
         s.extend(rest[:took])
         self._check(self.m)
         return took == len(rest)
 
-    def _fork(self, path) -> object | None:
-        """A matcher at the committed state + `path` (`m` itself for an empty path), or None
-        when the grammar forbids it. Never consume into it: it is kept for the rows that share
-        its prefix."""
-        path = tuple(path)
-        if not path:
-            return self.m
-        if len(self._forks) > self.FORKS:
-            self._forks.clear()
-            self._forbidden.clear()
-        j = len(path)
-        while j > 0 and path[:j] not in self._forks:
-            if path[:j] in self._forbidden:
-                return None
-            j -= 1
-        m = self._forks[path[:j]] if j else self.m
-        for i in range(j, len(path)):
-            m = m.deep_copy()
-            if m.try_consume_tokens([path[i]]) != 1:
-                self._check(m)
-                self._forbidden.add(path[: i + 1])
-                return None
-            self._check(m)
-            self._forks[path[: i + 1]] = m
-        return m
-
-    def _state_at(self, seq: list[int]) -> object | None:
-        """A matcher after reply tokens `seq` (a source's context), for questions only: reached
-        on forks, `m` stays where the committed reply is. A context behind that (never in
-        decoding) gets a matcher of its own."""
+    def _state_at(self, seq: list[int]):
+        """A matcher after reply tokens `seq` (a source's context), for questions only (do not
+        consume into it), or None when the grammar forbids `seq`; `m` stays at the reply."""
         n = len(self.state)
         if len(seq) >= n and seq[:n] == self.state:
-            return self._fork(seq[n:])
-        m = self._start.deep_copy()
-        if m.try_consume_tokens(list(seq)) != len(seq):
-            self._check(m)
-            return None
-        return m
+            rest = tuple(seq[n:])
+            if not rest:
+                return self.m
+            if rest not in self._asked:
+                if len(self._asked) >= self.ASKED:
+                    self._asked.clear()
+                m = self._copy(self.m)
+                ok = m.try_consume_tokens(list(rest)) == len(rest)
+                self._check(m)
+                self._asked[rest] = m if ok else None
+            return self._asked[rest]
+        m = self._copy(self._start)  # a context behind the reply (never in decoding): its own matcher
+        ok = m.try_consume_tokens(list(seq)) == len(seq)
+        self._check(m)
+        return m if ok else None
 
     def sync(self, committed: list[int]) -> None:
         """Follow the committed reply: a committed token the grammar forbids is an error."""
@@ -241,36 +230,59 @@ class GrammarProcessor:
         m = self._state_at(committed)
         if m is None or m.is_stopped():
             return []
-        return list(m.deep_copy().compute_ff_tokens())[:limit]
+        return list(self._copy(m).compute_ff_tokens())[:limit]
 
     def allowed_prefix(self, committed: list[int], tokens: list[int]) -> int:
         """How many of `tokens`, continuing `committed`, the grammar allows."""
         m = self._state_at(committed)
         if m is None:
             return 0
-        return int(m.deep_copy().validate_tokens(list(tokens)))
+        return int(self._copy(m).validate_tokens(list(tokens)))
 
     def accepting(self, committed: list[int]) -> bool:
         m = self._state_at(committed)
         return m is not None and m.is_accepting()
 
+    def _masks(self, paths: list) -> dict[tuple[int, ...], np.ndarray]:
+        """The mask after each of `paths` (past the reply), by one walk of their trie; a path
+        the grammar forbids is left out."""
+        want = {tuple(p) for p in paths if p is not None}
+        children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        seen: set[tuple[int, ...]] = {()}
+        for p in want:
+            for j in range(len(p), 0, -1):
+                if p[:j] in seen:
+                    break
+                seen.add(p[:j])
+                children.setdefault(p[: j - 1], []).append(p[:j])
+        out: dict[tuple[int, ...], np.ndarray] = {}
+        stack = [((), self.m, False)]  # (node, a matcher at it, whether the walk may consume into it)
+        while stack:
+            node, m, owned = stack.pop()
+            if node in want:
+                out[node] = self.allowed(m)
+            kids = children.get(node, ())
+            for i, kid in enumerate(kids):
+                c = m if owned and i == len(kids) - 1 else self._copy(m)  # copies first, then the last
+                if c.try_consume_tokens([kid[-1]]) != 1:
+                    self._check(c)
+                    continue  # the grammar forbids it: its subtree is left alone
+                self._check(c)
+                stack.append((kid, c, True))
+        return out
+
     def process(self, logits, committed, paths):
         self.sync(committed)
-        T = logits.shape[0]
-        masks = np.ones((T, self.V), dtype=bool)
-        any_row = False
-        for i, path in enumerate(paths):
-            if path is None:
-                continue
-            m = self._fork(path)
-            if m is not None:
-                masks[i] = self.allowed(m)
-                any_row = True
-            # else: the row's prefix leaves the grammar (a drafted token it forbids). Its parent
-            # row gave that token probability 0, so this row can never be drawn from: left as is.
-        if not any_row:
+        masks = self._masks(paths)
+        if not masks:
             return logits
-        return mx.where(mx.array(masks), logits, NEG_INF)
+        rows = np.ones((logits.shape[0], self.V), dtype=bool)
+        for i, path in enumerate(paths):
+            if path is not None and tuple(path) in masks:
+                rows[i] = masks[tuple(path)]
+            # else: a row of the prompt, or a prefix that leaves the grammar (a drafted token it
+            # forbids: its parent row gave that token probability 0, so this row is never drawn from)
+        return mx.where(mx.array(rows), logits, NEG_INF)
 
 
 class ProcessedModel:
