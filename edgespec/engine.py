@@ -8,20 +8,25 @@ it reads the Engine's declared state (EngineMemory), so it stays one class in on
 from __future__ import annotations
 
 import inspect
+import logging
 import numbers
 import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from edgespec.adaptive.corpus import FILENAME as CORPUS_FILE
+from edgespec.adaptive.corpus import CorpusError, CorpusTable
 from edgespec.adaptive.history import make_history
 from edgespec.batch import Batcher, Request, memory
 from edgespec.batch.request import cancel_callable as check
 from edgespec.caches.kv_quant import check_settings, quantize_caches
 from edgespec.caches.prefix import MEMORY, PrefixCache, check_limit, default_limit
-from edgespec.errors import ContextLengthError, UnknownOptionError
+from edgespec.drafters.registry import shipped_drafter_path
+from edgespec.errors import ContextLengthError, ModelLoadError, UnknownOptionError
 from edgespec.generate import Chunk, GenerationStats
 from edgespec.logits.processors import Penalties
 from edgespec.logits.sampling import SamplingParams
@@ -32,6 +37,20 @@ from edgespec.modes.adaptive import drafter_usable, make_adaptive_mode
 from edgespec.options import GenerateOptions
 from edgespec.tokenizer import chat_messages
 from edgespec.weights.loader import LoadedModel
+
+log = logging.getLogger("edgespec.engine")
+
+
+def corpus_paths(engine) -> list[Path]:
+    """Where a corpus for this model is looked for: the bundle's own, then the one shipped
+    beside this model's distilled drafter (edgespec/data/drafters/<name>/)."""
+    out = []
+    if engine.loaded.path is not None and Path(engine.loaded.path).is_dir():
+        out.append(Path(engine.loaded.path) / CORPUS_FILE)
+    shipped = shipped_drafter_path(engine)
+    if shipped is not None:
+        out.append(shipped / CORPUS_FILE)
+    return out
 
 # The prefix cache's default bound: this share of what the memory budget leaves for caches
 # (it gives way to running requests: the batch evicts from it before admitting one), or
@@ -86,6 +105,10 @@ class Engine:
     # Earlier prompts and replies as a draft source: "memory" (default, this process only),
     # "disk" ($EDGESPEC_HOME/history), "off"; None = $EDGESPEC_HISTORY or "memory".
     history: Any = None
+    # A frozen n-gram table of the verifier's own answers as a draft source (edgespec.adaptive.
+    # corpus): None = the bundle's corpus.bin, else the one shipped beside this model's drafter;
+    # "off" = none; a path to a corpus file; or a CorpusTable.
+    corpus: Any = None
     max_batch: int | None = None  # generations decoded together; None = from the memory budget
     # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.caches.prefix):
     # None = edgespec.caches.prefix.default_limit (a few contexts' KV, capped), "memory" =
@@ -117,6 +140,7 @@ class Engine:
     _prefix_cache: Any = field(default=None, repr=False, init=False)
     _drafter_prefix_cache: Any = field(default=None, repr=False, init=False)  # (drafter, PrefixCache)
     _batcher: Any = field(default=None, repr=False, init=False)
+    _corpus_table: Any = field(default=None, repr=False, init=False)  # (resolved,) once looked up
     last_dropped: int = field(default=0, repr=False, init=False)  # turns the last truncate_oldest dropped
     load_notes: list = field(default_factory=list, repr=False)  # for the user, from edgespec.load (hub names)
 
@@ -125,6 +149,8 @@ class Engine:
                        getattr(self.model.args, "head_dim", None))
         if self.history is None or isinstance(self.history, str):
             self.history = make_history(self.history, self.history_key)
+        if self.corpus is not None:  # given: checked now, before any request (the found one: lazily)
+            self._corpus_table = (self._load_corpus(),)
 
     @property
     def history_key(self) -> str:
@@ -335,6 +361,40 @@ class Engine:
             mode = make_mode(mode_name, self, options)
         stats.mode = getattr(mode, "name", mode_name)
         return mode
+
+    @property
+    def corpus_table(self):
+        """The corpus source's table (edgespec.adaptive.corpus), or None; read at first use. A
+        file that is damaged or built for another vocabulary is not used: a warning says why,
+        and the engine drafts without it."""
+        got = self._corpus_table
+        if got is None:
+            with self._lock:
+                got = self._corpus_table
+                if got is None:
+                    got = self._corpus_table = (self._load_corpus(),)
+        return got[0]
+
+    def _load_corpus(self):
+        spec = self.corpus
+        if spec == "off":
+            return None
+        if isinstance(spec, CorpusTable):
+            return spec
+        if spec is not None:
+            paths, explicit = [Path(spec).expanduser()], True
+        else:
+            paths, explicit = corpus_paths(self), False
+        for path in paths:
+            if explicit or path.is_file():
+                try:
+                    return CorpusTable.load(path, self.loaded.tokenizer.vocab_hash())
+                except (OSError, CorpusError) as e:
+                    if explicit:
+                        raise ModelLoadError(f"corpus: {e}") from None
+                    log.warning("corpus not used: %s", e)
+                    return None
+        return None
 
     @property
     def prefix_cache(self):

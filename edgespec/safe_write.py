@@ -57,7 +57,8 @@ IGNORED = frozenset({PID_MARKER, ".DS_Store"})
 MANIFEST = "manifest.json"
 # What `edgespec distill` writes into its drafter folder (student and feature kinds).
 DISTILL_FILES = frozenset(
-    {"config.json", "model.safetensors", "vocab_map.json", "drafter.json", "distill.json", "MODEL_CARD.md"}
+    {"config.json", "model.safetensors", "vocab_map.json", "drafter.json", "distill.json", "MODEL_CARD.md",
+     "corpus.bin"}
 )
 COREML_METADATA_KEY = b"edgespec.coreml"  # edgespec.drafters.coreml.METADATA_KEY, as stored in the spec
 COREML_SPEC = "Data/com.apple.CoreML/model.mlmodel"

@@ -80,6 +80,7 @@ class Case:
     prompt: list[int]
     max_tokens: int
     decisions: list = field(default_factory=list)
+    corpus: bool = False  # a corpus table (edgespec.adaptive.corpus) of the verifier's own replies
 
     def describe(self) -> str:
         feats = [f"verifier={self.verifier}", "greedy" if self.greedy else "sampled"]
@@ -87,7 +88,7 @@ class Case:
             feats.append(f"grammar={self.grammar}")
         if self.penalties:
             feats.append(f"penalties={self.penalties}")
-        for name in ("prefix_warm", "history_warm"):
+        for name in ("prefix_warm", "history_warm", "corpus"):
             if getattr(self, name):
                 feats.append(name)
         if self.drafter:
@@ -110,7 +111,10 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
         j = random.Random(seed + 1)
         base = [j.choice(JSON_PROMPT_IDS) for _ in range(len(base))]
         prompt = base * (len(prompt) // len(base))
+    # Drawn apart, so the features drawn above stay those of earlier runs' seeds.
+    corpus = verifier in ("tiny", "tiny_json") and random.Random(seed + 13).random() < 0.35
     return Case(
+        corpus=corpus,
         seed=seed,
         verifier=verifier,
         greedy=r.random() < 0.6,
@@ -161,7 +165,8 @@ class Verifiers:
         loaded = self.loaded("tiny_q" if case.kv_bits else "tiny_dflash" if dflash else case.verifier)
         eng = Engine(loaded, history="memory" if case.history_warm else "off",
                      prompt_cache_bytes=(64 << 20) if case.prefix_warm else 0, kv_bits=case.kv_bits,
-                     kv_group_size=32, quantized_kv_start=0, check_exact=True)
+                     kv_group_size=32, quantized_kv_start=0, check_exact=True,
+                     corpus=self._corpus(case.verifier, loaded) if case.corpus else "off")
         if dflash:
             eng.drafter = self._dflash(loaded)
         elif case.drafter and case.verifier == "tiny":
@@ -174,6 +179,24 @@ class Verifiers:
             eng.drafter = FuzzDrafter(self._models["drafter"])
         return eng
 
+
+    def _corpus(self, name: str, loaded):
+        """A corpus table of the verifier's own greedy replies to 24 prompts drawn like the
+        cases' (repeated bases), so its chains agree with the verifier as often as a real one's."""
+        key = f"corpus-{name}"
+        if key not in self._models:
+            from edgespec.adaptive.corpus import CorpusTable
+
+            eng = Engine(loaded, history="off", prompt_cache_bytes=0)
+            r = random.Random(99)
+            ids = JSON_PROMPT_IDS if name == "tiny_json" else range(1, 64)
+            docs = []
+            for _ in range(24):
+                base = [r.choice(ids) for _ in range(r.randrange(2, 10))]
+                prompt = base * r.choice((1, 2))
+                docs.append(prompt + eng.generate(prompt, max_tokens=32, mode="plain").tokens)
+            self._models[key] = CorpusTable.build(docs)
+        return self._models[key]
 
     def _dflash(self, loaded):
         """A random DFlash block drafter (tests/test_dflash.write_random) for the tiny_dflash model."""
@@ -281,7 +304,7 @@ def run_cases(verifiers: Verifiers, seeds, names: list[str], mode: str = "auto")
     rep = Report()
     for seed in seeds:
         case = draw_case(seed, names)
-        for key in ("verifier", "greedy", "prefix_warm", "history_warm", "kv_bits", "batch", "drafter"):
+        for key in ("verifier", "greedy", "prefix_warm", "history_warm", "kv_bits", "batch", "drafter", "corpus"):
             v = getattr(case, key)
             rep.coverage[f"{key}={v}"] = rep.coverage.get(f"{key}={v}", 0) + 1
         rep.coverage[f"grammar={bool(case.grammar)}"] = rep.coverage.get(f"grammar={bool(case.grammar)}", 0) + 1

@@ -1,5 +1,6 @@
 """The adaptive decoder behind `auto`: candidate sources, acceptance estimates, the round loop."""
 
+from edgespec.adaptive.corpus import CorpusTable
 from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.estimate import AcceptanceStats, Costs, merge_candidates, plan_tree
 from edgespec.adaptive.history import HistoryStore, make_history
@@ -7,6 +8,7 @@ from edgespec.adaptive.sources import (
     Candidate,
     Capabilities,
     ContextSource,
+    CorpusSource,
     DrafterSource,
     HistorySource,
 )
@@ -17,6 +19,8 @@ __all__ = [
     "Candidate",
     "Capabilities",
     "ContextSource",
+    "CorpusSource",
+    "CorpusTable",
     "Costs",
     "DrafterSource",
     "HistorySource",

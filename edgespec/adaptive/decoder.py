@@ -68,13 +68,6 @@ KMAX = 8  # longest drafter chain considered
 # Every PROBE_EVERY-th tree round run alone verifies all its candidates (up to the cap) when that
 # size's cost was never measured: sizes the prior priced too high get measured, not avoided.
 PROBE_EVERY = 8
-PRIORS = {
-    # First guesses of the per-depth acceptance before anything is measured.
-    "context:(4, False)": 0.8, "context:(3, False)": 0.6, "context:(2, False)": 0.45,
-    "context:(1, False)": 0.3, "context:(0, False)": 0.15, "context": 0.1,
-    "history": 0.4,
-    "forced": 0.99,  # the grammar's single continuation: a point mass, so always kept
-}
 
 
 @dataclass
@@ -117,9 +110,11 @@ class AdaptiveDecoder:
         self.batch_aware = batch_aware  # price trees against the running batch (edgespec.batch.cost)
         self.after_request = after_request
         self._batch_ctx = None
-        priors = dict(PRIORS)
+        priors = {}  # first guesses of the per-depth acceptance, as each source declares them
+        for src in self.sources:
+            priors.update(src.priors)
         if drafter is not None:
-            priors["drafter"] = drafter.expected_acceptance
+            priors.update(drafter.priors)
         self.priors = priors
 
     # ------------------------------------------------------------------ planning

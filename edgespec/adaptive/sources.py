@@ -22,7 +22,8 @@ decoder needs to know about a source is declared, not probed:
 
 Sources: "context" (n-grams of this request's prompt and output, ranked by
 match length: prompt lookup generalised to several candidates), "history"
-(the engine's earlier prompts and replies, see `history.py`), "drafter" (an
+(the engine's earlier prompts and replies, see `history.py`), "corpus" (a frozen
+n-gram table of the verifier's own answers, see `corpus.py`), "drafter" (an
 attached drafter's chain), "forced" (the grammar's single continuation: under a
 JSON schema, keys, braces and enum tails; accepted with probability 1 because the
 masked distribution there is a point mass).
@@ -31,7 +32,9 @@ masked distribution there is a point mass).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 import mlx.core as mx
@@ -61,6 +64,9 @@ class Candidate:
 class Source(Protocol):
     name: str
     caps: Capabilities
+    # First guesses of the per-depth acceptance before anything is measured, by stats key
+    # ("name:bucket", or "name" for every bucket); what the decoder learns replaces them.
+    priors: Mapping[str, float]
 
     def begin(self, prompt: list[int]) -> None: ...
 
@@ -74,6 +80,10 @@ class ContextSource:
 
     name = "context"
     caps = Capabilities()
+    priors = MappingProxyType({
+        "context:(4, False)": 0.8, "context:(3, False)": 0.6, "context:(2, False)": 0.45,
+        "context:(1, False)": 0.3, "context:(0, False)": 0.15, "context": 0.1,
+    })
     MAX_BUCKET = 4
 
     def __init__(self, span: int = 16):
@@ -100,6 +110,7 @@ class HistorySource:
 
     name = "history"
     caps = Capabilities()
+    priors = MappingProxyType({"history": 0.4})
 
     def __init__(self, store):
         self.store = store
@@ -112,6 +123,30 @@ class HistorySource:
             Candidate(cont, self.name, (n, rank > 0))
             for rank, (n, cont) in enumerate(self.store.lookup(seq, limit, span))
         ]
+
+    def close(self) -> None:
+        pass
+
+
+class CorpusSource:
+    """Chains from a frozen n-gram table of the verifier's own answers (see corpus.py)."""
+
+    name = "corpus"
+    caps = Capabilities()
+
+    def __init__(self, table):
+        self.table = table
+        # Measured when the table was built (on held-out answers, by first-step bucket).
+        self.priors = MappingProxyType({"corpus": 0.15, **table.priors})
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, seq: list[int], limit: int, span: int) -> list[Candidate]:
+        if limit <= 0:
+            return []
+        tokens, bucket = self.table.chain(seq, span)
+        return [Candidate(tokens, self.name, bucket)] if tokens else []
 
     def close(self) -> None:
         pass
@@ -142,6 +177,7 @@ class DrafterSource:
         self.cost = draft_s if isinstance(draft_s, DraftCost) else DraftCost(
             None if draft_s is None else float(draft_s))
         self.expected_acceptance = float(drafter.expected_acceptance)
+        self.priors = MappingProxyType({"drafter": self.expected_acceptance})
         self._prompt: list[int] | None = None
         self.clock = clock
         self.last_s = 0.0  # seconds of the last draft call, the drafter's prefill of the prompt excluded
@@ -214,6 +250,7 @@ class JacobiSource:
 
     name = "jacobi"
     caps = Capabilities()
+    priors = MappingProxyType({})  # the decoder's default guess
 
     def __init__(self, window: int, ngram: int):
         if window < 1 or ngram < 2:
@@ -252,6 +289,7 @@ class ForcedSource:
 
     name = "forced"
     caps = Capabilities(grammar=True, vets=True)
+    priors = MappingProxyType({"forced": 0.99})  # a point mass of the masked distribution: always kept
 
     def __init__(self):
         self.grammar = None

@@ -16,6 +16,7 @@ from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.policy import policy_for
 from edgespec.adaptive.sources import (
     ContextSource,
+    CorpusSource,
     DrafterSource,
     ForcedSource,
     HistorySource,
@@ -30,7 +31,7 @@ from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import Option
 from edgespec.modes.tree import MAX_TREE
 
-SOURCES = ("forced", "context", "history", "jacobi", "drafter")
+SOURCES = ("forced", "context", "history", "corpus", "jacobi", "drafter")
 
 
 def _sources(value) -> str:
@@ -49,7 +50,7 @@ def _sources(value) -> str:
 OPTIONS = [
     Option("sources", "str", "auto",
            "candidate sources joined by '+': forced (the tokens a response_format's grammar forces), context (n-grams of this request), history (earlier requests), "
-           "jacobi (lookahead's Jacobi window and its n-gram pool), drafter; auto = every one available",
+           "corpus (the verifier's own answers, when the model has a corpus file), jacobi (lookahead's Jacobi window and its n-gram pool), drafter; auto = every one available",
            check=_sources),
     Option("window", "int", None, "Jacobi window columns W when the jacobi source is on (device default: "
            "lookahead's)", 1, 16),
@@ -108,6 +109,9 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
     history = getattr(engine, "history", None)
     if "history" in names and history is not None:
         sources.append(HistorySource(history))
+    corpus = engine.corpus_table if "corpus" in names else None
+    if corpus is not None:
+        sources.append(CorpusSource(corpus))
     jacobi = None
     if "jacobi" in names:
         d = default_options()

@@ -1,0 +1,205 @@
+"""The corpus source: a frozen n-gram table of the verifier's own answers (edgespec.adaptive.corpus).
+
+What it must do: propose what most often followed the longest matching context, never across
+documents, and keep proposing only while the match is unanimous; read back only whole files of
+its own vocabulary; and never change the output, greedy or sampled."""
+
+import itertools
+import logging
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import make_paced_engine, make_tiny_engine, random_prompts
+from stats_support import continuation_law
+from test_adaptive import chi2_pvalue
+
+from edgespec.adaptive.corpus import ORDERS, CorpusError, CorpusTable, _hash_windows, context_hash
+from edgespec.adaptive.policy import SeededPolicy
+from edgespec.adaptive.sources import CorpusSource
+from edgespec.engine import Engine, make_options
+from edgespec.errors import ModelLoadError
+from edgespec.generate import GenerationStats
+from edgespec.logits.sampling import Sampler, SamplingParams
+from edgespec.modes import make_mode
+from edgespec.weights.loader import LoadedModel
+
+
+# ---------------------------------------------------------------- the table
+def test_hash_of_a_window_is_the_hash_of_its_context():
+    toks = np.array([5, 9, 2, 2, 7, 40000, 3], np.int64)
+    for n in (2, 3, 8):
+        if len(toks) >= n:
+            got = _hash_windows(toks, n)
+            assert [int(h) for h in got] == [context_hash(toks[i : i + n].tolist()) for i in range(len(toks) - n + 1)]
+
+
+def test_the_most_frequent_continuation_wins_and_ties_take_the_smallest_id():
+    docs = [[1, 2, 3, 9], [1, 2, 3, 9], [1, 2, 3, 4], [5, 6, 7], [5, 6, 8]]
+    t = CorpusTable.build(docs)
+    order, tok, unanimous, bucket = t.next_token([0, 1, 2, 3])
+    # Longest match: (1, 2, 3), seen 3 times, followed by 9 twice: share 2/3 (bin 3), 3 occurrences.
+    assert (order, tok, unanimous, bucket) == (3, 9, False, (3, 3, 3))
+    assert t.next_token([5, 6])[1:3] == (7, False)  # 7 and 8 once each: the smaller id
+    assert t.next_token([4, 4]) is None  # nothing matches two tokens
+
+
+def test_chains_stop_where_the_match_splits_and_never_cross_documents():
+    docs = [[10, 11, 12, 13, 14, 15], [20, 21, 12, 13, 30], [40, 41, 42]]
+    t = CorpusTable.build(docs)
+    # After (10, 11) the text is unanimous up to the document's end.
+    assert t.chain([10, 11], 8) == ([12, 13, 14, 15], (2, 4, 1))
+    # (21, 12) -> 13, then (21, 12, 13) -> 30, the longer match, unanimous though (12, 13)
+    # alone went on with 14 once and 30 once.
+    assert t.chain([21, 12], 8) == ([13, 30], (2, 4, 1))
+    # (9, 12, 13): only (12, 13) matches, split between 14 and 30 (the smaller id first, share
+    # 1/2: bin 2); the first step is proposed whatever its share, then (12, 13, 14) is unanimous.
+    assert t.chain([9, 12, 13], 8) == ([14, 15], (2, 2, 2))
+    # A split after the first step ends the chain: (1, 2) -> 3 twice, then (1, 2, 3) splits.
+    t2 = CorpusTable.build([[1, 2, 3, 4], [1, 2, 3, 5]])
+    assert t2.chain([1, 2], 8) == ([3], (2, 4, 2))
+    assert t2.chain([0, 1, 2, 3], 8) == ([4], (3, 2, 2))
+    # The end of one document is not followed by the start of the next.
+    assert t.chain([14, 15], 8) == ([], None)
+    assert t.chain([41, 42], 8) == ([], None)
+    assert t.chain([10, 11], 2)[0] == [12, 13]  # k bounds it
+
+
+def test_file_round_trip_and_every_damage_is_refused(tmp_path):
+    docs = [list(np.random.default_rng(i).integers(1, 50, 40)) for i in range(30)]
+    t = CorpusTable.build(docs, vocab_hash="v1", starts=[5] * 30)
+    assert t.priors and all(k.startswith("corpus:") and 0 <= v <= 1 for k, v in t.priors.items())
+    path = tmp_path / "corpus.bin"
+    t.save(path)
+    back = CorpusTable.load(path, "v1")
+    assert back.priors == t.priors and back.vocab_hash == "v1"
+    for n in ORDERS:
+        for a, b in zip(t.tables[n], back.tables[n], strict=True):
+            assert np.array_equal(a, b)
+    seq = docs[3][:10]
+    assert back.chain(seq, 8) == t.chain(seq, 8)
+    data = path.read_bytes()
+    with pytest.raises(CorpusError, match="another vocabulary"):
+        CorpusTable.load(path, "v2")
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1
+    for bad, why in ((bytes(flipped), "checksum"), (data[:-9], "checksum"), (b"nope" + data, "not an edgespec"),
+                     (b"", "not an edgespec")):
+        with pytest.raises(CorpusError, match=why):
+            CorpusTable.from_bytes(bad)
+    assert not list(tmp_path.glob(".*tmp*"))  # the atomic save left no temp file
+
+
+# ---------------------------------------------------------------- the engine
+def test_engine_finds_checks_or_skips_its_corpus(tmp_path, caplog):
+    loaded = make_tiny_engine().loaded
+    t = CorpusTable.build([[1, 2, 3, 4]] * 3)
+    assert Engine(loaded, corpus=t).corpus_table is t
+    assert Engine(loaded, corpus="off").corpus_table is None
+    assert Engine(loaded).corpus_table is None  # a model without a path ships none
+    # A given path is read before any request; a damaged one is a one-line load error.
+    good = tmp_path / "good.bin"
+    t.save(good)
+    assert Engine(loaded, corpus=str(good)).corpus_table.tables.keys() == t.tables.keys()
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(good.read_bytes()[:-1])
+    with pytest.raises(ModelLoadError, match="corpus: .*checksum"):
+        Engine(loaded, corpus=str(bad))
+    # Found beside the model (its bundle folder): a damaged one is skipped with a warning.
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "corpus.bin").write_bytes(b"ESCORP1\n" + b"\0" * 20)
+    eng = Engine(LoadedModel(loaded.model, loaded.tokenizer, bundle))
+    with caplog.at_level(logging.WARNING, logger="edgespec.engine"):
+        assert eng.corpus_table is None
+    assert "corpus not used" in caplog.text
+    (bundle / "corpus.bin").write_bytes(good.read_bytes())
+    eng = Engine(LoadedModel(loaded.model, loaded.tokenizer, bundle))
+    assert eng.corpus_table is not None
+
+
+def test_corpus_option_is_a_source_and_can_be_left_out():
+    engine = make_tiny_engine()
+    engine.corpus = CorpusTable.build([[1, 2, 3, 4, 5]] * 2)
+    names = [s.name for s in make_mode("adaptive", engine, make_options(mode="adaptive")).sources]
+    assert "corpus" in names
+    names = [s.name for s in make_mode("adaptive", engine, make_options(mode="adaptive", sources="context")).sources]
+    assert names == ["context"]
+
+
+# ---------------------------------------------------------------- lossless
+@pytest.fixture(scope="module")
+def corpus_engine():
+    """A paced tiny engine whose corpus holds its own greedy replies to other prompts."""
+    engine = make_paced_engine(0, 0.003, scale=3.0)
+    engine.history = None
+    train = random_prompts(40, seed=11)
+    docs = [p + engine.generate(p, max_tokens=32, mode="plain").tokens for p in train]
+    engine.corpus = CorpusTable.build(docs, starts=[len(p) for p in train])
+    prompts = random_prompts(12, seed=4)
+    refs = [engine.generate(p, max_tokens=24, mode="plain").tokens for p in prompts]
+    return engine, prompts, refs
+
+
+@pytest.mark.parametrize("sources", ["corpus", "context+corpus", "auto"])
+def test_greedy_with_the_corpus_equals_plain(corpus_engine, sources):
+    engine, prompts, refs = corpus_engine
+    used = Counter()
+    for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+        # Timed (as shipped), then under seeded decisions: trees of every shape, the corpus's
+        # chains verified whatever their price, so the test does not hang on the machine's timing.
+        for policy in (None, SeededPolicy(i)):
+            engine.policy = policy
+            try:
+                r = engine.generate(p, max_tokens=24, mode="adaptive", sources=sources)
+            finally:
+                engine.policy = None
+            assert r.tokens == ref, (sources, p, policy and policy.decisions)
+            used.update(r.stats.accepted_by_source)
+    if sources == "corpus":  # (beside the context source, the tiny model's loops are the context's)
+        assert used["corpus"] > 0, used  # its chains were verified and kept
+
+
+def test_seeded_sampling_with_the_corpus_equals_plain(corpus_engine):
+    engine, prompts, _ = corpus_engine
+    for i, p in enumerate(prompts[:6]):
+        kw = dict(max_tokens=24, temperature=0.9, top_p=0.95, seed=300 + i)
+        ref = engine.generate(p, mode="plain", **kw).tokens
+        assert engine.generate(p, mode="adaptive", sources="context+corpus", **kw).tokens == ref
+
+
+def test_sampling_with_the_corpus_follows_the_verifier_law():
+    """Chi-square of 3-token continuations against the law enumerated from the model, with the
+    corpus the only source (its chains: what the model sampled before)."""
+    params = dict(temperature=1.0, top_k=3)
+    engine = make_paced_engine(1, 0.002, scale=1.5, vocab_size=8)
+    engine.history = None
+    prompt = [1, 2, 3] * 4 + [1, 2]
+    docs = [prompt + engine.generate(prompt, max_tokens=6, mode="plain", seed=s, **params).tokens
+            for s in range(30)]
+    engine.corpus = CorpusTable.build(docs)
+    n = 3
+    law = continuation_law(engine.model, prompt, SamplingParams(**params), n)
+    opts = make_options(mode="adaptive", sources="corpus", **params)
+    counts, accepted = Counter(), 0
+    runs = 500
+    for seed in range(runs):
+        engine.memory.adaptive.clear()
+        mode = make_mode("adaptive", engine, opts)
+        stats = GenerationStats()
+        it = mode.steps(prompt, Sampler(SamplingParams(**params, seed=seed)), stats)
+        counts[tuple(t.id for t in itertools.islice(it, n))] += 1
+        it.close()
+        accepted += stats.accepted
+    assert accepted > runs // 10  # corpus chains were verified and kept
+    p = chi2_pvalue(counts, law)
+    assert p > 1e-3, p
+
+
+def test_the_source_declares_the_priors_measured_at_build():
+    t = CorpusTable.build([[1, 2, 3]] * 2)
+    t.priors = {"corpus:(2, 4, 2)": 0.9}
+    src = CorpusSource(t)
+    assert src.priors["corpus:(2, 4, 2)"] == 0.9 and src.priors["corpus"] == 0.15
+    assert src.propose([1, 2], 3, 16)[0].tokens == [3]
+    assert src.propose([1, 2], 0, 16) == []
