@@ -42,11 +42,14 @@ log = logging.getLogger("edgespec.engine")
 
 
 def corpus_paths(engine) -> list[Path]:
-    """Where a corpus for this model is looked for: the bundle's own, then the one shipped
-    beside this model's distilled drafter (edgespec/data/drafters/<name>/)."""
+    """Where a corpus for this model is looked for: the bundle's own, the attached drafter's
+    folder (`edgespec distill` writes one there), then the one shipped beside this model's
+    distilled drafter (edgespec/data/drafters/<name>/)."""
     out = []
     if engine.loaded.path is not None and Path(engine.loaded.path).is_dir():
         out.append(Path(engine.loaded.path) / CORPUS_FILE)
+    if engine.drafter_folder is not None:
+        out.append(Path(engine.drafter_folder) / CORPUS_FILE)
     shipped = shipped_drafter_path(engine)
     if shipped is not None:
         out.append(shipped / CORPUS_FILE)
@@ -109,6 +112,8 @@ class Engine:
     # corpus): None = the bundle's corpus.bin, else the one shipped beside this model's drafter;
     # "off" = none; a path to a corpus file; or a CorpusTable.
     corpus: Any = None
+    # The folder the attached drafter was loaded from (edgespec.drafters.attach_drafter), or None.
+    drafter_folder: Path | None = None
     max_batch: int | None = None  # generations decoded together; None = from the memory budget
     # Bytes of earlier prompts' and replies' caches kept for reuse (edgespec.caches.prefix):
     # None = edgespec.caches.prefix.default_limit (a few contexts' KV, capped), "memory" =
@@ -374,6 +379,14 @@ class Engine:
                 if got is None:
                     got = self._corpus_table = (self._load_corpus(),)
         return got[0]
+
+    def set_drafter_folder(self, folder: Path | None) -> None:
+        """Record where the attached drafter came from; a corpus found automatically is looked
+        up again at the next request (the drafter's folder may hold one)."""
+        with self._lock:
+            self.drafter_folder = folder
+            if self.corpus is None:
+                self._corpus_table = None
 
     def _load_corpus(self):
         spec = self.corpus

@@ -203,3 +203,35 @@ def test_the_source_declares_the_priors_measured_at_build():
     assert src.priors["corpus:(2, 4, 2)"] == 0.9 and src.priors["corpus"] == 0.15
     assert src.propose([1, 2], 3, 16)[0].tokens == [3]
     assert src.propose([1, 2], 0, 16) == []
+
+
+# ---------------------------------------------------------------- building one alone
+def test_corpus_command_drops_overlapping_prompts_and_never_overwrites_a_foreign_file(tmp_path, capsys):
+    import json
+
+    from conftest import write_tiny_bundle
+
+    from edgespec.converters.distill.corpus import main
+
+    bundle = write_tiny_bundle(tmp_path / "verifier", seed=2, scale=3.0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "domain": "chat"}) for p in (
+        "how do plants make food from light", "name three big cities", "abc xyz hello", "why is the sky blue today")))
+    bench = tmp_path / "bench.jsonl"  # the bench format: a chat
+    bench.write_text(json.dumps({"messages": [{"role": "user", "content": "Why is the sky blue today? Explain."}]}))
+    foreign = tmp_path / "notes.bin"
+    foreign.write_bytes(b"mine")
+    argv = ["--verifier", str(bundle), "--data", str(data), "--exclude", str(bench), "--max-new", "6",
+            "--batch-size", "2"]
+    assert main(argv + ["--out", str(foreign)]) == 2
+    assert foreign.read_bytes() == b"mine" and "not an edgespec corpus" in capsys.readouterr().err
+    out = tmp_path / "corpus.bin"
+    assert main(argv + ["--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "3 of 4 prompts kept (1 overlap --exclude)" in err
+    import edgespec
+
+    engine = edgespec.load(bundle, drafter="none", progress=False)
+    table = CorpusTable.load(out, engine.loaded.tokenizer.vocab_hash())
+    assert len(table) > 0
+    assert main(argv + ["--out", str(out)]) == 0  # its own file: replaced (answers reused from the work folder)

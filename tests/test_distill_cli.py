@@ -40,7 +40,7 @@ def test_folder_contents_and_card(distilled):
     root, _, _ = distilled
     out = root / "drafter"
     assert sorted(p.name for p in out.iterdir()) == [
-        "MODEL_CARD.md", "config.json", "distill.json", "model.safetensors", "vocab_map.json"]
+        "MODEL_CARD.md", "config.json", "corpus.bin", "distill.json", "model.safetensors", "vocab_map.json"]
     card = (out / "MODEL_CARD.md").read_text()
     assert "| code |" in card and "| chat |" in card and "edgespec distill" in card
     info = json.loads((out / "distill.json").read_text())
@@ -74,3 +74,8 @@ def test_engine_attaches_distilled_folder(distilled):
     plain = engine.generate("abc top", max_tokens=12, temperature=0, mode="plain")
     spec = engine.generate("abc top", max_tokens=12, temperature=0, mode="speculative")
     assert spec.tokens == plain.tokens
+    # The folder's corpus (the verifier's answers to the distillation prompts) is found and drafts.
+    table = engine.corpus_table
+    assert table is not None and table.vocab_hash == engine.loaded.tokenizer.vocab_hash() and len(table) > 0
+    auto = engine.generate("abc top", max_tokens=12, temperature=0, mode="adaptive", sources="corpus")
+    assert auto.tokens == plain.tokens and table.lookups > 0

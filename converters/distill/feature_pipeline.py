@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from edgespec.converters.bundle import atomic_folder
 from edgespec.converters.distill.card import _count, _params, feature_card
+from edgespec.converters.distill.corpus import from_examples
 from edgespec.converters.distill.evaluate import acceptance, draft_cost
 from edgespec.converters.distill.feature_train import FeatureBatch, feature_loss, prepare_features
 from edgespec.converters.distill.features import build_features, load_features
@@ -26,6 +27,7 @@ from edgespec.models.feature_drafter import FeatureDraftModel
 from edgespec.models.llama import ModelArgs
 from mlx.utils import tree_flatten, tree_map
 
+from edgespec.adaptive.corpus import FILENAME as CORPUS_FILE
 from edgespec.drafters.feature import DRAFTER_JSON, FORMAT, FeatureDrafter, verifier_head_rows
 
 
@@ -130,6 +132,7 @@ def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_exampl
     }
     with atomic_folder(out, force=force) as tmp:
         write_feature_folder(tmp, model, fcfg, vmap, info["vocab_hash"])
+        from_examples(examples, info["vocab_hash"]).save(tmp / CORPUS_FILE)  # the corpus source's table
         info["size_mb"] = sum(p.stat().st_size for p in tmp.iterdir()) / 1e6
         if cfg.evaluate:
             drafter = FeatureDrafter.load(tmp, loaded)  # measure exactly what ships (fp16 weights)

@@ -20,6 +20,7 @@ import numpy as np
 from edgespec.converters.bundle import atomic_folder, check_destination
 from edgespec.converters.distill import data as D
 from edgespec.converters.distill.card import _count, _params, model_card
+from edgespec.converters.distill.corpus import from_examples
 from edgespec.converters.distill.evaluate import acceptance_fast, draft_cost
 from edgespec.converters.distill.feature_pipeline import distill_feature
 from edgespec.converters.distill.prompts import BUILTIN_HELDOUT, builtin_path, read_prompts
@@ -28,6 +29,7 @@ from edgespec.converters.distill.train import TrainConfig, prepare, train
 from edgespec.converters.distill.vocab import choose_vocab, token_counts
 from mlx.utils import tree_flatten
 
+from edgespec.adaptive.corpus import FILENAME as CORPUS_FILE
 from edgespec.drafters.distilled import DistilledDrafter, VocabMap
 from edgespec.weights import loader  # loader.load looked up per call (tests stand in for it)
 
@@ -156,6 +158,7 @@ def distill(
         (tmp / "config.json").write_text(json.dumps({**scfg, "torch_dtype": "float16"}, indent=2))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         vmap.save(tmp, vocab_hash=info["vocab_hash"])
+        from_examples(examples, info["vocab_hash"]).save(tmp / CORPUS_FILE)  # the corpus source's table
         info["size_mb"] = sum(p.stat().st_size for p in tmp.iterdir()) / 1e6
         emb_mb = vmap.size * scfg["hidden_size"] * 2 / 1e6
         layer_mb = (info["params"] - vmap.size * scfg["hidden_size"]) * 2 / 1e6 / scfg["num_hidden_layers"]

@@ -186,4 +186,6 @@ def attach_drafter(engine, spec=None):
     engine.drafter = load_drafter(engine, spec)
     if old is not None and old is not engine.drafter:
         old.close()
+    folder = Path(spec).expanduser() if spec is not None and str(spec) not in SHORTCUTS else None
+    engine.set_drafter_folder(folder if folder is not None and folder.is_dir() else None)
     return engine.drafter
