@@ -15,9 +15,10 @@ SHIPPED = DATA / "smollm2-135m-instruct"
 
 def test_shipped_folder_is_complete_and_small():
     names = {p.name for p in SHIPPED.iterdir()}
-    assert {"config.json", "model.safetensors", "vocab_map.json", "MODEL_CARD.md"} <= names
-    size = sum(p.stat().st_size for p in SHIPPED.iterdir())
-    assert size < 26e6  # the ~20 MB budget (see MODEL_CARD.md for the breakdown)
+    assert {"config.json", "model.safetensors", "vocab_map.json", "MODEL_CARD.md", "corpus.bin"} <= names
+    size = sum(p.stat().st_size for p in SHIPPED.iterdir() if p.name != "corpus.bin")
+    assert size < 26e6  # the drafter's ~20 MB budget (see MODEL_CARD.md for the breakdown)
+    assert (SHIPPED / "corpus.bin").stat().st_size < 24e6  # the corpus source's table (MODEL_CARD.md)
     vmap = json.loads((SHIPPED / "vocab_map.json").read_text())
     assert vmap["full_vocab_size"] == 49152 and vmap["ids"][0] == -1
     assert json.loads((SHIPPED / "config.json").read_text())["vocab_size"] == len(vmap["ids"])
@@ -36,6 +37,18 @@ def test_shipped_drafter_is_found_and_greedy_exact(real_engine):
         assert spec.stats.accepted > 0  # the drafter predicts the verifier at least sometimes
     finally:
         attach_drafter(real_engine, "none")
+
+
+@pytest.mark.real_model
+def test_shipped_corpus_is_found_checked_and_drafts(real_engine):
+    from edgespec.adaptive.corpus import CorpusTable
+
+    table = real_engine.corpus_table
+    assert isinstance(table, CorpusTable) and table.vocab_hash == real_engine.loaded.tokenizer.vocab_hash()
+    assert len(table.priors) >= 20  # measured on held-out answers when it was built
+    ids = real_engine.loaded.tokenizer.encode("Here's a Python function that", add_special_tokens=False)
+    tokens, bucket = table.chain(ids, 8)
+    assert tokens and bucket is not None  # a 135M model's habit, in its own answers
 
 
 def test_shipped_vocab_hash_matches_default_tokenizer():

@@ -37,7 +37,8 @@ def test_wheel_maps_folders_into_the_package_and_runs(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert {"models", "converters", "apps", "tests"}.isdisjoint(tops)
     for must in ("edgespec/models/llama.py", "edgespec/converters/gguf.py", "edgespec/apps/chat.py", "edgespec/cli.py",
-                 "edgespec/data/drafters/smollm2-135m-instruct/model.safetensors", "edgespec/kernels/metal_emu.h",
+                 "edgespec/data/drafters/smollm2-135m-instruct/model.safetensors",
+                 "edgespec/data/drafters/smollm2-135m-instruct/corpus.bin", "edgespec/kernels/metal_emu.h",
                  "edgespec/data/calibration_answers.jsonl", "edgespec/data/calibration_answers_heldout.jsonl"):
         assert must in names
     # Every package of the source tree ships (a folder missing from pyproject's list would not).
