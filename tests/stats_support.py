@@ -22,6 +22,25 @@ def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
+def adaptive_continuations(engine, prompt, opts, params: dict, n: int, runs: int):
+    """(Counter of the first n sampled tokens, tokens accepted) over seeds 0..runs-1 of mode
+    `adaptive` with options `opts`, each run from the priors (its learnt memory cleared)."""
+    from collections import Counter
+
+    from edgespec.modes import make_mode
+
+    counts, accepted = Counter(), 0
+    for seed in range(runs):
+        engine.memory.adaptive.clear()  # every run starts from the priors: trees early on
+        mode = make_mode("adaptive", engine, opts)
+        stats = GenerationStats()
+        it = mode.steps(prompt, Sampler(SamplingParams(**params, seed=seed)), stats)
+        counts[tuple(t.id for t in itertools.islice(it, n))] += 1
+        it.close()
+        accepted += stats.accepted
+    return counts, accepted
+
+
 def continuation_law(model, prompt, params, n):
     """Exact law {tokens: probability} of the first n sampled tokens under plain decoding (enumerated)."""
     law = {}

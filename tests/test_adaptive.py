@@ -11,16 +11,14 @@ import numpy as np
 import pytest
 import scipy.stats as sps
 from conftest import make_paced_engine, make_tiny_engine, make_tiny_model, random_prompts
-from stats_support import continuation_law
+from stats_support import adaptive_continuations, continuation_law
 
 import edgespec.adaptive.decoder as dec
 from edgespec.adaptive.estimate import AcceptanceStats, Costs, merge_candidates, plan_tree
 from edgespec.adaptive.history import HistoryStore
 from edgespec.drafters.base import ModelDrafter
 from edgespec.engine import make_options
-from edgespec.generate import GenerationStats
-from edgespec.logits.sampling import Sampler, SamplingParams
-from edgespec.modes import make_mode
+from edgespec.logits.sampling import SamplingParams
 
 SOURCES = ("context", "history", "jacobi", "drafter")
 DRAW_TOKENS = dec.draw_tokens  # the real one, for the broken variant to wrap
@@ -121,16 +119,8 @@ def test_sampling_follows_the_verifier_law(monkeypatch, broken):
     if broken:
         monkeypatch.setattr(dec, "draw_tokens", greedy_below_root)
     opts = make_options(mode="adaptive", sources="context+jacobi", window=2, ngram=3, **params)
-    counts, accepted = Counter(), 0
     runs = 600
-    for seed in range(runs):
-        engine.memory.adaptive.clear()  # every run starts from the priors: trees early on
-        mode = make_mode("adaptive", engine, opts)
-        stats = GenerationStats()
-        it = mode.steps(prompt, Sampler(SamplingParams(**params, seed=seed)), stats)
-        counts[tuple(t.id for t in itertools.islice(it, n))] += 1
-        it.close()
-        accepted += stats.accepted
+    counts, accepted = adaptive_continuations(engine, prompt, opts, params, n, runs)
     assert accepted > runs // 10  # trees were verified, so the scheme was exercised
     p = chi2_pvalue(counts, law)
     # Seeds are fixed, so the p-values are reproducible (measured: 0.65 and 6e-9); the margins are wide.

@@ -4,14 +4,13 @@ What it must do: propose what most often followed the longest matching context, 
 documents, and keep proposing only while the match is unanimous; read back only whole files of
 its own vocabulary; and never change the output, greedy or sampled."""
 
-import itertools
 import logging
 from collections import Counter
 
 import numpy as np
 import pytest
 from conftest import make_paced_engine, make_tiny_engine, random_prompts
-from stats_support import continuation_law
+from stats_support import adaptive_continuations, continuation_law
 from test_adaptive import chi2_pvalue
 
 from edgespec.adaptive.corpus import ORDERS, CorpusError, CorpusTable, _hash_windows, context_hash
@@ -19,8 +18,7 @@ from edgespec.adaptive.policy import SeededPolicy
 from edgespec.adaptive.sources import CorpusSource
 from edgespec.engine import Engine, make_options
 from edgespec.errors import ModelLoadError
-from edgespec.generate import GenerationStats
-from edgespec.logits.sampling import Sampler, SamplingParams
+from edgespec.logits.sampling import SamplingParams
 from edgespec.modes import make_mode
 from edgespec.weights.loader import LoadedModel
 
@@ -181,16 +179,8 @@ def test_sampling_with_the_corpus_follows_the_verifier_law():
     n = 3
     law = continuation_law(engine.model, prompt, SamplingParams(**params), n)
     opts = make_options(mode="adaptive", sources="corpus", **params)
-    counts, accepted = Counter(), 0
     runs = 500
-    for seed in range(runs):
-        engine.memory.adaptive.clear()
-        mode = make_mode("adaptive", engine, opts)
-        stats = GenerationStats()
-        it = mode.steps(prompt, Sampler(SamplingParams(**params, seed=seed)), stats)
-        counts[tuple(t.id for t in itertools.islice(it, n))] += 1
-        it.close()
-        accepted += stats.accepted
+    counts, accepted = adaptive_continuations(engine, prompt, opts, params, n, runs)
     assert accepted > runs // 10  # corpus chains were verified and kept
     p = chi2_pvalue(counts, law)
     assert p > 1e-3, p
@@ -210,7 +200,6 @@ def test_corpus_command_drops_overlapping_prompts_and_never_overwrites_a_foreign
     import json
 
     from conftest import write_tiny_bundle
-
     from edgespec.converters.distill.corpus import main
 
     bundle = write_tiny_bundle(tmp_path / "verifier", seed=2, scale=3.0)
