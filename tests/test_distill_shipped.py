@@ -45,6 +45,8 @@ def test_shipped_corpus_is_found_checked_and_drafts(real_engine):
 
     table = real_engine.corpus_table
     assert isinstance(table, CorpusTable) and table.vocab_hash == real_engine.loaded.tokenizer.vocab_hash()
+    # Checked against the bundle's record of the hash (computing it costs ~0.1 s of a first reply).
+    assert real_engine._vocab_hash() == real_engine.loaded.tokenizer.vocab_hash()
     assert len(table.priors) >= 20  # measured on held-out answers when it was built
     ids = real_engine.loaded.tokenizer.encode("Here's a Python function that", add_special_tokens=False)
     tokens, bucket = table.chain(ids, 8)
