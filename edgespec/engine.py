@@ -109,8 +109,9 @@ class Engine:
     # "disk" ($EDGESPEC_HOME/history), "off"; None = $EDGESPEC_HISTORY or "memory".
     history: Any = None
     # A frozen n-gram table of the verifier's own answers as a draft source (edgespec.adaptive.
-    # corpus): None = the bundle's corpus.bin, else the one shipped beside this model's drafter;
-    # "off" = none; a path to a corpus file; or a CorpusTable.
+    # corpus): None = the first corpus.bin of corpus_paths (the bundle's, the attached drafter
+    # folder's, the one shipped for this model), read at the first adaptive request; "off" =
+    # none; a path to a corpus file (read now); or a CorpusTable.
     corpus: Any = None
     # The folder the attached drafter was loaded from (edgespec.drafters.attach_drafter), or None.
     drafter_folder: Path | None = None
