@@ -407,7 +407,11 @@ class Engine:
         for path in paths:
             if explicit or path.is_file():
                 try:
-                    return CorpusTable.load(path, self._vocab_hash())
+                    table = CorpusTable.load(path, self._vocab_hash())
+                    if table.max_token >= self.model.args.vocab_size:
+                        raise CorpusError(f"{path}: token {table.max_token} is outside this model's vocabulary "
+                                          f"({self.model.args.vocab_size})")
+                    return table
                 except (OSError, CorpusError) as e:
                     if explicit:
                         raise ModelLoadError(f"corpus: {e}") from None

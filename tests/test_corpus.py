@@ -86,6 +86,12 @@ def test_file_round_trip_and_every_damage_is_refused(tmp_path):
         with pytest.raises(CorpusError, match=why):
             CorpusTable.from_bytes(bad)
     assert not list(tmp_path.glob(".*tmp*"))  # the atomic save left no temp file
+    # A file whose checksum holds but whose contents could not be used (a crafted one): refused.
+    for n, arr, value in ((2, 3, 0), (3, 1, -5)):
+        tables = {k: tuple(a.copy() for a in v) for k, v in t.tables.items()}
+        tables[n][arr][0] = value  # a context seen 0 times (a division by zero), a negative id
+        with pytest.raises(CorpusError, match="out of range"):
+            CorpusTable.from_bytes(CorpusTable(tables, "v1").to_bytes())
 
 
 # ---------------------------------------------------------------- the engine
@@ -103,6 +109,10 @@ def test_engine_finds_checks_or_skips_its_corpus(tmp_path, caplog):
     bad.write_bytes(good.read_bytes()[:-1])
     with pytest.raises(ModelLoadError, match="corpus: .*checksum"):
         Engine(loaded, corpus=str(bad))
+    big = tmp_path / "big.bin"  # a whole file whose tokens this model does not have
+    CorpusTable.build([[1, 2, 3, loaded.model.args.vocab_size + 5]] * 3).save(big)
+    with pytest.raises(ModelLoadError, match="outside this model's vocabulary"):
+        Engine(loaded, corpus=str(big))
     # Found beside the model (its bundle folder): a damaged one is skipped with a warning.
     bundle = tmp_path / "bundle"
     bundle.mkdir()

@@ -182,6 +182,12 @@ class CorpusTable:
         return out, bucket
 
     @property
+    def max_token(self) -> int:
+        """The largest token id it can propose (-1 when empty): checked against the model's
+        vocabulary before use."""
+        return max((int(t[1].max()) for t in self.tables.values() if len(t[1])), default=-1)
+
+    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for t in self.tables.values() for a in t)
 
@@ -230,6 +236,8 @@ class CorpusTable:
                 arrs.append(a.astype(dt[1:]))
             if s > 1 and not bool(np.all(arrs[0][1:] > arrs[0][:-1])):
                 raise CorpusError(f"{name}: keys of order {n} are not sorted")
+            if s and (arrs[1].min() < 0 or arrs[2].min() < 1 or bool(np.any(arrs[3] < arrs[2]))):
+                raise CorpusError(f"{name}: counts or token ids of order {n} out of range")
             tables[n] = tuple(arrs)
         priors = header.get("priors") or {}
         if not isinstance(priors, dict) or not all(
