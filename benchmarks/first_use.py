@@ -49,6 +49,9 @@ MODES = ("plain", "auto")
 HOMES = ("cold", "warm")
 
 
+PRIME_TOKENS = 48  # the priming replies' length at least
+
+
 def make_home(src: Path, root: Path, name: str) -> Path:
     """A home holding links to everything of `src` but its calibration and history."""
     home = root / name
@@ -63,8 +66,8 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "edgespec.cli", *args]
 
 
-def run_generate(home: Path, mode: str, args) -> dict:
-    cmd = cli("generate", "--prompt", args.prompt, "--max-tokens", str(args.max_tokens), "--mode", mode,
+def run_generate(home: Path, mode: str, args, max_tokens: int | None = None) -> dict:
+    cmd = cli("generate", "--prompt", args.prompt, "--max-tokens", str(max_tokens or args.max_tokens), "--mode", mode,
               "--stats", "json", *(["--model", args.model] if args.model else []))
     env = {**os.environ, "EDGESPEC_HOME": str(home)}
     t0 = time.perf_counter()
@@ -228,7 +231,9 @@ def main() -> int:
         homes = {h: make_home(src, root, h) for h in HOMES}
         with progress_bar(total=args.prime, desc="priming the warm home", unit="run") as bar:
             for _ in range(args.prime):
-                run_generate(homes["warm"], "auto", args)
+                # Long enough to time a pass the curve keeps: a short reply may be all Jacobi-window
+                # rounds, which teach the curve nothing (their extra tokens are the window's).
+                run_generate(homes["warm"], "auto", args, max(args.max_tokens, PRIME_TOKENS))
                 bar.update(1)
         if args.prime and not calibration_files(homes["warm"]):
             raise SystemExit("the priming runs wrote no calibration file (is EDGESPEC_CALIBRATION off?)")
