@@ -67,7 +67,9 @@ from edgespec.version import __version__
 
 log = logging.getLogger("edgespec.calibration")
 
-FORMAT = 1
+# 2: the verify curve is persisted at quiet prices (Costs.quiet). Format-1 files priced sizes
+# timed under contention for good; their key (and so their file name) differs, so they are not read.
+FORMAT = 2
 # The curve's grid: every size up to 16 (a CPU BLAS can run 16 rows faster than 12), then coarser.
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
 PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (only ratios matter until then)
@@ -346,7 +348,7 @@ class CostStore:
         if self.path is None:
             return False
         with self._lock:
-            seen, counts = self.costs.current(), dict(self.costs.counts)
+            seen, counts = self.costs.quiet(), dict(self.costs.counts)
             if not seen and not any(d.fresh for d in list(self.drafts.values())):
                 return False
             total = self._new()
@@ -469,8 +471,6 @@ def measure(engine, reps: int = 1) -> CostStore:
     store = cost_store(engine)
     tree = tree_controller.calibrate_tree(engine.model, SIZES[-1], context=128, reps=reps, sizes=SIZES, monotone=False)
     for T, v in zip(tree.sizes, tree.verify_s, strict=True):
-        store.costs.seen.pop(T, None)
-        store.costs.ref.pop(T, None)
-        store.costs.observe(T, v)
+        store.costs.replace(T, v)
     store.publish(engine)
     return store

@@ -86,8 +86,9 @@ def test_learnt_costs_are_persisted_and_a_new_engine_starts_from_them(home):
     (path,) = files(home)
     data = json.loads(path.read_text())
     learnt = cal.cost_store(engine).costs
-    assert data["verify"]["1"] == pytest.approx(learnt.verify(1))
-    assert set(data["verify"]) == {str(T) for T in learnt.seen}
+    quiet = learnt.quiet()  # what is persisted: quiet prices (the plain step's low expectile)
+    assert data["verify"] == {str(T): pytest.approx(quiet[T]) for T in quiet}
+    assert set(quiet) == set(learnt.seen) and quiet[1] <= learnt.verify(1)
     assert data["key"]["model"]["model"] == {"weights": {"model.safetensors": "ab" * 32}}
     assert data["key"]["machine"]["device"] and data["key"]["machine"]["machine"]
     assert not list(path.parent.glob(".*tmp*"))  # written atomically, no temp left
@@ -126,7 +127,7 @@ def _path_of(engine) -> object:
     return cal.key_path(cal.cost_key(engine.loaded))
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 1, "key": {}, "verify": {"1": -3}}),
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": cal.FORMAT, "key": {}, "verify": {"1": -3}}),
                                      json.dumps([1, 2]), "\udcff"])
 def test_a_damaged_file_is_ignored_with_a_warning_and_kept_aside(home, caplog, content):
     engine = engine_for()
@@ -148,7 +149,7 @@ def test_a_file_for_another_key_is_left_alone(home, caplog):
     engine = engine_for()
     path = _path_of(engine)
     path.parent.mkdir(parents=True)
-    foreign = json.dumps({"format": 1, "key": {"someone": "else"}, "verify": {"1": 0.5}, "counts": {}, "draft": {}})
+    foreign = json.dumps({"format": cal.FORMAT, "key": {"someone": "else"}, "verify": {"1": 0.5}, "counts": {}, "draft": {}})
     path.write_text(foreign)
     with caplog.at_level(logging.WARNING, logger="edgespec.calibration"):
         engine.generate([5, 6, 7, 8] * 5, max_tokens=16)

@@ -248,6 +248,70 @@ def test_a_request_starts_without_the_last_ones_hold():
     assert g.plain_s() == 1.0
 
 
+def test_rounds_timed_while_the_cores_are_busy_teach_the_load_not_the_curve():
+    """A wider pass slows down more than the plain step under contention: a size timed then,
+    scaled by the plain step, stays dear after the load leaves, and the planner does not choose
+    (so does not re-measure) a dear size. While plain steps run BUSY times over their quiet
+    value, a round teaches `load` only; a size with nothing quiet known takes the busy samples
+    until a quiet one replaces them, and only quiet values are persisted (`quiet`)."""
+    from edgespec.adaptive.estimate import BUSY, Costs
+
+    c = Costs(sizes=[1, 4, 16], verify_s=[0.01, 0.012, 0.02])
+    for _ in range(20):
+        c.observe(1, 0.01)
+    c.observe(4, 0.013)
+    assert not c.busy() and c.verify(4) == pytest.approx(0.013)
+    for _ in range(20):
+        c.observe(1, 0.025)  # other processes take the cores: plain steps 2.5x
+    assert c.busy() and c.plain_floor < 0.01 * BUSY
+    for _ in range(5):
+        c.observe(4, 0.10)  # and a 4-token pass ~8x its quiet time
+    assert c.verify(4) == pytest.approx(0.013 * 2.5, rel=0.01)  # the quiet ratio, at today's plain step
+    assert c.under_load().verify(4) > 2 * c.verify(4)  # what this moment costs: the load's part
+    c.observe(8, 0.09)  # never timed on quiet cores: the busy sample stands for it ...
+    assert c.verify(8) == pytest.approx(0.09)
+    q = c.quiet()  # ... but is not persisted; the rest is, at the quiet plain step
+    assert 8 not in q and q[1] == pytest.approx(0.01, rel=0.1)  # it drifts up slowly
+    assert q[4] == pytest.approx(0.013, rel=0.1)
+    for _ in range(30):
+        c.observe(1, 0.01)  # the load is gone
+    assert not c.busy()
+    assert c.verify(4) == pytest.approx(0.013, rel=0.01)  # still cheap, so chosen again
+    c.observe(8, 0.015)  # the first quiet sample replaces the busy ones
+    assert c.verify(8) == pytest.approx(0.015) and c.quiet()[8] == pytest.approx(0.015, rel=0.02)
+    # A machine that got slower for good (not another process) is taken for quiet in time.
+    for _ in range(1500):
+        c.observe(1, 0.02)
+    assert not c.busy()
+    before = c.verify(4)
+    assert before == pytest.approx(0.026, rel=0.01)
+    c.observe(4, 0.03)
+    assert c.verify(4) > before * 1.05  # learnt again
+
+
+def test_a_busy_spell_does_not_outlive_the_process_in_the_calibration_file(tmp_path):
+    """The persisted curve is quiet prices: the next process prices a size by its quiet
+    ratio to the plain step, whatever the load when the file was written."""
+    from edgespec.calibration import CostStore
+
+    key, path = {"model": {"name": "m"}, "machine": "here"}, tmp_path / "cal.json"
+    a = CostStore(key, path, kind="cpu")
+    for _ in range(20):
+        a.costs.observe(1, 0.01)
+    a.costs.observe(6, 0.015)
+    for _ in range(20):
+        a.costs.observe(1, 0.02)
+    for _ in range(4):
+        a.costs.observe(6, 0.08)  # rounds while busy
+    a.costs.observe(12, 0.1)  # a size timed only while busy
+    assert a.save()
+    b = CostStore(key, path, kind="cpu")
+    assert b.loaded_verify[1] == pytest.approx(0.01, rel=0.1)
+    assert b.loaded_verify[6] == pytest.approx(0.015, rel=0.1)
+    assert 12 not in b.loaded_verify
+    assert b.costs.verify(6) / b.costs.verify(1) == pytest.approx(1.5, rel=0.03)
+
+
 def test_rounds_dearer_than_priced_raise_every_wider_size_until_plain_steps_ease_it():
     """Costs.load: under contention a wide pass slows down more than the plain step it is
     scaled by; the measured/priced ratio of the rounds prices every size > 1, measured or

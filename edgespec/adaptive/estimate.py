@@ -99,6 +99,12 @@ class AcceptanceStats:
 SCALE_MAX = 4.0  # how far a load change since a size was measured may move its price, either way
 LOAD_WEIGHT = 0.3  # a round's weight in Costs.load (as a sample's in a size's own average)
 LOAD_EASE = 0.98  # per timed plain step, log(load) shrinks by this factor (back to the curve)
+# The quiet plain step (Costs.plain_floor): a low expectile of the plain steps' seconds. It
+# follows a faster step (FLOOR_DOWN of the gap per step: one outlier moves it little) and a
+# slower one only over hundreds of steps (FLOOR_UP), so minutes of contention are not taken
+# for the machine's own speed; a machine that did get slower is, within ~1/FLOOR_UP steps.
+FLOOR_DOWN, FLOOR_UP = 0.1, 0.002
+BUSY = 1.5  # plain steps averaging this much over the quiet one: the cores are shared (Costs.busy)
 
 
 @dataclass
@@ -120,6 +126,16 @@ class Costs:
     this, a size measured while other processes held the cores stayed dear after they left
     (so it was not chosen again, and not measured again), and one measured on quiet cores
     stayed cheap under load.
+
+    The curve is kept at quiet prices (`busy`): a wider pass slows down more than the plain
+    step under contention, so a size timed then would stay dear, scaled by the plain step or
+    not, until it was chosen again, and the planner does not choose a dear size. Persisted, it
+    did so for good: on this machine, after a contention benchmark, the calibration file priced
+    sizes 6 to 32 at 5-20 plain steps, where a quiet pass costs 1.5-3. So while the plain
+    step runs BUSY times over its quiet value (`plain_floor`, a low expectile of the plain
+    steps), a round's time teaches only `load` below; a size with no quiet value yet takes the
+    sample until one comes (and such a size is not persisted). What is persisted (`quiet`) is
+    on the quiet plain step's scale.
 
     What that scaling misses, priced apart (`load`): a wider pass does not slow down with
     the plain step in proportion. With two busy processes on this machine's two cores a plain
@@ -149,6 +165,10 @@ class Costs:
 
     # The load's factor on sizes > 1 (see the class docstring): log of measured / priced, averaged.
     log_load: float = 0.0
+    # The quiet plain step's seconds (None until a plain step is known), and the sizes whose
+    # value so far comes only from rounds timed while the cores were busy.
+    plain_floor: float | None = None
+    contended: set[int] = field(default_factory=set)
 
     def __post_init__(self):
         self._table: list[float] | None = None  # verify(T) for T = 0..max_tokens, rebuilt after observe
@@ -199,29 +219,68 @@ class Costs:
         return self.calibrated(T) * r
 
     def current(self) -> dict[int, float]:
-        """The measured sizes' seconds as priced now (what a later process starts from)."""
+        """The measured sizes' seconds as priced now."""
         return {T: self._now(T) for T in self.seen}
+
+    def quiet(self) -> dict[int, float]:
+        """The measured sizes' seconds on quiet cores, what a later process starts from: priced
+        at the quiet plain step (`plain_floor`), leaving out sizes timed only while busy."""
+        one, floor = self.seen.get(1), self.plain_floor
+        f = floor / one if one and floor else 1.0
+        out = {T: self._now(T) * f for T in self.seen if T not in self.contended}
+        if one is not None and floor is not None:
+            out[1] = floor
+        return out
+
+    def busy(self) -> bool:
+        """Whether plain steps run well over their quiet time now (other work holds the cores)."""
+        one, floor = self.seen.get(1), self.plain_floor
+        return one is not None and floor is not None and one > BUSY * floor
+
+    def replace(self, T: int, seconds: float) -> None:
+        """A measurement that stands for size T alone (an explicit calibration): what was
+        learnt of T before is dropped."""
+        T = int(T)
+        self.seen.pop(T, None)
+        self.ref.pop(T, None)
+        self.contended.discard(T)
+        self.observe(T, seconds)
 
     def observe(self, T: int, seconds: float) -> None:
         """A pass over T tokens, run alone, took `seconds` (all the round's work but drafting)."""
         if not seconds > 0 or not np.isfinite(seconds):
             return
-        T = int(T)
+        T, seconds = int(T), float(seconds)
+        busy = False
         if T == 1:
             self.log_load *= LOAD_EASE
+            floor = self.plain_floor
+            if floor is None:  # a persisted plain step is a quiet one (`quiet`)
+                floor = self.verify(1) if 1 in self.anchored else seconds
+            self.plain_floor = floor + (FLOOR_DOWN if seconds < floor else FLOOR_UP) * (seconds - floor)
         else:  # before the curve learns from it: how far the price was off
-            r = math.log(float(seconds) / max(self.verify(T), 1e-12))
+            r = math.log(seconds / max(self.verify(T), 1e-12))
             lim = math.log(SCALE_MAX)
             self.log_load = min(max((1 - LOAD_WEIGHT) * self.log_load + LOAD_WEIGHT * r, -lim), lim)
+            busy = self.busy()
+        self.counts[T] = self.counts.get(T, 0) + 1
         old = self.seen.get(T)
+        if busy:
+            if (old is not None or T in self.anchored) and T not in self.contended:
+                return  # a quiet value stands; `load` carries this moment's excess
+            self.contended.add(T)  # nothing quiet known of T: the busy samples stand for now
+        elif T in self.contended:  # the first quiet sample replaces the busy ones
+            self.contended.discard(T)
+            self.seen.pop(T)
+            self.ref.pop(T, None)
+            old = None
         if old is None and T in self.anchored:
             old = self.verify(T)
         one = self.seen.get(1)  # the plain step's seconds as this sample is taken
         if T != 1 and one is not None:
             r = self.ref.get(T)
             self.ref[T] = one if r is None or old is None else 0.7 * r + 0.3 * one
-        self.seen[T] = float(seconds) if old is None else 0.7 * old + 0.3 * float(seconds)
-        self.counts[T] = self.counts.get(T, 0) + 1
+        self.seen[T] = seconds if old is None else 0.7 * old + 0.3 * seconds
         self._table = None
 
     def in_seconds(self) -> bool:
