@@ -323,6 +323,7 @@ class CostStore:
         d = self.drafts.get(key)
         if d is None:
             d = self.drafts[key] = DraftCost()
+        d.busy = self.costs.busy  # persisted: the calls made while the cores were not busy
         if d.per_token is None:
             d.prior = draft_prior(drafter, self.verifier_bytes)
         return d
@@ -368,9 +369,9 @@ class CostStore:
                 verify[T] = v
                 all_counts[T] = all_counts.get(T, 0) + counts[T] - self._counted.get(T, 0)
             for k, d in list(self.drafts.items()):
-                if d.fresh and d.per_token is not None:
-                    drafts[k] = d.per_token
-                    catch[k] = d.catch_up  # beside it: this per-token figure excludes catch-up
+                quiet = d.quiet() if d.fresh else None  # fitted to the calls made on quiet cores
+                if quiet is not None:
+                    catch[k], drafts[k] = quiet  # beside it: this per-token figure excludes catch-up
             data = {"format": FORMAT, "key": self.key, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "verify": {str(T): verify[T] for T in sorted(verify)},
                     "counts": {str(T): all_counts[T] for T in sorted(all_counts)},

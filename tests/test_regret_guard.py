@@ -312,6 +312,32 @@ def test_a_busy_spell_does_not_outlive_the_process_in_the_calibration_file(tmp_p
     assert b.costs.verify(6) / b.costs.verify(1) == pytest.approx(1.5, rel=0.03)
 
 
+def test_a_drafter_timed_while_busy_is_priced_so_now_and_persisted_at_its_quiet_cost(tmp_path):
+    from edgespec.calibration import CostStore
+
+    class Drafter:  # what the store keys a drafter by
+        name, model = "d", None
+
+    key, path = {"model": {"name": "m"}, "machine": "here"}, tmp_path / "cal.json"
+    a = CostStore(key, path, kind="cpu")
+    d = a.draft(Drafter())
+    for _ in range(20):
+        a.costs.observe(1, 0.01)
+    for k in (2, 4, 3, 4):
+        d.observe(k, 0.001 * k, unseen=0)
+    assert d.per_token == pytest.approx(0.001)
+    for _ in range(20):
+        a.costs.observe(1, 0.025)
+    assert a.costs.busy()
+    for k in (2, 4, 3, 4, 4, 2):
+        d.observe(k, 0.004 * k, unseen=0)  # drafting 4x slower while the cores are shared
+    assert d.per_token > 0.003  # what it costs now
+    assert d.quiet()[1] == pytest.approx(0.001)  # what it costs on quiet cores
+    assert a.save()
+    b = CostStore(key, path, kind="cpu")
+    assert b.draft(Drafter()).per_token == pytest.approx(0.001)
+
+
 def test_rounds_dearer_than_priced_raise_every_wider_size_until_plain_steps_ease_it():
     """Costs.load: under contention a wide pass slows down more than the plain step it is
     scaled by; the measured/priced ratio of the rounds prices every size > 1, measured or

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -472,32 +473,50 @@ class DraftCost:
     exponential forgetting (FIT_DECAY per call): calls of different c and k tell them apart.
     Values loaded from a file pull the fit weakly (FIT_RIDGE tokens^2); with no call that had
     unseen tokens the catch-up stays unmeasured (CATCH_UP_PRIOR of a drafted token applies),
-    and calls with c = 0 (mode speculative's) teach per_token alone, as seconds / tokens."""
+    and calls with c = 0 (mode speculative's) teach per_token alone, as seconds / tokens.
+
+    As the verify curve keeps quiet prices (`Costs.busy`), what is persisted (`quiet`) is
+    fitted to the calls made while the cores were not busy (`busy`, the engine's curve's), so
+    a busy spell does not price the drafter out of the next process's plans; the fit the
+    planner uses now (`per_token`, `catch_up`) takes every call."""
 
     per_token: float | None = None  # None: not measured (the prior applies)
     catch_up: float | None = None  # seconds per unseen token; None: not measured
     prior: float = DRAFT_PRIOR  # seconds per token before one is measured, in plain steps
     count: int = 0  # measurements in this process
-    fresh: bool = False  # measured in this process (persist it)
+    fresh: bool = False  # measured in this process on quiet cores (persist `quiet()`)
+    busy: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self._anchor = (self.catch_up, self.per_token)  # what it started from (a file's values)
         self._sums = [0.0] * 5  # decayed sums of c*c, c*k, k*k, c*t, k*t over the calls
+        self._quiet_sums = [0.0] * 5  # the same over the calls made while not busy
+        self._quiet: tuple[float | None, float] | None = None  # (catch_up, per_token) fitted to them
 
     def observe(self, tokens: int, seconds: float, unseen: int = 0) -> None:
         """A draft call of `tokens` tokens that first fed `unseen` committed tokens took `seconds`."""
         if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return
         c, k, t = max(int(unseen), 0), int(tokens), float(seconds)
-        s = self._sums
-        for i, v in enumerate((c * c, c * k, k * k, c * t, k * t)):
-            s[i] = FIT_DECAY * s[i] + v
-        self._fit()
+        terms = (c * c, c * k, k * k, c * t, k * t)
+        quiet = self.busy is None or not self.busy()
+        for sums in (self._sums, self._quiet_sums) if quiet else (self._sums,):
+            for i, v in enumerate(terms):
+                sums[i] = FIT_DECAY * sums[i] + v
+        self.catch_up, self.per_token = self._fit(self._sums, self.catch_up, self.per_token)
+        if quiet:
+            before = self._quiet or (self._anchor[0], self._anchor[1])
+            self._quiet = self._fit(self._quiet_sums, *before)
+            self.fresh = True
         self.count += 1
-        self.fresh = True
 
-    def _fit(self) -> None:
-        cc, ck, kk, ct, kt = self._sums
+    def quiet(self) -> tuple[float | None, float] | None:
+        """(catch_up, per_token) fitted to this process's calls on quiet cores (None: none)."""
+        return self._quiet
+
+    def _fit(self, sums, catch_up, per_token) -> tuple[float | None, float]:
+        """The least-squares (catch_up, per_token) of these sums; the arguments: the values so far."""
+        cc, ck, kk, ct, kt = sums
         a0, b0 = self._anchor
         # A loaded value pulls its term weakly; an unmeasured catch-up is pulled to 0 only
         # infinitesimally (it decides a only where no call had c > 0, or c/k never varied).
@@ -511,11 +530,9 @@ class DraftCost:
         if a < 0:  # noise: no catch-up cost, the steps alone
             a, b = 0.0, r2 / m22
         if not b > 0:  # noise the other way: keep the steps' price, the catch-up takes the rest
-            b = self.per_token if self.per_token is not None else r2 / m22
+            b = per_token if per_token is not None else r2 / m22
             a = max((r1 - m12 * b) / m11, 0.0)
-        self.per_token = float(b)
-        if cc > 0 or self.catch_up is not None:
-            self.catch_up = float(a)
+        return (float(a) if cc > 0 or catch_up is not None else catch_up), float(b)
 
     def value(self, plain_s: float) -> float:
         """Seconds per drafted token: measured, else the prior relative to a plain step."""
