@@ -217,31 +217,27 @@ class Policy:
         return default
 
     def tree(self, nodes, default: list[int], cap: int) -> list[int]:
-        kept = list(self.choose("tree", default, nodes=nodes, cap=cap))
-        self.decisions.append(("tree", tuple(kept)))
-        return kept
+        return list(self._decide("tree", default, tuple, nodes=nodes, cap=cap))
 
     def window(self, default: bool) -> bool:
-        on = bool(self.choose("window", default))
-        self.decisions.append(("window", on))
-        return on
+        return self._decide("window", default, bool)
 
     def spec_k(self, default: int, kmax: int) -> int:
-        k = int(self.choose("spec_k", default, kmax=kmax))
-        self.decisions.append(("spec_k", k))
-        return k
+        return self._decide("spec_k", default, int, kmax=kmax)
 
     def step(self, default: str, kinds: tuple[str, ...]) -> str:
         """A step controller's kind (modes tree and lookahead: edgespec.lookahead.StepController)."""
-        kind = self.choose("step", default, kinds=tuple(kinds))
-        self.decisions.append(("step", kind))
-        return kind
+        return self._decide("step", default, str, kinds=tuple(kinds))
 
     def tree_size(self, default: int, n_max: int) -> int:
         """How many drafted nodes a dynamic tree of mode tree keeps (edgespec.tree.TreeBudget)."""
-        n = int(self.choose("tree_size", default, n_max=n_max))
-        self.decisions.append(("tree_size", n))
-        return n
+        return self._decide("tree_size", default, int, n_max=n_max)
+
+    def _decide(self, kind: str, default, cast, **ctx):
+        """`choose`'s answer to a hook, as `cast`, recorded in `decisions` (replays read them)."""
+        value = cast(self.choose(kind, default, **ctx))
+        self.decisions.append((kind, value))
+        return value
 
     def choose(self, kind: str, default, **ctx):
         return default
