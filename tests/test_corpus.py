@@ -5,6 +5,8 @@ documents, and keep proposing only while the match is unanimous; read back only 
 its own vocabulary; and never change the output, greedy or sampled."""
 
 import logging
+import struct
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -13,7 +15,16 @@ from conftest import make_paced_engine, make_tiny_engine, random_prompts
 from stats_support import adaptive_continuations, continuation_law
 from test_adaptive import chi2_pvalue
 
-from edgespec.adaptive.corpus import ORDERS, CorpusError, CorpusTable, _hash_windows, context_hash
+from edgespec.adaptive.corpus import (
+    MAGIC,
+    ORDERS,
+    SHARE_BINS,
+    CorpusError,
+    CorpusTable,
+    _hash_windows,
+    _saturate,
+    context_hash,
+)
 from edgespec.adaptive.policy import SeededPolicy
 from edgespec.adaptive.sources import CorpusSource
 from edgespec.engine import Engine, make_options
@@ -87,11 +98,140 @@ def test_file_round_trip_and_every_damage_is_refused(tmp_path):
             CorpusTable.from_bytes(bad)
     assert not list(tmp_path.glob(".*tmp*"))  # the atomic save left no temp file
     # A file whose checksum holds but whose contents could not be used (a crafted one): refused.
-    for n, arr, value in ((2, 3, 0), (3, 1, -5)):
+    for n, arr, value in ((2, 3, 0), (3, 2, 0), (4, 2, 60000)):
         tables = {k: tuple(a.copy() for a in v) for k, v in t.tables.items()}
-        tables[n][arr][0] = value  # a context seen 0 times (a division by zero), a negative id
+        # a context seen 0 times (a division by zero), a top token seen 0 times, a top token
+        # seen more often than its context
+        tables[n][arr][0] = value
         with pytest.raises(CorpusError, match="out of range"):
             CorpusTable.from_bytes(CorpusTable(tables, "v1").to_bytes())
+    tables = {k: tuple(a.copy() for a in v) for k, v in t.tables.items()}
+    tables[5][0][1] = tables[5][0][0]  # a key twice: not strictly increasing
+    with pytest.raises(CorpusError, match="not sorted"):
+        CorpusTable.from_bytes(CorpusTable(tables, "v1").to_bytes())
+
+
+def _recrc(body: bytes) -> bytes:
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_the_file_is_10_bytes_a_context_and_loads_as_views(tmp_path):
+    docs = [list(np.random.default_rng(i).integers(1, 49152, 60)) for i in range(25)]
+    t = CorpusTable.build(docs, vocab_hash="v", vocab_size=49152)
+    assert t.ids == "u2" and t.nbytes == 10 * len(t)
+    for keys, top, topc, total in t.tables.values():
+        assert (keys.dtype, top.dtype, topc.dtype, total.dtype) == (np.uint32, np.uint16, np.uint16, np.uint16)
+    data = t.to_bytes()
+    assert len(data) - 10 * len(t) < 2048  # magic, header (priors included), checksum
+    back = CorpusTable.from_bytes(data)
+    assert back.nbytes == t.nbytes
+    for arrs in back.tables.values():  # read-only views of the file's bytes, aligned: no copy made
+        assert all(not a.flags.owndata and not a.flags.writeable and a.flags.aligned for a in arrs)
+    seq = docs[7][:12]
+    assert back.chain(seq, 8) == t.chain(seq, 8)
+
+
+def test_a_format_1_file_is_refused_with_a_rebuild_hint(tmp_path, caplog):
+    t = CorpusTable.build([[1, 2, 3, 4]] * 3)
+    old = _recrc(b"ESCORP1\n" + t.to_bytes()[len(MAGIC) : -4])  # whole, checksum right: an older format
+    with pytest.raises(CorpusError, match="older corpus format.*rebuild") as e:
+        CorpusTable.from_bytes(old, name="corpus.bin")
+    assert "\n" not in str(e.value)  # one line, like every other refusal
+    loaded = make_tiny_engine().loaded
+    path = tmp_path / "old.bin"
+    path.write_bytes(old)
+    with pytest.raises(ModelLoadError, match="corpus: .*older corpus format"):
+        Engine(loaded, corpus=str(path))
+    bundle = tmp_path / "bundle"  # found automatically: a warning, and no corpus
+    bundle.mkdir()
+    (bundle / "corpus.bin").write_bytes(old)
+    eng = Engine(LoadedModel(loaded.model, loaded.tokenizer, bundle))
+    with caplog.at_level(logging.WARNING, logger="edgespec.engine"):
+        assert eng.corpus_table is None
+    assert "older corpus format" in caplog.text
+    from edgespec.converters.distill.corpus import _is_corpus
+
+    assert _is_corpus(path)  # the build command may replace it (not a foreign file)
+
+
+def test_ids_are_u32_for_a_large_vocabulary_and_never_wrap():
+    docs = [[70000, 5, 65536, 151000, 7]] * 3 + [[70000, 5, 65536, 9]]
+    t = CorpusTable.build(docs, vocab_size=152064)
+    assert t.ids == "u4" and t.tables[2][1].dtype == np.uint32 and t.nbytes == 12 * len(t)
+    back = CorpusTable.from_bytes(t.to_bytes())
+    assert back.ids == "u4" and back.max_token == 151000
+    assert back.next_token([70000, 5])[1] == 65536 and back.chain([5, 65536], 2)[0] == [151000, 7]
+    assert CorpusTable.build([[1, 2, 3]], vocab_size=65536).ids == "u2"  # the largest id, 65535, fits
+    assert CorpusTable.build([[1, 2, 3]], vocab_size=65537).ids == "u4"
+    assert CorpusTable.build([[1, 2, 70000]]).ids == "u4"  # no size given: the largest id decides
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        CorpusTable.build([[1, 2, 49152]], vocab_size=49152)
+    with pytest.raises(ValueError, match="negative"):
+        CorpusTable.build([[1, -2, 3]])
+    # A table whose ids do not fit its declared dtype is refused when written, never wrapped.
+    tables = {n: tuple(a.copy() for a in v) for n, v in t.tables.items()}
+    with pytest.raises(ValueError, match="token ids outside"):
+        CorpusTable(tables, ids="u2").to_bytes()
+    # A header that declares another dtype (or none) is refused.
+    data = t.to_bytes()
+    (hl,) = struct.unpack_from("<I", data, len(MAGIC))
+    header = data[len(MAGIC) + 4 : len(MAGIC) + 4 + hl]
+    for ids in (b'"u8"', b'"i2"', b"null"):
+        forged = header.replace(b'"u4"', ids)
+        forged += b" " * (len(header) - len(forged))
+        with pytest.raises(CorpusError, match="unreadable header"):
+            CorpusTable.from_bytes(_recrc(data[: len(MAGIC) + 4] + forged + data[len(MAGIC) + 4 + hl : -4]))
+    # Declaring u2 over u4 arrays: the sizes no longer match.
+    forged = header.replace(b'"u4"', b'"u2"')
+    with pytest.raises(CorpusError, match="sizes do not match"):
+        CorpusTable.from_bytes(_recrc(data[: len(MAGIC) + 4] + forged + data[len(MAGIC) + 4 + hl : -4]))
+
+
+def test_counts_saturate_keeping_unanimity_and_the_share_bin():
+    rng = np.random.default_rng(0)
+    total = np.concatenate([rng.integers(1, 1 << 31, 5000), rng.integers(65530, 65540, 200), [65535, 65536, 10**9]])
+    topc = np.maximum((total * rng.random(len(total))).astype(np.int64), 1)
+    topc[:300] = total[:300]  # unanimous ones
+    topc[300:400] = 1  # a top token seen once among many
+    c, t = _saturate(topc, total)
+    assert c.dtype == t.dtype == np.uint16
+    c, t, c0, t0 = c.astype(np.int64), t.astype(np.int64), topc, total
+    assert np.all(t == np.minimum(t0, 65535)) and np.all((c >= 1) & (c <= t))
+    assert np.array_equal(c == t, c0 == t0)  # unanimous before iff after
+    share = lambda c, t: np.minimum(c * SHARE_BINS // t, SHARE_BINS - 1)  # noqa: E731
+    assert np.array_equal(share(c, t), share(c0, t0))  # the bucket's share bin
+    assert np.array_equal(np.minimum(t, 3), np.minimum(t0, 3))
+    # Built: (1, 2) followed by 3 70,000 times and by 4 30,000 times.
+    doc = [1, 2, 3] * 70000 + [1, 2, 4] * 30000
+    table = CorpusTable.build([doc])
+    _, topc2, total2 = (a[np.searchsorted(table.tables[2][0], context_hash([1, 2]))] for a in table.tables[2][1:])
+    assert (int(topc2), int(total2)) == (70000 * 65535 // 100000, 65535)
+    back = CorpusTable.from_bytes(table.to_bytes())
+    assert back.next_token([0, 1, 2]) == (2, 3, False, (2, 3, 3))  # share 0.7: bin 3, as unsaturated
+    assert back.next_token([3, 1]) == (2, 2, True, (2, 4, 3))  # seen 99,999 times, always 2
+
+
+def test_a_32_bit_key_collision_at_build_merges_the_contexts():
+    # Birthday search: 2-token contexts until two different ones share a 32-bit key.
+    rng = np.random.default_rng(5)
+    pairs = rng.integers(0, 49152, (300000, 2))
+    keys = _hash_windows(pairs.reshape(-1), 2)[::2]
+    assert [int(k) for k in keys[:3]] == [context_hash(p.tolist()) for p in pairs[:3]]
+    order = np.argsort(keys, kind="stable")
+    same = np.flatnonzero((keys[order][1:] == keys[order][:-1])
+                          & np.any(pairs[order][1:] != pairs[order][:-1], axis=1))
+    assert len(same)  # about 300000^2 / 2^33 = 10 expected
+    a, b = pairs[order[same[0]]].tolist(), pairs[order[same[0] + 1]].tolist()
+    assert a != b and context_hash(a) == context_hash(b)
+    docs = [a + [7], a + [7], b + [9], [100, 101, 102], [103, 104, 105]]
+    t = CorpusTable.build(docs)
+    keys2 = t.tables[2][0]
+    assert np.all(keys2[1:] > keys2[:-1])  # still unique and strictly increasing
+    assert len(keys2) == 3  # a and b are one entry, then (100, 101) and (103, 104)
+    # One entry: the most frequent token after either (7, twice of three), not unanimous.
+    assert t.next_token(a) == t.next_token(b) == (2, 7, False, (2, 3, 3))
+    back = CorpusTable.from_bytes(t.to_bytes())  # and the loader's check passes
+    assert back.next_token(b) == (2, 7, False, (2, 3, 3))
 
 
 # ---------------------------------------------------------------- the engine
@@ -116,7 +256,7 @@ def test_engine_finds_checks_or_skips_its_corpus(tmp_path, caplog):
     # Found beside the model (its bundle folder): a damaged one is skipped with a warning.
     bundle = tmp_path / "bundle"
     bundle.mkdir()
-    (bundle / "corpus.bin").write_bytes(b"ESCORP1\n" + b"\0" * 20)
+    (bundle / "corpus.bin").write_bytes(MAGIC + b"\0" * 20)
     eng = Engine(LoadedModel(loaded.model, loaded.tokenizer, bundle))
     with caplog.at_level(logging.WARNING, logger="edgespec.engine"):
         assert eng.corpus_table is None

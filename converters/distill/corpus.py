@@ -27,16 +27,17 @@ from pathlib import Path
 from edgespec.converters.distill import data as D
 from edgespec.converters.distill.prompts import PromptItem, builtin_path, jsonl_rows, read_prompts
 
-from edgespec.adaptive.corpus import MAGIC, CorpusTable
+from edgespec.adaptive.corpus import MAGIC, OLD_MAGICS, CorpusTable
 
 OVERLAP = 0.3  # share of the shorter prompt's word trigrams that makes two prompts one
 MAX_PROMPT = 384  # prompt tokens kept (distill's default)
 
 
-def from_examples(examples, vocab_hash: str | None) -> CorpusTable:
+def from_examples(examples, vocab_hash: str | None, vocab_size: int | None = None) -> CorpusTable:
     """The table of distillation examples (prompt + the verifier's answer; priors measured on
-    the answers, see CorpusTable.build)."""
-    return CorpusTable.build([e.tokens for e in examples], vocab_hash, starts=[e.start for e in examples])
+    the answers, see CorpusTable.build); vocab_size (the verifier's) sets how ids are stored."""
+    return CorpusTable.build([e.tokens for e in examples], vocab_hash, starts=[e.start for e in examples],
+                             vocab_size=vocab_size)
 
 
 def _trigrams(text: str) -> set:
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "greedy answers to prompt files (see the module docstring).")
     ap.add_argument("--verifier", default=None, help="bundle or model folder (default: the default model)")
     ap.add_argument("--out", required=True, help="corpus file to write (an existing file is replaced only if "
-                    "it is an edgespec corpus)")
+                    "it is an edgespec corpus, of this format or an older one)")
     ap.add_argument("--data", action="append", default=[], help="prompt file (repeatable; default: the "
                     "built-in distillation prompts)")
     ap.add_argument("--exclude", action="append", default=[], help="prompt file whose prompts the corpus must "
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         examples += [e for i, e in zip(order, got, strict=True) if i not in drop]
         print(f"{name}: {len(items) - len(drop)} of {len(items)} prompts kept ({len(drop)} overlap --exclude)",
               file=sys.stderr)
-    table = from_examples(examples, loaded.tokenizer.vocab_hash())
+    table = from_examples(examples, loaded.tokenizer.vocab_hash(), loaded.model.args.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
     print(json.dumps({"out": str(out), "sequences": len(examples), "tokens": int(sum(len(e.tokens) for e in examples)),
@@ -127,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_corpus(path: Path) -> bool:
+    """An edgespec corpus file, of this format or an older one (which a rebuild replaces)."""
     try:
         with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
+            return f.read(len(MAGIC)) in (MAGIC, *OLD_MAGICS)
     except OSError:
         return False
 

@@ -132,7 +132,8 @@ def distill_feature(loaded, out, work, cfg, vmap, examples, folders, held_exampl
     }
     with atomic_folder(out, force=force) as tmp:
         write_feature_folder(tmp, model, fcfg, vmap, info["vocab_hash"])
-        from_examples(examples, info["vocab_hash"]).save(tmp / CORPUS_FILE)  # the corpus source's table
+        # the corpus source's table
+        from_examples(examples, info["vocab_hash"], loaded.model.args.vocab_size).save(tmp / CORPUS_FILE)
         info["size_mb"] = sum(p.stat().st_size for p in tmp.iterdir()) / 1e6
         if cfg.evaluate:
             drafter = FeatureDrafter.load(tmp, loaded)  # measure exactly what ships (fp16 weights)

@@ -158,7 +158,7 @@ def distill(
         (tmp / "config.json").write_text(json.dumps({**scfg, "torch_dtype": "float16"}, indent=2))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         vmap.save(tmp, vocab_hash=info["vocab_hash"])
-        from_examples(examples, info["vocab_hash"]).save(tmp / CORPUS_FILE)  # the corpus source's table
+        from_examples(examples, info["vocab_hash"], V).save(tmp / CORPUS_FILE)  # the corpus source's table
         info["size_mb"] = sum(p.stat().st_size for p in tmp.iterdir()) / 1e6
         emb_mb = vmap.size * scfg["hidden_size"] * 2 / 1e6
         layer_mb = (info["params"] - vmap.size * scfg["hidden_size"]) * 2 / 1e6 / scfg["num_hidden_layers"]
