@@ -191,7 +191,7 @@ def test_a_size_measured_under_load_is_priced_at_todays_plain_step():
     assert c.verify(1) == pytest.approx(0.05, rel=1e-3)
     assert c.verify(4) == pytest.approx(0.15, rel=1e-2)  # still 3x a plain step, not 0.30
     assert c.verify(8) < c.verify(16) and c.verify(2) < c.verify(4)  # sizes between follow it
-    assert c.current()[4] == pytest.approx(0.15, rel=1e-2)  # and so does what is persisted
+    assert c.quiet()[4] == pytest.approx(0.15, rel=0.05)  # and so does what is persisted (at the quiet step)
     for _ in range(30):
         c.observe(1, 0.20)  # heavier load than when it was measured
     assert c.verify(4) == pytest.approx(0.60, rel=1e-2)

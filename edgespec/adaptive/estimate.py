@@ -219,10 +219,6 @@ class Costs:
         r = self._now(ks[-1]) / max(self.calibrated(ks[-1]), 1e-12) if ks else 1.0
         return self.calibrated(T) * r
 
-    def current(self) -> dict[int, float]:
-        """The measured sizes' seconds as priced now."""
-        return {T: self._now(T) for T in self.seen}
-
     def quiet(self) -> dict[int, float]:
         """The measured sizes' seconds on quiet cores, what a later process starts from: priced
         at the quiet plain step (`plain_floor`), leaving out sizes timed only while busy."""
