@@ -124,7 +124,8 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="setting of the decoding mode (repeatable), checked before the model loads. "
+        # built when help is printed (edgespec.cli.HelpFormatter): it loads the modes, and mlx
+        help=lambda: "setting of the decoding mode (repeatable), checked before the model loads. "
         + _options_help(),
     )
     g.add_argument("--max-tokens", type=int, default=256, help="maximum tokens in a reply")

@@ -3,7 +3,9 @@
 Each app module exposes HELP, add_arguments(parser) and run(args) -> exit code,
 and imports its heavy dependencies inside run(). main() adds the arguments of the
 subcommand it runs only, so `edgespec --help` and a mistyped command cost no app's
-argument set-up (a mode's options help loads the modes, and with them mlx).
+argument set-up. A help text that costs something to build (the modes' options, which
+load the mode registry and with it mlx) is given as a callable and built only when help
+is printed (`HelpFormatter`), so a usage error in a subcommand's arguments loads no mlx.
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ SUBCOMMANDS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown; an argument whose help is a callable gets its text built when help is
+    printed, not when the parser is set up."""
+
+    def _format_action(self, action):
+        if callable(action.help):
+            action.help = action.help()
+        return super()._format_action(action)
+
+
 def build_parser(command: str | None = None, *, all_arguments: bool = True) -> argparse.ArgumentParser:
     """The `edgespec` parser: every subcommand with its arguments; with all_arguments=False
     only `command`'s arguments are added (the others are listed, with their help line)."""
@@ -46,7 +58,7 @@ def build_parser(command: str | None = None, *, all_arguments: bool = True) -> a
             name,
             help=module.HELP,
             description=getattr(module, "DESCRIPTION", module.HELP),
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         if all_arguments or name == command:
             module.add_arguments(p)

@@ -37,15 +37,25 @@ def _run(argv: list[str], touch: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("argv", [["--help"], [], ["--version"], ["pull", "--help"], ["list", "--help"],
-                                  ["convert", "--help"], ["no-such-command"]],
+                                  ["convert", "--help"], ["no-such-command"],
+                                  ["generate", "--max-tokens", "many"], ["chat", "--no-such-option"],
+                                  ["serve", "--port", "x"]],
                          ids=lambda a: " ".join(a) or "bare")
 def test_help_and_usage_errors_load_no_engine(argv):
     out = _run(argv)
     assert out["loaded"] == [], f"`edgespec {' '.join(argv)}` imported {out['loaded']}"
     if argv == ["--help"]:
         assert out["code"] == 0 and "generate" in out["stdout"] and "serve" in out["stdout"]
-    if argv == ["no-such-command"]:
+    if argv == ["no-such-command"] or len(argv) > 1 and argv[1] != "--help":
         assert out["code"] == 2
+
+
+def test_a_decoding_app_s_help_lists_the_modes_options():
+    """`generate --help` builds the modes' options help (deferred: a usage error does not)."""
+    out = _run(["generate", "--help"])
+    text = " ".join(out["stdout"].split())
+    assert out["code"] == 0 and "--mode-option" in text
+    assert "checked before the model loads. lookahead: window" in text and "adaptive:" in text
 
 
 def test_the_probe_sees_the_engine_when_it_is_used():

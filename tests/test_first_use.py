@@ -284,18 +284,23 @@ def test_a_slow_reader_does_not_make_plain_steps_look_free(home):
     assert plain and all(s >= 0.03 for s in plain[1:]) and len(plain) < 12, plain
 
 
-@pytest.mark.parametrize("probe", [True, False])
-def test_sizes_the_prior_prices_too_high_are_probed(home, monkeypatch, probe):
+@pytest.mark.parametrize("probe,busy", [(True, False), (False, False), (True, True)])
+def test_sizes_the_prior_prices_too_high_are_probed(home, monkeypatch, probe, busy):
     """A prior far steeper than the device (30% of a step per extra token, where passes of this
     paced model cost the same whatever their width): trees stay small when priced by it, and the
     occasional probe (every PROBE_EVERY-th tree round verifies all its candidates, once per
-    unmeasured size) measures a large size, so the curve stops overpricing them."""
+    unmeasured size) measures a large size, so the curve stops overpricing them. Not while
+    the cores are busy (`Costs.busy`): such a round would not teach the quiet curve."""
     import edgespec.adaptive.decoder as dec
+    from edgespec.adaptive.estimate import Costs
 
     monkeypatch.setitem(cal.PRIOR_SLOPE, "cpu", 0.3)
     monkeypatch.setitem(cal.PRIOR_SLOPE, "gpu", 0.3)
     if not probe:
         monkeypatch.setattr(dec, "PROBE_EVERY", 10**9)
+    if busy:
+        monkeypatch.setattr(Costs, "busy", lambda self: True)
+        probe = False
     engine = engine_for(paced=0.004, drafter=False)
     prompt = [5, 6, 7, 8, 9, 10] * 6
     ref = engine.generate(prompt, max_tokens=40, mode="plain").tokens

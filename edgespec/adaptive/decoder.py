@@ -66,7 +66,8 @@ from edgespec.tree.candidates import SourceTree
 
 KMAX = 8  # longest drafter chain considered
 # Every PROBE_EVERY-th tree round run alone verifies all its candidates (up to the cap) when that
-# size's cost was never measured: sizes the prior priced too high get measured, not avoided.
+# size's cost was never measured: sizes the prior priced too high get measured, not avoided
+# (on quiet cores only: see AdaptiveDecoder._probe).
 PROBE_EVERY = 8
 
 
@@ -322,8 +323,11 @@ class AdaptiveDecoder:
     def _probe(self, nodes, kept: list[int], cap: int) -> list[int]:
         """Now and then, a larger tree than priced best: every candidate node up to the cap,
         when that size was never measured (here or persisted). It commits at least what the
-        chosen tree would (a superset); it may cost more, once, and its time fills the curve."""
-        if not kept or self._in_batch():
+        chosen tree would (a superset); it may cost more, once, and its time fills the curve.
+        Not while the cores are busy (`Costs.busy`): a busy round's time does not teach the
+        quiet curve, and a wide pass slows down most then, so the probe would cost the most
+        for the least (waits for a quiet round)."""
+        if not kept or self._in_batch() or self.costs.busy():
             return kept
         self._since_probe += 1
         n = min(len(nodes), cap - 1)
