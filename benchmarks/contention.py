@@ -8,8 +8,9 @@ Runs the project's mixed prompts (edgespec/data/bench_prompts.jsonl, or --prompt
 "idle" with nothing started, "busy" with `--load` busy processes (default one per
 core: a Python loop each, started before the phase and stopped after it by this
 script). Prints auto/plain (decode tokens/s ratio) per domain and overall for each
-phase, plain tokens/s, the regret guard's trips (edgespec.adaptive.policy), and
-whether every greedy output equalled plain's. Figures on a shared machine are rough:
+phase (in parentheses the lowest and highest of the repeats' ratios), plain tokens/s,
+the regret guard's trips (edgespec.adaptive.policy), and whether every greedy output
+equalled plain's. Figures on a shared machine are rough:
 compare ratios, and report the load with them.
 """
 
@@ -102,8 +103,10 @@ def main() -> int:
         out[phase] = rep
         auto = rep["results"].get("auto", {})
         plain = rep["results"].get("plain", {})
-        cells = "  ".join(f"{d} {auto[d]['speedup']:.2f}" for d in ["all"] + rep["domains"]
-                          if d in auto and auto[d]["speedup"])
+        # each domain's ratio, with the lowest and highest of its repeats (how far one run moves)
+        cells = "  ".join(f"{d} {auto[d]['speedup']:.2f} ({auto[d]['speedup_min']:.2f}-{auto[d]['speedup_max']:.2f})"
+                          if auto[d].get("speedup_min") is not None else f"{d} {auto[d]['speedup']:.2f}"
+                          for d in ["all"] + rep["domains"] if d in auto and auto[d]["speedup"])
         print(f"{phase} (busy processes {n}, load {load1:.1f}): auto/plain {cells}; "
               f"plain {plain.get('all', {}).get('tokens_per_s', 0):.1f} tok/s; "
               f"equal to plain: {rep['status'].get('auto')}; guard {rep['guard']}")
