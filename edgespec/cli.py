@@ -36,9 +36,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     printed, not when the parser is set up."""
 
     def _format_action(self, action):
+        self._build(action)
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):  # (argparse versions that check help when it is added)
+        self._build(action)
+        return super()._get_help_string(action)
+
+    @staticmethod
+    def _build(action) -> None:
         if callable(action.help):
             action.help = action.help()
-        return super()._format_action(action)
 
 
 def build_parser(command: str | None = None, *, all_arguments: bool = True) -> argparse.ArgumentParser:
