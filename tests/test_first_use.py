@@ -284,8 +284,8 @@ def test_a_slow_reader_does_not_make_plain_steps_look_free(home):
     assert plain and all(s >= 0.03 for s in plain[1:]) and len(plain) < 12, plain
 
 
-@pytest.mark.parametrize("probe,busy", [(True, False), (False, False), (True, True)])
-def test_sizes_the_prior_prices_too_high_are_probed(home, monkeypatch, probe, busy):
+@pytest.mark.parametrize("probe,busy,probed", [(True, False, True), (False, False, False), (True, True, False)])
+def test_sizes_the_prior_prices_too_high_are_probed(home, monkeypatch, probe, busy, probed):
     """A prior far steeper than the device (30% of a step per extra token, where passes of this
     paced model cost the same whatever their width): trees stay small when priced by it, and the
     occasional probe (every PROBE_EVERY-th tree round verifies all its candidates, once per
@@ -300,14 +300,13 @@ def test_sizes_the_prior_prices_too_high_are_probed(home, monkeypatch, probe, bu
         monkeypatch.setattr(dec, "PROBE_EVERY", 10**9)
     if busy:
         monkeypatch.setattr(Costs, "busy", lambda self: True)
-        probe = False
     engine = engine_for(paced=0.004, drafter=False)
     prompt = [5, 6, 7, 8, 9, 10] * 6
     ref = engine.generate(prompt, max_tokens=40, mode="plain").tokens
     for _ in range(4):
         assert engine.generate(prompt, max_tokens=40).tokens == ref
     seen = cal.cost_store(engine).costs.seen
-    assert (max(seen) > 8) == probe, sorted(seen)
+    assert (max(seen) > 8) == probed, sorted(seen)
 
 
 def test_a_drafter_is_priced_by_its_share_of_the_weights_until_timed(home):
