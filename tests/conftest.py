@@ -215,9 +215,9 @@ def count_drafts(drafter, monkeypatch) -> list[int]:
     (drafters.base.request_drafter)."""
     calls, draft = [], type(drafter).draft
 
-    def counted(self, k, sampler):
+    def counted(self, k, sampler, **ranking):
         calls.append(k)
-        return draft(self, k, sampler)
+        return draft(self, k, sampler, **ranking)
 
     monkeypatch.setattr(type(drafter), "draft", counted)
     return calls

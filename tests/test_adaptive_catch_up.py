@@ -87,7 +87,7 @@ def test_the_learnt_cost_per_token_is_the_drafting_not_the_catch_up():
         pending = src.unseen(seq)
         src.draft(seq, k, GREEDY)
         assert src.last_unseen == pending and src.last_s == pytest.approx(x * pending + y * k)
-        src.observe(k)
+        src.observe()
     # Not (y + x * pending / k), what dividing a call's time by k learnt.
     assert src.cost.per_token == pytest.approx(y, rel=1e-3)
     assert src.cost.catch_up == pytest.approx(x, rel=1e-3)

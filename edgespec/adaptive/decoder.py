@@ -137,10 +137,15 @@ class AdaptiveDecoder:
                     c.tokens = c.tokens[:n]
                     if c.logprobs is not None:
                         c.logprobs = c.logprobs[:n]
-            cands = [c for c in cands if c.tokens]
+                    if c.token_buckets is not None:
+                        c.token_buckets = c.token_buckets[:n]
+            # (a runner-up cut back to its prefix is the chain's: gone with its own token)
+            cands = [c for c in cands if len(c.tokens) > c.own]
         return cands
 
     def _probs(self, c: Candidate) -> np.ndarray:
+        if c.token_buckets is not None:  # each token's own bucket (the drafter's confidence)
+            return np.cumprod([self.acc.rates(c.source, b, 1)[0] for b in c.token_buckets])
         return self.acc.path_probs(c.source, c.bucket, len(c.tokens))
 
     def _pricing(self, nodes):
@@ -337,7 +342,13 @@ class AdaptiveDecoder:
         return closed_top(nodes, n)
 
     def _score(self, cands: list[Candidate], new: list[int]) -> None:
-        """Learn from every candidate of the round: how far it agreed with what was committed."""
+        """Learn from every candidate of the round: how far it agreed with what was committed.
+
+        A candidate priced token by token (`token_buckets`: a ranking drafter's chain and its
+        runner-ups) teaches each token's bucket, from its own first token on; and per depth
+        under its `bucket`, the deepest any of its source's such candidates reached (what
+        deciding to draft at all is priced with: the runner-ups count)."""
+        deepest: dict[str, tuple] = {}
         for c in cands:
             m = 0
             limit = min(len(c.tokens), len(new))
@@ -346,7 +357,16 @@ class AdaptiveDecoder:
             # A mismatch inside the committed tokens is a known rejection at depth m+1;
             # agreeing with all of them leaves deeper positions unknown.
             tried = m + 1 if m < limit else m
-            self.acc.record(c.source, c.bucket, m, tried)
+            if c.token_buckets is None:
+                self.acc.record(c.source, c.bucket, m, tried)
+                continue
+            for i in range(c.own, tried):  # each token reached (its prefix accepted)
+                self.acc.record(c.source, c.token_buckets[i], int(i < m), 1)
+            best = deepest.get(c.source)
+            if best is None or (m, tried) > best[:2]:
+                deepest[c.source] = (m, tried, c.bucket)
+        for source, (m, tried, bucket) in deepest.items():
+            self.acc.record(source, bucket, m, tried)
 
     def _tree_round(self, cache, seq, plan: Plan, sampler, stats, window: bool = False):
         cands = list(plan.cands)
@@ -354,14 +374,13 @@ class AdaptiveDecoder:
         if plan.draft_k:
             td = self.clock()
             # Drafted greedily: its tokens are point-mass candidates like every other source's.
-            dc = self.drafter.draft(seq, plan.draft_k, self._greedy)
+            drafted = self.drafter.draft(seq, plan.draft_k, self._greedy)
             self._draft_time = self.clock() - td
             if not self._in_batch():
-                self.drafter.observe(plan.draft_k)  # seconds per drafted token, learnt
+                self.drafter.observe()  # seconds per drafted token, learnt
             stats.draft_s += self._draft_time
             self._drafted(plan)
-            if dc.tokens:
-                cands.extend(self._vet(seq, [dc]))
+            cands.extend(self._vet(seq, [c for c in drafted if c.tokens]))
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         costs, plain_s, others, cap = self._pricing(nodes)
         kept, _ = plan_tree(nodes, costs, 0.0, plain_s, cap, margin=0.0, others=others)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
+import numpy as np
 
 from edgespec.caches.kv import KVCache, cache_arrays
 from edgespec.caches.prefix import Reuse
@@ -36,6 +37,11 @@ class Draft:
     # (k, V) the drafter's *filtered* log-probs q (same SamplingParams transform as the
     # verifier, via sampler.logprobs); None = deterministic proposals (point mass on each token)
     logprobs: mx.array | None
+    # With `draft(..., ranks=A)` (DrafterCaps.ranks): (ids, probs), each (k, A) numpy, the A
+    # most likely tokens at every drafted position under the drafter's own unfiltered
+    # distribution, the drafted token first. What a confident drafter is sure of, and its
+    # runner-ups (edgespec.adaptive.sources.DrafterSource prices and branches on them).
+    ranked: tuple | None = None
 
 
 CHAIN_MODES = frozenset({"speculative", "auto"})  # modes that draft along the committed sequence
@@ -64,6 +70,9 @@ class DrafterCaps:
         (all but the last: tokens other sources' rounds committed since it drafted), and
         `unseen(committed)` counts them beforehand; callers price that catch-up apart from
         the drafting steps (edgespec.adaptive.sources.DrafterSource).
+    ranks: `draft(k, sampler, ranks=A, floor=f)` also returns every drafted position's A most
+        likely tokens and their probabilities (`Draft.ranked`), and stops drafting early once
+        the product of its own top probabilities falls below f (at least one token).
     """
 
     reads: str = "nothing"
@@ -74,6 +83,7 @@ class DrafterCaps:
     runs_on: str = "mlx"
     modes: frozenset = ALL_MODES
     catches_up: bool = False
+    ranks: bool = False
 
     def __post_init__(self):
         if self.reads not in READS:
@@ -105,6 +115,20 @@ class Drafter(Protocol):
     def accept(self, n_accepted: int, next_token: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+def ranked_tokens(logits: mx.array, token: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """The n most likely tokens of `logits` (V,) under their softmax, `token` (the drafted
+    one) first, then the others by falling probability: (ids (n,), probs (n,)), lazy."""
+    p = mx.softmax(logits.astype(mx.float32), axis=-1)
+    n = min(n, p.shape[-1])
+    token = token.astype(mx.int32).reshape(1)
+    # the drafted token out of the race (a tie broken otherwise than the sampler's argmax)
+    others = mx.where(mx.arange(p.shape[-1]) == token, -1.0, p)
+    rest = mx.argpartition(-others, n - 1)[: n - 1] if n > 1 else mx.zeros((0,), dtype=mx.int32)
+    rest = rest[mx.argsort(-others[rest])] if n > 1 else rest
+    ids = mx.concatenate([token, rest.astype(mx.int32)])
+    return ids, p[ids]
 
 
 def request_drafter(drafter):
@@ -212,7 +236,7 @@ class ModelDrafter(CommittedSequence):
 
     name = "mlx"
     device = "cpu"
-    caps = DrafterCaps(forks=True, mlx_model=True, prefix_store=True, catches_up=True)
+    caps = DrafterCaps(forks=True, mlx_model=True, prefix_store=True, catches_up=True, ranks=True)
     vocab_map = None  # a reduced-vocabulary drafter's VocabMap (DistilledDrafter sets its own)
 
     def __init__(self, model, layer_ids: list[int] | None = None):
@@ -295,17 +319,21 @@ class ModelDrafter(CommittedSequence):
         if reuse is not None:
             reuse.store_prompt(self.seq, len(body))
 
-    def draft(self, k: int, sampler) -> Draft:
-        """k tokens continuing `seq`; q (k, V) filtered with the sampler's params."""
+    def draft(self, k: int, sampler, ranks: int = 0, floor: float = 0.0) -> Draft:
+        """k tokens continuing `seq`; q (k, V) filtered with the sampler's params.
+
+        ranks > 0: also the `ranks` most likely tokens of every drafted position with their
+        probabilities (`Draft.ranked`, see DrafterCaps.ranks); drafting then stops early,
+        after at least one token, once the product of the drafted tokens' own probabilities
+        is below `floor` (each step is evaluated before the next: a host round trip a step)."""
         if k < 1:
             return Draft([], None)
         # Roll back anything not on the committed path, then feed the pending tokens.
         self._rollback()
         pending = self.seq[len(self.fed) :]
-        # Build all k steps lazily (each step's sampled token feeds the next as an
-        # array) and evaluate once: no host round trip between drafter steps.
-        toks, rows = [], []
+        toks, rows, tops = [], [], []
         feed = mx.array(pending, dtype=mx.int32)[None]  # (1, T)
+        sure = 1.0
         for _ in range(k):
             logits = self._forward(feed)[-1]  # (V,)
             lp = sampler.logprobs(logits)
@@ -313,7 +341,22 @@ class ModelDrafter(CommittedSequence):
             toks.append(tok)
             rows.append(lp)
             feed = tok.reshape(1, 1).astype(mx.int32)
+            if ranks:
+                top = ranked_tokens(logits, tok, ranks)
+                tops.append(top)
+                if floor > 0.0:
+                    # the next step waits for this one: stop where the chain is unlikely to hold
+                    mx.eval(top)
+                    sure *= float(top[1][0].item())
+                    if sure < floor:
+                        break
+            # else: all k steps are built lazily (each token feeds the next as an array) and
+            # evaluated once: no host round trip between drafter steps.
         d = self._finish(toks, rows)
+        if ranks:
+            ids, probs = mx.stack([t[0] for t in tops]), mx.stack([t[1] for t in tops])
+            mx.eval(ids, probs)
+            d.ranked = (np.array(ids).astype(np.int64), np.array(probs).astype(np.float64))
         self.fed.extend(pending + d.tokens[:-1])
         return d
 

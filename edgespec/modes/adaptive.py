@@ -15,6 +15,8 @@ from __future__ import annotations
 from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.policy import policy_for
 from edgespec.adaptive.sources import (
+    RUNNER_UPS,
+    SURE_FLOOR,
     ContextSource,
     CorpusSource,
     DrafterSource,
@@ -58,6 +60,10 @@ OPTIONS = [
     Option("guesses", "int", 3, "candidates per cheap source and round", 1, 8),
     Option("span", "int", 16, "longest candidate continuation, in tokens", 1, 32),
     Option("max_tree", "int", 32, "most tokens one verifier pass may check", 2, 64),
+    Option("runner_ups", "int", RUNNER_UPS, "a drafter that ranks its tokens (an MLX drafter): its next most "
+           "likely tokens offered as one-token branches beside each drafted token (0: the chain alone)", 0, 4),
+    Option("draft_floor", "float", SURE_FLOOR, "such a drafter stops its chain once the product of its own "
+           "probabilities of the drafted tokens falls below this (0: it drafts what the planner asked)", 0.0, 1.0),
     Option("batch_aware", "bool", True, "inside a batch of concurrent requests, verify a tree only when it "
            "raises the whole batch's tokens/s (0: price it as if alone, for measurements)"),
 ]
@@ -99,7 +105,8 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
     store = cost_store(engine)  # read once per engine; measures nothing
     store.publish(engine)
     # The request's own fork of the drafter (its state apart from the batch's other rows).
-    dsrc = DrafterSource(request_drafter(drafter), store.draft(drafter)) if drafter is not None else None
+    dsrc = DrafterSource(request_drafter(drafter), store.draft(drafter), runner_ups=o.get("runner_ups", RUNNER_UPS),
+                         floor=o.get("draft_floor", SURE_FLOOR)) if drafter is not None else None
     span = o.get("span", 16)
     sources = []
     if "forced" in names:  # proposes only when the request has a grammar (bound per request)
