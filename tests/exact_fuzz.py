@@ -81,6 +81,8 @@ class Case:
     max_tokens: int
     decisions: list = field(default_factory=list)
     corpus: bool = False  # a corpus table (edgespec.adaptive.corpus) of the verifier's own replies
+    # auto's options for a ranking drafter ("model"): runner-ups and a draft floor, or none
+    ranked: dict = field(default_factory=dict)
 
     def describe(self) -> str:
         feats = [f"verifier={self.verifier}", "greedy" if self.greedy else "sampled"]
@@ -91,6 +93,8 @@ class Case:
         for name in ("prefix_warm", "history_warm", "corpus"):
             if getattr(self, name):
                 feats.append(name)
+        if self.ranked:
+            feats.append(f"ranked={self.ranked}")
         if self.drafter:
             feats.append(f"drafter={self.drafter}")
         if self.kv_bits:
@@ -113,7 +117,9 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
         prompt = base * (len(prompt) // len(base))
     # Drawn apart, so the features drawn above stay those of earlier runs' seeds.
     corpus = verifier in ("tiny", "tiny_json") and random.Random(seed + 13).random() < 0.35
-    return Case(
+    rk = random.Random(seed + 29)
+    ranked = rk.choice(({}, {"runner_ups": rk.randint(1, 4), "draft_floor": rk.choice((0.0, 0.2, 0.6))}))
+    case = Case(
         corpus=corpus,
         seed=seed,
         verifier=verifier,
@@ -130,6 +136,9 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
         prompt=prompt,
         max_tokens=r.randrange(8, 40),
     )
+    if case.drafter == "model":
+        case.ranked = ranked
+    return case
 
 
 class Verifiers:
@@ -216,6 +225,8 @@ class Verifiers:
 
 
 def _options(case: Case, mode: str, logprobs: int | None = None, **mode_options) -> dict:
+    if mode in ("auto", "adaptive"):
+        mode_options = {**case.ranked, **mode_options}
     o = dict(max_tokens=case.max_tokens, mode=mode, response_format=case.grammar, **case.penalties, **mode_options)
     if not case.greedy:
         o.update(temperature=1.0, seed=1000 + case.seed)

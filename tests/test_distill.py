@@ -168,6 +168,27 @@ def test_distilled_drafter_expands_to_full_vocab(toy):
     json.dumps(vmap.ids.tolist())
 
 
+def test_distilled_drafter_ranks_its_slots_as_the_full_vocabulary_would(toy):
+    """DistilledDrafter ranks over its kept slots (cheaper): the same tokens and probabilities
+    as ranking the full-vocabulary logits (q = 0 outside the kept set)."""
+    from edgespec.drafters.base import ranked_tokens
+
+    student, _ = _student(toy)
+    _, _, vmap = toy
+    d = DistilledDrafter(student, vmap)
+    d.begin([5, 6, 7, 9])
+    got = d.draft(4, Sampler(SamplingParams(temperature=0.0)), ranks=3)
+    fresh = DistilledDrafter(student, vmap)
+    fresh.begin([5, 6, 7, 9])
+    feed = [9]
+    for j, tok in enumerate(got.tokens):
+        logits = fresh._forward(mx.array(feed, dtype=mx.int32)[None])[-1]
+        ids, probs = ranked_tokens(logits, mx.array(tok), 3)
+        assert got.ranked[0][j].tolist() == np.array(ids).tolist()
+        np.testing.assert_allclose(got.ranked[1][j], np.array(probs), rtol=1e-5, atol=1e-7)
+        feed = [tok]
+
+
 def test_fast_acceptance_equals_drafting_loop(toy):
     from edgespec.converters.distill.evaluate import acceptance, acceptance_fast
 

@@ -144,4 +144,25 @@ def test_seeded_sampling_with_runner_ups_is_plain_sampling(second_guess_engine):
     for i, p in enumerate(prompts[:4]):
         kw = dict(max_tokens=20, temperature=0.8, seed=40 + i)
         ref = engine.generate(p, mode="plain", **kw).tokens
-        assert engine.generate(p, mode="adaptive", sources="drafter+context", **kw).tokens == ref
+        assert engine.generate(p, mode="adaptive", sources="drafter+context", runner_ups=2, draft_floor=0.4,
+                               **kw).tokens == ref
+
+
+@pytest.mark.parametrize("options", [{"runner_ups": 2, "draft_floor": 0.4}, {"runner_ups": 4}, {"draft_floor": 0.7}])
+def test_greedy_with_a_ranking_drafter_equals_plain(options):
+    engine = make_paced_engine(1, 0.002, scale=3.0)
+    # the verifier's weights, flattened: often its token, not always, less sure
+    engine.drafter = Tiny(make_tiny_model(1, scale=2.5))
+    drafted = 0
+    for p in random_prompts(8, seed=21):
+        ref = engine.generate(p, max_tokens=24, mode="plain").tokens
+        r = engine.generate(p, max_tokens=24, mode="adaptive", sources="drafter+context", **options)
+        assert r.tokens == ref, (options, p)
+        drafted += r.stats.accepted_by_source.get("drafter", 0)
+    assert drafted > 0  # the drafter took part
+
+
+def test_ranking_is_off_by_default():
+    src = DrafterSource(_drafter(), 0.001)
+    assert src.ranks == 0 and "drafter:q0" not in src.priors
+    assert DrafterSource(_drafter(), 0.001, floor=0.4).ranks == 1

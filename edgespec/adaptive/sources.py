@@ -168,11 +168,13 @@ class CorpusSource:
 SURE_EDGES = (0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)
 _MIDS = (0.05, 0.15, 0.25, 0.375, 0.525, 0.675, 0.825, 0.95)
 SURE_PRIORS = {f"drafter:{kind}{i}": round(0.8 * m, 3) for kind in "qr" for i, m in enumerate(_MIDS)}
-RUNNER_UPS = 2  # runner-ups offered per drafted position
+# Off by default: on the CPU (MLX, default model) they lost to the chain alone in every
+# side-by-side run (docs/adaptive.md, "How sure the drafter is"); options `runner_ups` (2 was
+# tried) and `draft_floor` (0.4 was best offline, 0.15 tried too) turn them on.
+RUNNER_UPS = 0  # runner-ups offered per drafted position
 # A drafter that ranks (DrafterCaps.ranks) stops its chain once the product of its own
-# probabilities of the drafted tokens falls below this (mixed set, offline on the shipped
-# drafter's choices: 0.3-0.5 best, 0.1 gave 3-4% fewer tokens per second of drafting + verifying).
-SURE_FLOOR = 0.4
+# probabilities of the drafted tokens falls below this; 0: the planner's k.
+SURE_FLOOR = 0.0
 
 
 def sure_bucket(kind: str, p: float) -> str:
@@ -182,11 +184,12 @@ def sure_bucket(kind: str, p: float) -> str:
 class DrafterSource:
     """A drafter's chain of k tokens (with its q), asked only when the planner expects it to pay.
 
-    A drafter that ranks its tokens (`DrafterCaps.ranks`) stops its chain early where it is
-    unsure (`SURE_FLOOR`), and each token is priced by how sure the drafter was of it (token
-    buckets "q<bin>", learnt like any bucket); its `RUNNER_UPS` next most likely tokens at every
-    drafted position join the round as one-token branches below the chain's prefix ("r<bin>").
-    The planner keeps what pays of them (`plan_tree`), as of every other source's candidates.
+    Asked to (`runner_ups` > 0 or `floor` > 0), a drafter that ranks its tokens
+    (`DrafterCaps.ranks`) stops its chain early where it is unsure (`floor`), and each token is
+    priced by how sure the drafter was of it (token buckets "q<bin>", learnt like any bucket);
+    its `runner_ups` next most likely tokens at every drafted position join the round as
+    one-token branches below the chain's prefix ("r<bin>"). The planner keeps what pays of
+    them (`plan_tree`), as of every other source's candidates.
 
     A draft call first feeds the drafter the committed tokens it has not seen (those of the
     rounds it did not draft: its catch-up), then drafts k tokens. A drafter that declares it
@@ -212,7 +215,8 @@ class DrafterSource:
         self.cost = draft_s if isinstance(draft_s, DraftCost) else DraftCost(
             None if draft_s is None else float(draft_s))
         self.expected_acceptance = float(drafter.expected_acceptance)
-        self.ranks = 1 + int(runner_ups) if drafter.caps.ranks else 0
+        # ranked drafting (and each token priced by the drafter's probability) only when asked
+        self.ranks = 1 + int(runner_ups) if drafter.caps.ranks and (runner_ups > 0 or floor > 0.0) else 0
         self.floor = float(floor)
         self.priors = MappingProxyType({"drafter": self.expected_acceptance,
                                         **(SURE_PRIORS if self.ranks else {})})

@@ -342,7 +342,7 @@ class ModelDrafter(CommittedSequence):
             rows.append(lp)
             feed = tok.reshape(1, 1).astype(mx.int32)
             if ranks:
-                top = ranked_tokens(logits, tok, ranks)
+                top = self._rank(logits, tok, ranks)
                 tops.append(top)
                 if floor > 0.0:
                     # the next step waits for this one: stop where the chain is unlikely to hold
@@ -359,6 +359,11 @@ class ModelDrafter(CommittedSequence):
             d.ranked = (np.array(ids).astype(np.int64), np.array(probs).astype(np.float64))
         self.fed.extend(pending + d.tokens[:-1])
         return d
+
+    def _rank(self, logits: mx.array, token: mx.array, n: int) -> tuple[mx.array, mx.array]:
+        """`ranked_tokens` of one drafted position (a reduced-vocabulary drafter ranks its own
+        slots: a softmax over the full vocabulary costs more than a drafting step's share)."""
+        return ranked_tokens(logits, token, n)
 
     def close(self) -> None:
         self.cache = []

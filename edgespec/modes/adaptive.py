@@ -61,9 +61,10 @@ OPTIONS = [
     Option("span", "int", 16, "longest candidate continuation, in tokens", 1, 32),
     Option("max_tree", "int", 32, "most tokens one verifier pass may check", 2, 64),
     Option("runner_ups", "int", RUNNER_UPS, "a drafter that ranks its tokens (an MLX drafter): its next most "
-           "likely tokens offered as one-token branches beside each drafted token (0: the chain alone)", 0, 4),
+           "likely tokens offered as one-token branches beside each drafted token (0: the chain alone; "
+           "on a CPU they lose, see docs/adaptive.md)", 0, 4),
     Option("draft_floor", "float", SURE_FLOOR, "such a drafter stops its chain once the product of its own "
-           "probabilities of the drafted tokens falls below this (0: it drafts what the planner asked)", 0.0, 1.0),
+           "probabilities of the drafted tokens falls below this (0: it drafts what the planner asked; e.g. 0.4)", 0.0, 1.0),
     Option("batch_aware", "bool", True, "inside a batch of concurrent requests, verify a tree only when it "
            "raises the whole batch's tokens/s (0: price it as if alone, for measurements)"),
 ]
