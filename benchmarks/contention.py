@@ -24,13 +24,23 @@ import sys
 import time
 from contextlib import contextmanager
 
-BUSY = "while True:\n    pass\n"
+# A busy loop that ends itself once its parent is gone (the benchmark killed, not only
+# stopped: a `finally` does not run on SIGTERM/SIGKILL, and orphaned spinners would keep the
+# cores busy for good). It checks every million iterations (tens of milliseconds).
+BUSY = """import os, sys
+parent = int(sys.argv[1])
+n = 0
+while True:
+    n += 1
+    if n % 1_000_000 == 0 and os.getppid() != parent:
+        break
+"""
 
 
 @contextmanager
 def background_load(n: int):
     """`n` busy processes for the duration of the block (none when n == 0)."""
-    procs = [subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.DEVNULL) for _ in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())], stdin=subprocess.DEVNULL) for _ in range(n)]
     try:
         time.sleep(0.5 if n else 0.0)  # let the scheduler spread them before measuring
         yield
