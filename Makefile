@@ -50,7 +50,7 @@ $(VENV)/.installed: pyproject.toml
 # MLX's CPU products on numpy's OpenBLAS (one OpenBLAS in the process, its few-row
 # kernels); built and checked in a fresh process, written atomically. A failure is
 # reported and leaves Debian's OpenBLAS as the fallback below.
-$(CBLAS): $(VENV)/.installed edgespec/kernels/cblas_forward.c edgespec/kernels/cpu_blas.py
+$(CBLAS): $(VENV)/.installed edgespec/kernels/cblas_forward.c edgespec/kernels/cblas_skinny.h edgespec/kernels/cpu_blas.py
 	-$(PY) -m edgespec.kernels.cpu_blas $@
 
 openblas:

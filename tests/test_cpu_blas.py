@@ -17,10 +17,24 @@ linux_with_cc = pytest.mark.skipif(
     reason="the shim is built for MLX's Linux CPU wheel, with a C compiler")
 
 
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory):
+    """The shim built once for this module's tests: (its path, the OpenBLAS it forwards to)."""
+    out = tmp_path_factory.mktemp("shim") / "lib" / cpu_blas.LIBRARY_NAME
+    return out, cpu_blas.build(out)
+
+
+def run_with(shim_path: Path, code: str, **env) -> str:
+    """`code` in a fresh Python with the shim preloaded; its stdout (the test fails on an error)."""
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, LD_PRELOAD=str(shim_path), **env),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
 @linux_with_cc
-def test_built_shim_answers_mlx_products_with_numpys_openblas(tmp_path):
-    out = tmp_path / "lib" / cpu_blas.LIBRARY_NAME
-    target = cpu_blas.build(out)
+def test_built_shim_answers_mlx_products_with_numpys_openblas(shim):
+    out, target = shim
     assert out.is_file() and not [p for p in out.parent.iterdir() if p != out]  # no temp file left
     assert target.version != "?" and Path(target.path).is_file()
     # In a fresh process: MLX's products equal numpy's, `cblas_sgemm` is the shim's, and
@@ -32,10 +46,91 @@ def test_built_shim_answers_mlx_products_with_numpys_openblas(tmp_path):
             "mx.random.seed(3); l = nn.Linear(64, 48); x = mx.random.normal((5, 64)); "
             "want = np.array(x) @ np.array(l.weight).T + np.array(l.bias); "
             "print(float(np.abs(np.array(l(x)) - want).max()))")
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, LD_PRELOAD=str(out)),
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout) < 1e-4
+    assert float(run_with(out, code)) < 1e-4
+
+
+FEW_ROWS = """
+import ctypes, os, sys, threading
+import mlx.core as mx, numpy as np
+mx.set_default_device(mx.cpu)
+shim = ctypes.CDLL(None)
+shim.edgespec_cblas_skinny_calls.restype = ctypes.c_long
+rng = np.random.default_rng(5)
+w = mx.array(rng.standard_normal((2048, 320)).astype(np.float32))  # large enough for the helper
+xs = [mx.array(rng.standard_normal((r, 320)).astype(np.float32)) for r in (1, 3, 8, 13, 16)]
+"""
+
+
+@linux_with_cc
+def test_few_row_products_are_the_one_row_products_bitwise(shim):
+    """Each row of a few-row product (a verify pass) is bitwise that row alone (a plain step),
+    in either operand order, and the products ran in the shim's kernel."""
+    code = FEW_ROWS + """
+before = shim.edgespec_cblas_skinny_calls()
+for x in xs:
+    one = np.concatenate([np.array(x[i : i + 1] @ w.T) for i in range(x.shape[0])])
+    assert np.array_equal(np.array(x @ w.T), one), x.shape
+    assert np.array_equal(np.array((w @ x.T).T), one), x.shape
+    want = np.array(x).astype(np.float64) @ np.array(w).T.astype(np.float64)
+    assert np.abs(one - want).max() / np.abs(want).max() < 1e-6
+print(shim.edgespec_cblas_skinny_calls() - before)
+"""
+    assert int(run_with(shim[0], code)) >= 5 * 4
+
+
+@linux_with_cc
+def test_few_row_products_off_go_to_openblas(shim):
+    code = FEW_ROWS + """
+shim.edgespec_cblas_skinny(1)
+on = [np.array(x @ w.T) for x in xs]
+shim.edgespec_cblas_skinny(0)
+before = shim.edgespec_cblas_skinny_calls()
+off = [np.array(x @ w.T) for x in xs]
+assert shim.edgespec_cblas_skinny_calls() == before  # none taken
+assert all(np.abs(a - b).max() < 1e-3 for a, b in zip(on, off))
+print(os.environ.get("EDGESPEC_SKINNY"))
+"""
+    assert run_with(shim[0], code).strip() == "None"
+    # and off from the start, by the environment
+    code = FEW_ROWS + "np.array(xs[2] @ w.T)\nprint(shim.edgespec_cblas_skinny_calls())"
+    assert run_with(shim[0], code, EDGESPEC_SKINNY="0").strip() == "0"
+
+
+@linux_with_cc
+def test_few_row_products_from_threads_and_after_fork(shim):
+    """Products from 4 threads at once (one has the helper thread, the others compute alone)
+    are right, and a forked child makes its own helper instead of waiting for its parent's
+    (which the child does not have)."""
+    code = FEW_ROWS + """
+want = [np.array(x).astype(np.float64) @ np.array(w).T.astype(np.float64) for x in xs]
+np.array(xs[4] @ w.T)  # the helper thread started here
+errs = []
+def work(t):
+    for _ in range(20):
+        for x, ref in zip(xs, want):
+            errs.append(float(np.abs(np.array(x @ w.T) - ref).max()))
+threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert max(errs) < 1e-3 and len(errs) == 4 * 20 * len(xs)
+# The child calls the shim's cblas_sgemm itself (MLX does not run in a forked child).
+P = ctypes.POINTER(ctypes.c_float)
+sgemm = shim.cblas_sgemm
+sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, P, ctypes.c_int, P, ctypes.c_int, ctypes.c_float, P, ctypes.c_int]
+wn, xn = np.array(w), np.array(xs[2])
+def product():
+    c = np.zeros((8, 2048), np.float32)
+    sgemm(101, 111, 112, 8, 2048, 320, 1.0, xn.ctypes.data_as(P), 320, wn.ctypes.data_as(P), 320, 0.0,
+          c.ctypes.data_as(P), 2048)
+    return c
+assert np.abs(product() - want[2]).max() < 1e-3
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if np.abs(product() - want[2]).max() < 1e-3 else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    assert run_with(shim[0], code).strip() == "0"
 
 
 @linux_with_cc

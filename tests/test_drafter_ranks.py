@@ -134,7 +134,9 @@ def test_runner_ups_carry_a_drafter_that_is_second_best(second_guess_engine, run
     assert from_drafter >= total // 3, (from_drafter, total)
     assert passes < total * 0.7
     acc = next(iter(engine.memory.adaptive.values()))["acc"]
-    rates = {b: acc.rates("drafter", b, 1)[0] for (s, b) in acc.tables if s == "drafter" and isinstance(b, str)}
+    # the buckets some drafted token reached (one never reached keeps its first guess)
+    rates = {b: r for (s, b) in acc.tables if s == "drafter" and isinstance(b, str)
+             if abs((r := acc.rates("drafter", b, 1)[0]) - acc.prior("drafter", b)) > 1e-9}
     runner = [v for b, v in rates.items() if b.startswith("r")]
     drafted = [v for b, v in rates.items() if b.startswith("q")]
     assert runner and drafted and max(drafted) < 0.2 < max(runner), rates

@@ -26,6 +26,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "cblas_skinny.h" /* few-row products: sk_gemm */
+
 #ifndef FWD_PREFIX
 #define FWD_PREFIX
 #endif
@@ -122,6 +124,7 @@ static void *find_other(const char *name) {
 __attribute__((visibility("default"))) void cblas_sgemm(
     int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
     const float *b, int ldb, float beta, float *c, int ldc) {
+    if (sk_gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
     if (fwd_sgemm) fwd_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     else {
         if (!next_sgemm) next_sgemm = (sgemm32_t)find_other("cblas_sgemm");

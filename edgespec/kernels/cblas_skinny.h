@@ -1,0 +1,263 @@
+/* Few-row float products for the CBLAS shim (cblas_forward.c).
+ *
+ * A decoding pass multiplies a few rows (its tokens: 1 for a plain step, 2-16 for a verify
+ * pass) by every weight matrix of the model. OpenBLAS answers such a product with its
+ * general kernel, which on this project's CPU streams the weights at about 9 GB/s whatever
+ * the row count (benchmarks/cpu_kernels.py --only weights: SmolLM2's 538 MB of weights in
+ * 64-70 ms for 1, 4 or 8 rows). Here each weight row is read once and multiplied by all the
+ * activation rows while it is in registers, with the weight stream prefetched ahead: the
+ * same 538 MB in 19 ms for 1 row, 22 ms for 4, 25 ms for 8. So a pass of a few tokens costs
+ * little more than one, as on the accelerator the product runs on, and every pass is faster.
+ *
+ * Taken: row-major C = alpha A B^T + beta C (MLX's x @ W.T and W @ x.T), and C = alpha A B +
+ * beta C with B's few columns (MLX's W @ x.T once x.T was copied), where the activation side
+ * has at most SK_MAX_ROWS rows and the weight side at least SK_MIN_WEIGHT_ROWS; everything
+ * else goes to OpenBLAS.
+ *
+ * Each output element is the same sum in the same order whatever the number of activation
+ * rows, the split between threads or the call's form: a row of a verify pass is bitwise the
+ * row a one-token pass computes (tests/test_cpu_blas.py).
+ *
+ * Threads: products of at least SK_SPLIT_FLOATS weights are split in two, the second half
+ * run by one helper thread (this library serves 2-core machines well; more helpers would
+ * follow the same pattern). The helper spins up to SK_SPIN_NS after each job (a pass's next
+ * product follows within microseconds) and then sleeps on a condition variable. One caller
+ * uses the helper at a time; a concurrent caller computes its product alone. After fork()
+ * the child starts without a helper and makes its own. EDGESPEC_SKINNY=0 in the environment,
+ * or edgespec_cblas_skinny(0), sends every product to OpenBLAS (for comparisons). */
+#ifndef EDGESPEC_CBLAS_SKINNY_H
+#define EDGESPEC_CBLAS_SKINNY_H
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define SK_MAX_ROWS 16
+#define SK_PAIR_MAX 8             /* up to this many activation rows, two weight rows at a time */
+#define SK_LANES 16               /* floats a vector: one AVX-512 register, two AVX2 ones */
+#define SK_MIN_WEIGHT_ROWS 64     /* a smaller "weight" (attention's blocks) stays with OpenBLAS */
+#define SK_PREFETCH 2048          /* floats ahead of the weight rows read (8 KiB) */
+#define SK_SPLIT_FLOATS (1L << 18) /* weights from which the helper takes half */
+#define SK_SPIN_NS 200000L
+
+#if defined(__x86_64__) || defined(__i386__)
+#define SK_PAUSE() __builtin_ia32_pause()
+#define SK_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#elif defined(__aarch64__)
+#define SK_PAUSE() __asm__ __volatile__("yield")
+#define SK_CLONES
+#else
+#define SK_PAUSE() ((void)0)
+#define SK_CLONES
+#endif
+
+typedef float skv __attribute__((vector_size(SK_LANES * sizeof(float))));
+
+static inline __attribute__((always_inline)) skv sk_load(const float *p) {
+    skv v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) float sk_sum(skv v) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* One product: weight rows w[r * ldw] (r < rows), activation rows x[i * ldx] (i < n), both
+ * k long; out(r, i) = alpha * dot + beta * out at c[r * rs + i * is]. */
+typedef struct {
+    const float *w, *x;
+    float *c;
+    long ldw, ldx, rs, is;
+    int n, k;
+    float alpha, beta;
+} sk_job;
+
+static inline __attribute__((always_inline)) void sk_store(const sk_job *j, long r, int i, float s) {
+    for (int t = j->k & ~(SK_LANES - 1); t < j->k; t++) s += j->w[r * j->ldw + t] * j->x[i * j->ldx + t];
+    float *o = j->c + r * j->rs + i * j->is;
+    *o = j->beta == 0.0f ? j->alpha * s : j->alpha * s + j->beta * *o;
+}
+
+/* Weight rows r0..r1 against exactly N activation rows: N is a constant in each instance, so
+ * the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void sk_rows_n(const sk_job *j, long r0, long r1, const int N) {
+    const int k16 = j->k & ~(SK_LANES - 1);
+    const float *x = j->x;
+    const long ldx = j->ldx;
+    long r = r0;
+    for (; N <= SK_PAIR_MAX && r + 1 < r1; r += 2) { /* two weight rows share each activation load */
+        const float *w0 = j->w + r * j->ldw, *w1 = w0 + j->ldw;
+        skv a0[SK_PAIR_MAX], a1[SK_PAIR_MAX];
+        for (int i = 0; i < N; i++) a0[i] = a1[i] = (skv){0};
+        for (int t = 0; t < k16; t += SK_LANES) {
+            skv v0 = sk_load(w0 + t), v1 = sk_load(w1 + t);
+            __builtin_prefetch(w0 + t + SK_PREFETCH, 0, 2);
+            __builtin_prefetch(w1 + t + SK_PREFETCH, 0, 2);
+            for (int i = 0; i < N; i++) {
+                skv xv = sk_load(x + i * ldx + t);
+                a0[i] += v0 * xv;
+                a1[i] += v1 * xv;
+            }
+        }
+        for (int i = 0; i < N; i++) {
+            sk_store(j, r, i, sk_sum(a0[i]));
+            sk_store(j, r + 1, i, sk_sum(a1[i]));
+        }
+    }
+    for (; r < r1; r++) {
+        const float *w0 = j->w + r * j->ldw;
+        skv a0[SK_MAX_ROWS];
+        for (int i = 0; i < N; i++) a0[i] = (skv){0};
+        for (int t = 0; t < k16; t += SK_LANES) {
+            skv v0 = sk_load(w0 + t);
+            __builtin_prefetch(w0 + t + SK_PREFETCH, 0, 2);
+            for (int i = 0; i < N; i++) a0[i] += v0 * sk_load(x + i * ldx + t);
+        }
+        for (int i = 0; i < N; i++) sk_store(j, r, i, sk_sum(a0[i]));
+    }
+}
+
+SK_CLONES static void sk_rows(const sk_job *j, long r0, long r1) {
+    switch (j->n) {
+#define SK_CASE(n) case n: sk_rows_n(j, r0, r1, n); break;
+    SK_CASE(1) SK_CASE(2) SK_CASE(3) SK_CASE(4) SK_CASE(5) SK_CASE(6) SK_CASE(7) SK_CASE(8)
+    SK_CASE(9) SK_CASE(10) SK_CASE(11) SK_CASE(12) SK_CASE(13) SK_CASE(14) SK_CASE(15)
+#undef SK_CASE
+    default: sk_rows_n(j, r0, r1, SK_MAX_ROWS); break;
+    }
+}
+
+/* ---------------------------------------------------------------- the helper thread */
+static pthread_mutex_t sk_lock = PTHREAD_MUTEX_INITIALIZER; /* held by the caller using the helper */
+static pthread_mutex_t sk_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sk_cv = PTHREAD_COND_INITIALIZER;
+static atomic_long sk_posted, sk_done;
+static sk_job sk_cur;
+static long sk_r0, sk_r1;
+static int sk_started, sk_atfork;
+static atomic_int sk_on = 1;
+static atomic_long sk_calls; /* products taken here (for the build's check) */
+
+static long sk_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void *sk_helper(void *arg) {
+    (void)arg;
+    long seen = 0;
+    for (;;) {
+        long until = sk_now_ns() + SK_SPIN_NS;
+        for (unsigned spins = 0; atomic_load_explicit(&sk_posted, memory_order_acquire) == seen; spins++) {
+            if ((spins & 255) != 255 || sk_now_ns() < until) {
+                SK_PAUSE();
+                continue;
+            }
+            pthread_mutex_lock(&sk_mu);
+            while (atomic_load_explicit(&sk_posted, memory_order_acquire) == seen) pthread_cond_wait(&sk_cv, &sk_mu);
+            pthread_mutex_unlock(&sk_mu);
+        }
+        seen = atomic_load_explicit(&sk_posted, memory_order_acquire);
+        sk_rows(&sk_cur, sk_r0, sk_r1);
+        atomic_store_explicit(&sk_done, seen, memory_order_release);
+    }
+    return NULL;
+}
+
+static void sk_after_fork_child(void) { /* the helper thread is not in the child */
+    sk_started = 0;
+    atomic_store(&sk_posted, 0);
+    atomic_store(&sk_done, 0);
+    pthread_mutex_init(&sk_lock, NULL);
+    pthread_mutex_init(&sk_mu, NULL);
+    pthread_cond_init(&sk_cv, NULL);
+}
+
+static int sk_start_helper(void) {
+    pthread_t t;
+    pthread_attr_t at;
+    if (pthread_attr_init(&at) != 0) return 0;
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&t, &at, sk_helper, NULL) == 0;
+    pthread_attr_destroy(&at);
+    if (ok && !sk_atfork) sk_atfork = 1, pthread_atfork(NULL, NULL, sk_after_fork_child);
+    return ok;
+}
+
+static void sk_run(const sk_job *j, long rows) {
+    atomic_fetch_add_explicit(&sk_calls, 1, memory_order_relaxed);
+    if (rows * j->k < SK_SPLIT_FLOATS || pthread_mutex_trylock(&sk_lock) != 0) {
+        sk_rows(j, 0, rows); /* small, or another caller has the helper */
+        return;
+    }
+    if (!sk_started && !(sk_started = sk_start_helper())) {
+        pthread_mutex_unlock(&sk_lock);
+        sk_rows(j, 0, rows);
+        return;
+    }
+    long half = rows / 2;
+    sk_cur = *j;
+    sk_r0 = half, sk_r1 = rows;
+    pthread_mutex_lock(&sk_mu);
+    long ticket = atomic_fetch_add_explicit(&sk_posted, 1, memory_order_acq_rel) + 1;
+    pthread_cond_signal(&sk_cv);
+    pthread_mutex_unlock(&sk_mu);
+    sk_rows(j, 0, half);
+    while (atomic_load_explicit(&sk_done, memory_order_acquire) != ticket) SK_PAUSE();
+    pthread_mutex_unlock(&sk_lock);
+}
+
+/* ---------------------------------------------------------------- the entry point */
+/* Row-major C = alpha op(A) op(B) + beta C (CBLAS enums: 101 row-major, 111 no transpose,
+ * 112 transpose). 1 when computed here, 0 when OpenBLAS should. */
+static int sk_gemm(int order, int ta, int tb, long m, long n, long k, float alpha, const float *a, long lda,
+                   const float *b, long ldb, float beta, float *c, long ldc) {
+    if (!atomic_load_explicit(&sk_on, memory_order_relaxed) || order != 101 || ta != 111 || k < SK_LANES)
+        return 0;
+    sk_job j = {.k = (int)k, .alpha = alpha, .beta = beta};
+    if (tb == 112 && m <= SK_MAX_ROWS && n >= SK_MIN_WEIGHT_ROWS) { /* x (m x k) @ W.T, W (n x k) */
+        j.w = b, j.ldw = ldb, j.x = a, j.ldx = lda, j.n = (int)m, j.c = c, j.rs = 1, j.is = ldc;
+        sk_run(&j, n);
+        return 1;
+    }
+    if (m < SK_MIN_WEIGHT_ROWS || n > SK_MAX_ROWS) return 0;
+    j.w = a, j.ldw = lda, j.n = (int)n, j.c = c, j.rs = ldc, j.is = 1; /* W (m x k) @ x.T: c (m x n) */
+    if (tb == 112) { /* x (n x k) as stored */
+        j.x = b, j.ldx = ldb;
+    } else if (tb == 111) { /* x.T (k x n) as stored: its columns copied into rows */
+        static __thread float *buf;
+        static __thread long cap;
+        if (cap < n * k) {
+            float *grown = realloc(buf, (size_t)(n * k) * sizeof(float));
+            if (!grown) return 0;
+            buf = grown, cap = n * k;
+        }
+        for (long t = 0; t < k; t++)
+            for (long i = 0; i < n; i++) buf[i * k + t] = b[t * ldb + i];
+        j.x = buf, j.ldx = k;
+    } else {
+        return 0;
+    }
+    sk_run(&j, m);
+    return 1;
+}
+
+__attribute__((visibility("default"))) void edgespec_cblas_skinny(int on) { atomic_store(&sk_on, on != 0); }
+
+__attribute__((visibility("default"))) long edgespec_cblas_skinny_calls(void) { return atomic_load(&sk_calls); }
+
+__attribute__((constructor)) static void sk_init(void) {
+    const char *env = getenv("EDGESPEC_SKINNY");
+    if (env && env[0] == '0') atomic_store(&sk_on, 0);
+}
+
+#endif
