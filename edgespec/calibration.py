@@ -29,8 +29,8 @@ no permission) is a warning; temps of killed writers are removed at the next wri
 
 The key holds what changes costs: the model (its weight files' hashes from the bundle
 manifest, else the file's name, size and modification time), its shape and dtypes, the MLX
-device, the machine (architecture, CPU model, CPUs usable, BLAS preload and thread
-settings) and the edgespec and MLX versions. Engines built in memory (no model path, as
+device, the machine (architecture, CPU model, CPUs usable, the preloaded BLAS by its
+contents, thread and kernel settings) and the edgespec and MLX versions. Engines built in memory (no model path, as
 in the tests) learn in memory only. `EDGESPEC_CALIBRATION=off` turns reading and writing off.
 
 About 480 lines: the store, its key, and the careful file handling above belong together;
@@ -40,6 +40,7 @@ the curve's arithmetic is adaptive/estimate.py.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -139,6 +140,20 @@ def _cpu_model() -> str:
     return platform.processor() or ""
 
 
+@functools.lru_cache(maxsize=8)
+def _preloaded(preload: str) -> list[str]:
+    """The preloaded libraries, each by name and a hash of its contents: a rebuilt BLAS shim
+    (the same file name, another kernel: edgespec/kernels/cpu_blas.py) prices passes afresh."""
+    out = []
+    for p in sorted(p for p in re.split(r"[:\s]+", preload) if p):
+        try:
+            digest = hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16]
+        except OSError:
+            digest = "unreadable"
+        out.append(f"{Path(p).name}:{digest}")
+    return out
+
+
 def machine_identity() -> dict:
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -151,9 +166,9 @@ def machine_identity() -> dict:
         "cpu": _cpu_model(),
         "cpus": cpus,
         "device": str(device),
-        "preload": sorted(Path(p).name for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p),
-        "threads": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-                    if k in os.environ},
+        "preload": _preloaded(os.environ.get("LD_PRELOAD", "")),
+        "threads": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                               "EDGESPEC_SKINNY", "EDGESPEC_NATIVE") if k in os.environ},
         "mlx": getattr(mx, "__version__", ""),
     }
     if device.type == mx.DeviceType.gpu:

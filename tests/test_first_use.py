@@ -183,6 +183,13 @@ def test_different_models_devices_and_machines_do_not_collide(home, monkeypatch)
         assert _path_of(a) != pa, field
     monkeypatch.setattr(cal, "machine_identity", lambda: real)
     assert _path_of(a) == pa  # stable
+    # A preloaded library rebuilt under the same name (another BLAS kernel) is another machine
+    lib = home / "libedgespec_cblas.so"
+    lib.write_bytes(b"one kernel")
+    first = cal._preloaded(str(lib))
+    lib.write_bytes(b"another kernel")
+    cal._preloaded.cache_clear()
+    assert cal._preloaded(str(lib)) != first and first[0].startswith("libedgespec_cblas.so:")
     # A model read from a file (no weight hashes): its name, size and modification time.
     model = make_tiny_model(0)
     f = home / "m.gguf"
