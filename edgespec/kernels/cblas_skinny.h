@@ -2,12 +2,12 @@
  *
  * A decoding pass multiplies a few rows (its tokens: 1 for a plain step, 2-16 for a verify
  * pass) by every weight matrix of the model. OpenBLAS answers such a product with its
- * general kernel, which on this project's CPU streams the weights at about 9 GB/s whatever
- * the row count (benchmarks/cpu_kernels.py --only weights: SmolLM2's 538 MB of weights in
- * 64-70 ms for 1, 4 or 8 rows). Here each weight row is read once and multiplied by all the
- * activation rows while it is in registers, with the weight stream prefetched ahead: the
- * same 538 MB in 19 ms for 1 row, 22 ms for 4, 25 ms for 8. So a pass of a few tokens costs
- * little more than one, as on the accelerator the product runs on, and every pass is faster.
+ * general kernel, which on this project's CPU streams the weights at 6-9 GB/s whatever
+ * the row count (benchmarks/cpu_kernels.py --only weights with EDGESPEC_SKINNY=0: SmolLM2's
+ * 538 MB of weights in 64-91 ms for 1, 4 or 8 rows). Here each weight row is read once and
+ * multiplied by all the activation rows while it is in registers, with the weight stream
+ * prefetched ahead: the same 538 MB in 26 ms for 1 row, 30 ms for 4, 38 ms for 8
+ * (docs/batching.md). Every pass is faster, and a few more tokens add less to it.
  *
  * Taken: row-major C = alpha A B^T + beta C (MLX's x @ W.T and W @ x.T), and C = alpha A B +
  * beta C with B's few columns (MLX's W @ x.T once x.T was copied), where the activation side

@@ -24,10 +24,10 @@ tokens) do not go to OpenBLAS: its general product streams the weights at about 
 this CPU whatever the row count, and a matrix-vector product (`sgemv`) for one row would
 favour single-token steps, which the accelerator the product runs on does not. The shim's
 own kernel (`cblas_skinny.h`) reads each weight row once for all the rows, the weight stream
-prefetched ahead, on two threads: SmolLM2's 538 MB of weights in 19 / 22 / 25 ms for 1 / 4
-/ 8 rows against 65 / 64 / 70 ms (`benchmarks/cpu_kernels.py --only weights`), a decoding
-pass of one token in 0.62x the time and a verify pass of 5 about 1.3x a one-token pass, as
-before; each row of a few-row product is bitwise that row alone. `EDGESPEC_SKINNY=0` (or
+prefetched ahead, on two threads: SmolLM2's 538 MB of weights in 26.1 / 29.5 / 37.9 ms for
+1 / 4 / 8 rows against 63.6 / 88.3 / 90.8 ms with `EDGESPEC_SKINNY=0` (`benchmarks/cpu_kernels.py
+--only weights --reps 3`, once each way, 2026-12-06), a decoding pass of one token in about 0.6x
+the time (a one-off timing); each row of a few-row product is bitwise that row alone. `EDGESPEC_SKINNY=0` (or
 `edgespec_cblas_skinny(0)` through ctypes) sends them to OpenBLAS, for comparisons.
 
 `make setup` builds it into .cache/lib (`python -m edgespec.kernels.cpu_blas OUT`),
