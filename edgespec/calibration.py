@@ -30,8 +30,9 @@ no permission) is a warning; temps of killed writers are removed at the next wri
 The key holds what changes costs: the model (its weight files' hashes from the bundle
 manifest, else the file's name, size and modification time), its shape and dtypes, the MLX
 device, the machine (architecture, CPU model, CPUs usable, the preloaded BLAS by its
-contents, thread and kernel settings) and the edgespec and MLX versions. Engines built in memory (no model path, as
-in the tests) learn in memory only. `EDGESPEC_CALIBRATION=off` turns reading and writing off.
+contents, thread and kernel settings), the edgespec and MLX versions and the kernels' cost
+revision (`edgespec.kernels.COSTS_REVISION`). Engines built in memory (no model path, as in the
+tests) learn in memory only. `EDGESPEC_CALIBRATION=off` turns reading and writing off.
 
 About 480 lines: the store, its key, and the careful file handling above belong together;
 the curve's arithmetic is adaptive/estimate.py.
@@ -58,6 +59,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from edgespec.adaptive.estimate import DRAFT_PRIOR, Costs, DraftCost
+from edgespec.kernels import COSTS_REVISION
 from edgespec.paths import home as edgespec_home
 from edgespec.safe_write import aside_name, clean_stale_temps, temp_prefix
 from edgespec.tree import (
@@ -170,6 +172,7 @@ def machine_identity() -> dict:
         "threads": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                                                "EDGESPEC_SKINNY", "EDGESPEC_NATIVE") if k in os.environ},
         "mlx": getattr(mx, "__version__", ""),
+        "kernels": COSTS_REVISION,
     }
     if device.type == mx.DeviceType.gpu:
         try:

@@ -26,8 +26,8 @@ from edgespec.models.registry import supported_model_types
 
 from edgespec.caches.kv import HiddenKVCache, KVCache
 from edgespec.kernels import exact
-from edgespec.kernels.activation import gated_activation
-from edgespec.kernels.attention import numpy_attention, use_numpy_attention
+from edgespec.kernels.activation import gated_activation, sigmoid
+from edgespec.kernels.attention import attention, numpy_attention, use_numpy_attention
 from edgespec.kernels.linear import Linear
 
 # Config fields that never change the forward math of a decoder in inference (bookkeeping,
@@ -492,15 +492,15 @@ class Attention(nn.Module):
         # (drafter training, calibration) must stay differentiable.
         if exact.enabled():  # bitwise verification: each query row as a one-token pass computes it
             out = exact.exact_attention(q, k, v, self.scale, mask, self.softcap)
+        elif self.softcap is None:
+            out = attention(q, k, v, self.scale, mask, inference=cache is not None)
         elif cache is not None and use_numpy_attention(q, k):
             out = numpy_attention(q, k, v, self.scale, mask, self.softcap)
-        elif self.softcap is None:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         else:
             out = softcapped_attention(q, k, v, self.scale, self.softcap, mask, offset)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if self._gated:
-            out = out * mx.sigmoid(gate.reshape(B, T, -1))
+            out = out * sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out)
 
 

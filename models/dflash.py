@@ -49,6 +49,7 @@ from edgespec.models.base import MLP, make_rope
 from edgespec.models.base import ModelArgs as BaseArgs
 
 from edgespec.caches.kv import KVCache
+from edgespec.kernels.attention import attention
 from edgespec.kernels.linear import Linear
 
 KINDS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
@@ -175,7 +176,7 @@ class Attention(nn.Module):
         kb, vb = self._kv(x, C)
         k, v = mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2)
         mask = block_mask(C, L, self.causal, self.window)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, self.scale, mask, inference=False)  # also trained: no numpy path
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -35,7 +35,7 @@ from edgespec.models.experts import SwitchGLU, stack_experts, top_k
 
 from edgespec.caches.kv import HiddenKVCache, KVCache, LayerCache
 from edgespec.kernels.activation import gated_activation
-from edgespec.kernels.attention import numpy_attention, use_numpy_attention
+from edgespec.kernels.attention import attention
 from edgespec.kernels.linear import Linear
 
 ROPE_KINDS = ("default", "proportional")
@@ -234,10 +234,7 @@ class Attention(nn.Module):
             mask = mask[self.layer_type]
         elif self.window is not None:
             mask = window_mask(mask, positions, offset, T, self.window, slots)
-        if cache is not None and use_numpy_attention(q, k):
-            out = numpy_attention(q, k, v, 1.0, mask)
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = attention(q, k, v, 1.0, mask, inference=cache is not None)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 

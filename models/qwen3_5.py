@@ -60,6 +60,7 @@ from edgespec.caches.recurrent import (
     tree_parents,
 )
 from edgespec.errors import ModelLoadError
+from edgespec.kernels.activation import activate, sigmoid
 from edgespec.kernels.linear import Linear
 
 KINDS = ("linear_attention", "full_attention")
@@ -146,13 +147,13 @@ class GatedDeltaNet(nn.Module):
                      mx.zeros((B, self.Hv, self.Dk, self.Dv), mx.float32))
         parents = tree_parents(mask, cache.offset, T) if cache is not None else None
         win, last = conv_windows(qkv, state[0], parents)
-        mixed = nn.silu(depthwise(win, self.conv1d.weight, None)).astype(mx.float32)
+        mixed = activate("silu", depthwise(win, self.conv1d.weight, None)).astype(mx.float32)
         kd = self.Hk * self.Dk
         r = self.Hv // self.Hk  # each q/k head serves r consecutive value heads
         q = mx.repeat(l2norm(mixed[..., :kd].reshape(B, T, self.Hk, self.Dk)), r, axis=2) * self.Dk**-0.5
         k = mx.repeat(l2norm(mixed[..., kd : 2 * kd].reshape(B, T, self.Hk, self.Dk)), r, axis=2)
         v = mixed[..., 2 * kd :].reshape(B, T, self.Hv, self.Dv)
-        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        beta = sigmoid(self.in_proj_b(x).astype(mx.float32))
         a = self.in_proj_a(x).astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
         if parents is None and T > RECURRENT_MAX:
@@ -161,7 +162,7 @@ class GatedDeltaNet(nn.Module):
             out, S = delta_rule(q, k, v, g, beta, state[1], parents, inference=cache is not None)
         if cache is not None:
             cache.write((qkv, k, v, g, beta), (last, S), parents, state)
-        out = self.norm(out.astype(x.dtype)) * nn.silu(z.astype(mx.float32)).astype(x.dtype)
+        out = self.norm(out.astype(x.dtype)) * activate("silu", z.astype(mx.float32)).astype(x.dtype)
         return self.out_proj(out.reshape(B, T, -1))
 
 

@@ -79,3 +79,39 @@ def test_a_model_prefill_uses_it_and_training_does_not(monkeypatch):
     _, grads = nn.value_and_grad(model, lambda: model(x)[0, -1].sum())()
     assert not taken
     assert float(mx.abs(grads["model"]["layers"][0]["mlp"]["gate_proj"]["weight"]).max()) > 0
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_pytorch_tanh"])
+def test_base2_activation_matches_float64_and_keeps_its_edges(kind):
+    """The CPU device's float32 SiLU and tanh GELU through power(2, .) (MLX's CPU exp is scalar):
+    within float32 rounding of the float64 definition over -120..120, finite at the overflow
+    edges, -0 and 0 kept; other dtypes keep MLX's own."""
+    x = np.concatenate([np.linspace(-120, 120, 40001), [-1e30, 1e30, -200.0, 200.0, 0.0, -1e-30]]).astype(np.float32)
+    xd = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        if kind == "silu":
+            want = xd / (1 + np.exp(-xd))
+        else:
+            want = 0.5 * xd * (1 + np.tanh(np.sqrt(2 / np.pi) * (xd + 0.044715 * xd**3)))
+    got = np.array(act.activate(kind, mx.array(x))).astype(np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=4e-6, atol=2e-6)
+    mlx_own = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}[kind]
+    half = mx.array(x[:1000]).astype(mx.bfloat16)
+    out = act.activate(kind, half)
+    assert out.dtype == mx.bfloat16
+    np.testing.assert_array_equal(np.array(out.astype(mx.float32)), np.array(mlx_own(half).astype(mx.float32)))
+    if ON_CPU:  # the float32 path is not MLX's own formula: the dispatch is visible
+        assert not np.array_equal(got, np.array(mlx_own(mx.array(x))).astype(np.float64))
+
+
+def test_base2_sigmoid_matches_float64_and_other_dtypes_keep_mlx():
+    x = np.concatenate([np.linspace(-120, 120, 40001), [-1e30, 1e30, 0.0]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = 1 / (1 + np.exp(-x.astype(np.float64)))
+    got = np.array(act.sigmoid(mx.array(x)))
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=4e-6, atol=2e-7)
+    half = mx.array(x[:100]).astype(mx.float16)
+    assert act.sigmoid(half).dtype == mx.float16
+    np.testing.assert_array_equal(np.array(act.sigmoid(half)), np.array(mx.sigmoid(half)))

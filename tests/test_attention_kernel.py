@@ -4,14 +4,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import edgespec.kernels.attention as kernel
 from edgespec.kernels.attention import (
     BLOCK_ROWS,
     CPU_NUMPY_MIN_QUERIES,
     CPU_NUMPY_MIN_SCORES,
     attention,
+    grouped_attention,
     numpy_attention,
     use_numpy_attention,
 )
+
+ON_CPU = mx.default_device() == mx.cpu
 
 
 def _qkv(H, Hk, T, S, D=16, seed=0, dtype=mx.float32):
@@ -82,7 +86,7 @@ def test_the_dispatcher_takes_numpy_only_for_long_chunks_on_the_cpu():
 
 def test_a_model_prefill_through_the_numpy_path_matches_the_fused_kernel(monkeypatch):
     """Chunked prefill of a tiny model: logits and cache through the numpy path (threshold
-    lowered so tiny shapes take it) equal those through the fused kernel."""
+    lowered so tiny shapes take it) equal those through MLX's graph (grouped or fused)."""
     from conftest import make_tiny_model
 
     import edgespec.kernels.attention as kernel
@@ -98,14 +102,14 @@ def test_a_model_prefill_through_the_numpy_path_matches_the_fused_kernel(monkeyp
         return real(*a, **kw)
 
     runs = {}
-    for name, threshold in (("numpy", 1), ("fused", 1 << 62)):
+    for name, threshold in (("numpy", 1), ("mlx", 1 << 62)):
         monkeypatch.setattr(kernel, "CPU_NUMPY_MIN_SCORES", threshold)
-        monkeypatch.setattr("edgespec.models.base.numpy_attention", spy)
+        monkeypatch.setattr(kernel, "numpy_attention", spy)
         cache = model.make_cache()
         runs[name] = (prefill(model, cache, toks, chunk=256), cache[-1].state[0])  # last layer: after attention
     assert taken and all(s[2] >= kernel.CPU_NUMPY_MIN_QUERIES for s in taken)  # numpy run only
-    np.testing.assert_allclose(np.array(runs["numpy"][0]), np.array(runs["fused"][0]), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.array(runs["numpy"][1]), np.array(runs["fused"][1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(runs["numpy"][0]), np.array(runs["mlx"][0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(runs["numpy"][1]), np.array(runs["mlx"][1]), rtol=1e-5, atol=1e-5)
 
 
 def test_calls_without_a_cache_stay_differentiable(monkeypatch):
@@ -122,3 +126,68 @@ def test_calls_without_a_cache_stay_differentiable(monkeypatch):
     _, grads = nn.value_and_grad(model, lambda: model(x)[0, -1].sum())()
     g = grads["model"]["layers"][0]["self_attn"]["q_proj"]["weight"]
     assert float(mx.abs(g).max()) > 0  # zero if attention had been a constant
+
+
+def _reference(q, k, v, scale, allowed):
+    """Float64 attention; `allowed` broadcastable to (B, 1, T, S) (True = attend); a row that
+    sees no key gives zeros."""
+    q, k, v = (np.array(a).astype(np.float64) for a in (q, k, v))
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = np.where(allowed, q @ k.swapaxes(-1, -2) * scale, -np.inf)
+    top = s.max(-1, keepdims=True)
+    top[~np.isfinite(top)] = 0
+    e = np.exp(s - top)
+    total = e.sum(-1, keepdims=True)
+    total[total == 0] = 1
+    return (e @ v) / total
+
+
+@pytest.mark.parametrize("H,Hk,T,S", [(9, 3, 1, 150), (9, 3, 8, 150), (4, 2, 5, 40), (4, 4, 16, 16), (6, 1, 3, 600)])
+def test_the_grouped_base2_path_matches_float64_for_every_mask_kind(H, Hk, T, S):
+    """A verification round's shapes (grouped heads, a few queries against a cache): no mask
+    (every key visible, as the fused kernel reads None), "causal", a (T, S) and a (B, 1, T, S)
+    bool mask, and a row that sees nothing (zeros, not nan)."""
+    q, k, v = _qkv(H, Hk, T, S, seed=T + S)
+    causal = np.arange(S)[None] <= (S - T + np.arange(T))[:, None]
+    ragged = np.random.default_rng(S).random((2, 1, T, S)) > 0.5
+    ragged[1, 0, 0] = False  # batch row 1's first query sees nothing
+    cases = [(None, np.ones((T, S), bool)), ("causal", causal), (mx.array(causal), causal),
+             (mx.array(ragged), ragged)]
+    for mask, allowed in cases:
+        out = grouped_attention(q, k, v, 0.3, mask)
+        assert out.shape == q.shape and out.dtype == mx.float32
+        np.testing.assert_allclose(np.array(out), _reference(q, k, v, 0.3, allowed), rtol=2e-5, atol=2e-6)
+    assert not np.array(grouped_attention(q, k, v, 0.3, mx.array(ragged)))[1, :, 0].any()
+
+
+def test_the_grouped_path_declines_what_it_does_not_take_and_the_dispatcher_falls_back():
+    q, k, v = _qkv(4, 2, 3, 20)
+    per_head = mx.random.uniform(shape=(2, 4, 3, 20)) > 0.3
+    additive = mx.zeros((3, 20))
+    half = tuple(a.astype(mx.float16) for a in (q, k, v))
+    assert grouped_attention(q, k, v, 0.25, per_head) is None
+    assert grouped_attention(q, k, v, 0.25, additive) is None
+    assert grouped_attention(*half, 0.25, "causal") is None
+    for args, mask in (((q, k, v), per_head), ((q, k, v), additive), (half, "causal")):
+        ref = mx.fast.scaled_dot_product_attention(*args, scale=0.25, mask=mask)
+        np.testing.assert_array_equal(np.array(attention(*args, 0.25, mask)), np.array(ref))
+    with pytest.raises(ValueError, match="unknown attention mask"):
+        grouped_attention(q, k, v, 0.25, "sideways")
+
+
+def test_the_dispatcher_takes_the_grouped_path_on_the_cpu_and_it_has_gradients(monkeypatch):
+    q, k, v = _qkv(4, 2, 6, 30)
+    taken = []
+    real = kernel.grouped_attention
+    monkeypatch.setattr(kernel, "grouped_attention", lambda *a: taken.append(1) or real(*a))
+    attention(q, k, v, 0.25, "causal")
+    assert bool(taken) == ON_CPU
+
+    def loss(fn):
+        return lambda q_: (fn(q_) * v[:, :1, :6]).sum()
+
+    fused = mx.grad(loss(lambda q_: mx.fast.scaled_dot_product_attention(q_, k, v, scale=0.25, mask="causal")))(q)
+    grouped = mx.grad(loss(lambda q_: real(q_, k, v, 0.25, "causal")))(q)
+    assert float(mx.abs(fused).max()) > 0
+    np.testing.assert_allclose(np.array(grouped), np.array(fused), rtol=1e-4, atol=1e-5)

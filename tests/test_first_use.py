@@ -178,7 +178,7 @@ def test_different_models_devices_and_machines_do_not_collide(home, monkeypatch)
     assert pa != pb and pa.parent == pb.parent == home / "calibration"
     real = cal.machine_identity()
     for field, other in [("device", "Device(gpu, 0)"), ("machine", "arm64"), ("cpu", "another CPU"),
-                         ("preload", ["libopenblas.so.0"]), ("cpus", 64)]:
+                         ("preload", ["libopenblas.so.0"]), ("cpus", 64), ("kernels", real["kernels"] + 1)]:
         monkeypatch.setattr(cal, "machine_identity", lambda f=field, o=other: {**real, f: o})
         assert _path_of(a) != pa, field
     monkeypatch.setattr(cal, "machine_identity", lambda: real)

@@ -20,7 +20,13 @@ from edgespec.kernels.tree import (
 
 KERNELS = (TREE_MASK, TREE_ACCEPT, KV_GATHER)
 
+# Bumped whenever a kernel change moves what a verifier pass costs, so that learnt costs from
+# before are not reused (edgespec/calibration.py keys them on it). 2: the CPU device's base-2
+# softmax and activations (kernels/attention.py, kernels/activation.py).
+COSTS_REVISION = 2
+
 __all__ = [
+    "COSTS_REVISION",
     "KERNELS",
     "KV_GATHER",
     "TREE_ACCEPT",

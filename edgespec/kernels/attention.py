@@ -163,8 +163,77 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     return result if q.dtype == mx.float32 else result.astype(q.dtype)
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
-    """Scaled dot-product attention: numpy on the CPU for long chunks, else the fused kernel."""
-    if use_numpy_attention(q, k):
+LOG2E = 1.4426950408889634
+_FLOAT32_LOWEST = -3.4028234663852886e38
+
+
+def _mask_bias(mask, T: int, S: int) -> mx.array | None | bool:
+    """An additive mask (0 where a query may attend, -inf elsewhere) shaped (b, 1, 1, T, S) or
+    (T, S), for scores grouped as (B, Hk, G, T, S); None for no mask (every key visible, as in
+    the fused kernel); False where the mask is of a kind the grouped path does not take
+    (per-head masks, additive float masks)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        # new tokens are the last T slots; each sees the slots up to its own
+        mask = mx.arange(S)[None] <= (S - T + mx.arange(T))[:, None]
+    if mask.dtype != mx.bool_ or not 2 <= mask.ndim <= 4:
+        return False
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (b, 1, T, S)
+    if m.shape[1] != 1:
+        return False
+    return mx.where(m, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))[:, :, None]
+
+
+def grouped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array | None:
+    """Attention over a few queries on the CPU device, in MLX's graph, with the softmax's
+    exponentials as `power(2, .)`; None where it does not apply (then the caller's kernel runs).
+
+    MLX's CPU `exp` calls libm's `fmaf` once a polynomial term (about 21 ns an element, against
+    0.4 for a product), and its fused attention takes its softmax with it: at 8 queries against
+    600 keys (SmolLM2's 9 heads) the exponentials are most of a layer's attention, which is why a
+    verification pass grew with its width far more than its products did. `power(2, x)` runs at
+    about 6 ns. So the queries are scaled by `scale * log2(e)`, the scores go to base 2 and
+    `2 ** (s - max)` replaces `exp`. The grouped heads share one product against their key head
+    (q as (B, Hk, G * T, D)), as the fused kernel's CPU fallback does after copying the keys G
+    times. A row that sees no key gives zeros (as `numpy_attention`). Float32 only: a half
+    precision score in base 2 would round the exponent more than the fused kernel does.
+    """
+    B, H, T, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    if q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32 or H % Hk:
+        return None
+    bias = _mask_bias(mask, T, S)
+    if bias is False:
+        return None
+    G = H // Hk
+    s = (q * (scale * LOG2E)).reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)  # (B, Hk, G*T, S)
+    top = mx.max(s, axis=-1, keepdims=True) if bias is None else None
+    if bias is not None:
+        s = (s.reshape(B, Hk, G, T, S) + bias).reshape(-1, Hk, G * T, S)
+        top = mx.maximum(mx.max(s, axis=-1, keepdims=True), _FLOAT32_LOWEST)  # finite where a row sees nothing
+    e = mx.power(2.0, s - top)
+    total = mx.sum(e, axis=-1, keepdims=True)
+    if bias is not None:  # each row's largest term is 2**0 = 1: a total below 1 means no key seen, zeros
+        total = mx.maximum(total, 1.0)
+    return ((e @ v) / total).reshape(-1, H, T, D)
+
+
+def use_grouped_attention() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, inference: bool = True) -> mx.array:
+    """Scaled dot-product attention with the fused kernel's semantics (mask None: every key
+    visible; "causal": the new queries are the last T slots; bool, True = attend): numpy on the
+    CPU for long chunks of an inference call (numpy has no gradients), the grouped base-2 path
+    for the other float32 calls on the CPU, else (Metal, other dtypes) the fused kernel."""
+    if inference and mask is not None and use_numpy_attention(q, k):
         return numpy_attention(q, k, v, scale, mask)
+    if use_grouped_attention():
+        out = grouped_attention(q, k, v, scale, mask)
+        if out is not None:
+            return out
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
