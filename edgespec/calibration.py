@@ -170,7 +170,7 @@ def machine_identity() -> dict:
         "device": str(device),
         "preload": _preloaded(os.environ.get("LD_PRELOAD", "")),
         "threads": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                                               "EDGESPEC_SKINNY", "EDGESPEC_NATIVE") if k in os.environ},
+                                               "EDGESPEC_SKINNY", "EDGESPEC_NATIVE", "EDGESPEC_BASE2") if k in os.environ},
         "mlx": getattr(mx, "__version__", ""),
         "kernels": COSTS_REVISION,
     }

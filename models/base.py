@@ -25,8 +25,8 @@ import mlx.nn as nn
 from edgespec.models.registry import supported_model_types
 
 from edgespec.caches.kv import HiddenKVCache, KVCache
-from edgespec.kernels import exact
-from edgespec.kernels.activation import gated_activation, sigmoid
+from edgespec.kernels import base2, exact
+from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import attention, numpy_attention, use_numpy_attention
 from edgespec.kernels.linear import Linear
 
@@ -500,7 +500,7 @@ class Attention(nn.Module):
             out = softcapped_attention(q, k, v, self.scale, self.softcap, mask, offset)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if self._gated:
-            out = out * sigmoid(gate.reshape(B, T, -1))
+            out = out * base2.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out)
 
 

@@ -60,7 +60,8 @@ from edgespec.caches.recurrent import (
     tree_parents,
 )
 from edgespec.errors import ModelLoadError
-from edgespec.kernels.activation import activate, sigmoid
+from edgespec.kernels import base2
+from edgespec.kernels.activation import activate
 from edgespec.kernels.linear import Linear
 
 KINDS = ("linear_attention", "full_attention")
@@ -153,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         q = mx.repeat(l2norm(mixed[..., :kd].reshape(B, T, self.Hk, self.Dk)), r, axis=2) * self.Dk**-0.5
         k = mx.repeat(l2norm(mixed[..., kd : 2 * kd].reshape(B, T, self.Hk, self.Dk)), r, axis=2)
         v = mixed[..., 2 * kd :].reshape(B, T, self.Hv, self.Dv)
-        beta = sigmoid(self.in_proj_b(x).astype(mx.float32))
+        beta = base2.sigmoid(self.in_proj_b(x).astype(mx.float32))
         a = self.in_proj_a(x).astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
         if parents is None and T > RECURRENT_MAX:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import edgespec.kernels.activation as act
+from edgespec.kernels import base2
 
 ON_CPU = mx.default_device() == mx.cpu
 
@@ -109,9 +110,25 @@ def test_base2_sigmoid_matches_float64_and_other_dtypes_keep_mlx():
     x = np.concatenate([np.linspace(-120, 120, 40001), [-1e30, 1e30, 0.0]]).astype(np.float32)
     with np.errstate(over="ignore"):
         want = 1 / (1 + np.exp(-x.astype(np.float64)))
-    got = np.array(act.sigmoid(mx.array(x)))
+    got = np.array(base2.sigmoid(mx.array(x)))
     assert got.dtype == np.float32 and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=4e-6, atol=2e-7)
     half = mx.array(x[:100]).astype(mx.float16)
-    assert act.sigmoid(half).dtype == mx.float16
-    np.testing.assert_array_equal(np.array(act.sigmoid(half)), np.array(mx.sigmoid(half)))
+    assert base2.sigmoid(half).dtype == mx.float16
+    np.testing.assert_array_equal(np.array(base2.sigmoid(half)), np.array(mx.sigmoid(half)))
+
+
+def test_the_off_switch_gives_mlx_own_everywhere(monkeypatch):
+    """EDGESPEC_BASE2=0 (read at import into base2.ENABLED): MLX's own activations and the
+    fused attention kernel, bitwise."""
+    from edgespec.kernels.attention import attention, grouped_attention
+
+    monkeypatch.setattr(base2, "ENABLED", False)
+    x = mx.array(np.linspace(-30, 30, 999).astype(np.float32))
+    np.testing.assert_array_equal(np.array(act.activate("silu", x)), np.array(nn.silu(x)))
+    np.testing.assert_array_equal(np.array(act.activate("gelu_pytorch_tanh", x)), np.array(nn.gelu_approx(x)))
+    np.testing.assert_array_equal(np.array(base2.sigmoid(x)), np.array(mx.sigmoid(x)))
+    q, k, v = (mx.random.normal(s) for s in ((1, 4, 3, 16), (1, 2, 20, 16), (1, 2, 20, 16)))
+    assert grouped_attention(q, k, v, 0.25, "causal") is None
+    np.testing.assert_array_equal(np.array(attention(q, k, v, 0.25, "causal")),
+                                  np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")))

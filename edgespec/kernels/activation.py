@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edgespec.kernels import exact
+from edgespec.kernels import base2, exact
 from edgespec.kernels.attention import CPU_NUMPY_MIN_QUERIES, _pool, _workers
 
 # Prompt chunks only, as for attention: verification rounds (at most 64 rows) and decoding
@@ -55,41 +55,13 @@ _NUMPY = {"silu": _silu_times, "gelu_pytorch_tanh": _gelu_tanh_times}
 _MLX = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu}
 ACTIVATIONS = tuple(_MLX)
 
-# MLX's CPU `exp` (and so `sigmoid`, and `tanh` through libm) costs 20-26 ns an element, against
-# about 6 for `power(2, x)` (mlx 0.32, this machine): SiLU over a verification pass of 8 tokens
-# of SmolLM2 (30 layers of 1,536) was about 8 ms of a 60-90 ms pass. On the CPU device a float32
-# gate therefore takes the sigmoid as 1 / (1 + 2 ** (-x log2 e)); the tanh GELU is
-# x * sigmoid(2u) (0.5 (1 + tanh u) = sigmoid(2u)). Both are element by element, so a row is
-# the same in a pass of any width.
-_LOG2E = 1.4426950408889634
-
-
-def _silu_base2(g: mx.array) -> mx.array:
-    return g / (1.0 + mx.power(2.0, g * -_LOG2E))  # g below about -88: 2 ** 127+ is inf, g / inf = -0
-
-
-def _gelu_tanh_base2(g: mx.array) -> mx.array:
-    u = g * (1.0 + 0.044715 * (g * g))  # sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))
-    return g / (1.0 + mx.power(2.0, u * float(-2 * _GELU_C * _LOG2E)))
-
-
-_CPU_FLOAT32 = {"silu": _silu_base2, "gelu_pytorch_tanh": _gelu_tanh_base2}
-
-
-def _base2(x: mx.array) -> bool:
-    return x.dtype == mx.float32 and mx.default_device() == mx.cpu
+# Float32 on the CPU device: SiLU and the tanh GELU through power(2, .) (edgespec.kernels.base2).
+_BASE2 = {"silu": base2.silu, "gelu_pytorch_tanh": base2.gelu_tanh}
 
 
 def activate(kind: str, gate: mx.array) -> mx.array:
     """act(gate) for the activation named `kind` (an ACTIVATIONS entry), in MLX's graph."""
-    if kind in _CPU_FLOAT32 and _base2(gate):
-        return _CPU_FLOAT32[kind](gate)
-    return _MLX[kind](gate)
-
-
-def sigmoid(x: mx.array) -> mx.array:
-    """mx.sigmoid, through power(2, .) for float32 on the CPU device (see above)."""
-    return 1.0 / (1.0 + mx.power(2.0, x * -_LOG2E)) if _base2(x) else mx.sigmoid(x)
+    return _BASE2[kind](gate) if kind in _BASE2 else _MLX[kind](gate)
 
 
 def use_numpy_activation(kind: str, gate: mx.array) -> bool:

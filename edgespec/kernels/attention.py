@@ -1,7 +1,10 @@
-"""Attention for long prompts on the CPU device.
+"""Attention on the CPU device: numpy for long prompts, a grouped base-2 softmax in MLX's graph
+for the rest; `attention()` picks, and every model calls it.
 
-`mx.fast.scaled_dot_product_attention` is the right kernel on Metal and for decoding
-steps everywhere. On MLX's CPU backend a long prefill chunk is another matter: the
+`mx.fast.scaled_dot_product_attention` is the right kernel on Metal. On MLX's CPU backend
+its softmax's `exp` is scalar (about 21 ns an element): decoding steps and verification
+rounds take `grouped_attention` (exponentials as `power(2, .)`, about 6 ns), and a long
+prefill chunk is another matter again: the
 score matrix (H x T x S floats) goes through an elementwise `exp` about 19x slower
 than numpy's vectorised one (measured here: 75M floats, 0.83 s vs 0.044 s), so
 attention, not the weights, set the prefill rate of an 8k prompt (a 1,024-token chunk
@@ -10,11 +13,12 @@ computes attention with numpy on the same buffers (no copy in, one out), in floa
 in query blocks so only keys a block can see are touched (causal skip), the blocks
 spread over one thread per core with BLAS held to one thread meanwhile.
 
-Semantics are those of the fused kernel plus the optional Gemma 2 logit soft-cap:
-q (B, H, T, D), k/v (B, Hk, S, D), H a multiple of Hk (grouped-query heads h use
-kv head h // (H/Hk)); mask None or "causal" (new tokens are the last T slots, each
-sees slots up to its own) or a boolean array broadcastable to (B, 1, T, S), True =
-attend. Returns (B, H, T, D) in q's dtype.
+Semantics are those of the fused kernel plus, for `numpy_attention`, the optional Gemma 2
+logit soft-cap: q (B, H, T, D), k/v (B, Hk, S, D), H a multiple of Hk (grouped-query heads
+h use kv head h // (H/Hk)); mask "causal" (new tokens are the last T slots, each sees slots
+up to its own) or a boolean array broadcastable to (B, 1, T, S), True = attend; None is
+"causal" for `numpy_attention` (prompt chunks) and no mask for `grouped_attention` and
+`attention` (as for the fused kernel). Returns (B, H, T, D) in q's dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from edgespec.kernels import native
+from edgespec.kernels import base2, native
 
 # Below this many scores per call (H * T * S, summed over the batch) the fused kernel
 # wins or the difference is noise. From 2^16 (a 128-token chunk of SmolLM2, 9 heads) the
@@ -163,7 +167,6 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     return result if q.dtype == mx.float32 else result.astype(q.dtype)
 
 
-LOG2E = 1.4426950408889634
 _FLOAT32_LOWEST = -3.4028234663852886e38
 
 
@@ -188,28 +191,26 @@ def _mask_bias(mask, T: int, S: int) -> mx.array | None | bool:
 
 
 def grouped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array | None:
-    """Attention over a few queries on the CPU device, in MLX's graph, with the softmax's
-    exponentials as `power(2, .)`; None where it does not apply (then the caller's kernel runs).
+    """Attention in MLX's graph with the softmax's exponentials as `power(2, .)`, for float32
+    on the CPU device (edgespec.kernels.base2); None where it does not apply (the caller's
+    kernel runs then).
 
-    MLX's CPU `exp` calls libm's `fmaf` once a polynomial term (about 21 ns an element, against
-    0.4 for a product), and its fused attention takes its softmax with it: at 8 queries against
-    600 keys (SmolLM2's 9 heads) the exponentials are most of a layer's attention, which is why a
-    verification pass grew with its width far more than its products did. `power(2, x)` runs at
-    about 6 ns. So the queries are scaled by `scale * log2(e)`, the scores go to base 2 and
-    `2 ** (s - max)` replaces `exp`. The grouped heads share one product against their key head
-    (q as (B, Hk, G * T, D)), as the fused kernel's CPU fallback does after copying the keys G
-    times. A row that sees no key gives zeros (as `numpy_attention`). Float32 only: a half
-    precision score in base 2 would round the exponent more than the fused kernel does.
+    MLX's fused kernel takes its softmax with MLX's CPU `exp` (about 21 ns an element): at 8
+    queries against 600 keys (SmolLM2's 9 heads) that was most of a layer's attention (1.75 ms
+    of it; this path 0.97 ms), and why a verification pass grew with its width far more than
+    its products did. The queries are scaled by `scale * log2(e)`, so the scores are in base 2,
+    and `2 ** (s - max)` replaces `exp`. The grouped heads share one product against their key
+    head (q as (B, Hk, G * T, D)). A row that sees no key gives zeros (as `numpy_attention`).
     """
     B, H, T, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
-    if q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32 or H % Hk:
+    if not base2.applies(q, k, v) or H % Hk:
         return None
     bias = _mask_bias(mask, T, S)
     if bias is False:
         return None
     G = H // Hk
-    s = (q * (scale * LOG2E)).reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)  # (B, Hk, G*T, S)
+    s = (q * (scale * base2.LOG2E)).reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)  # (B, Hk, G*T, S)
     top = mx.max(s, axis=-1, keepdims=True) if bias is None else None
     if bias is not None:
         s = (s.reshape(B, Hk, G, T, S) + bias).reshape(-1, Hk, G * T, S)
@@ -221,10 +222,6 @@ def grouped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=
     return ((e @ v) / total).reshape(-1, H, T, D)
 
 
-def use_grouped_attention() -> bool:
-    return mx.default_device() == mx.cpu
-
-
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, inference: bool = True) -> mx.array:
     """Scaled dot-product attention with the fused kernel's semantics (mask None: every key
     visible; "causal": the new queries are the last T slots; bool, True = attend): numpy on the
@@ -232,8 +229,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, in
     for the other float32 calls on the CPU, else (Metal, other dtypes) the fused kernel."""
     if inference and mask is not None and use_numpy_attention(q, k):
         return numpy_attention(q, k, v, scale, mask)
-    if use_grouped_attention():
-        out = grouped_attention(q, k, v, scale, mask)
-        if out is not None:
-            return out
+    out = grouped_attention(q, k, v, scale, mask)  # None off the CPU, for half precision, ...
+    if out is not None:
+        return out
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
