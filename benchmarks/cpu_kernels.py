@@ -35,8 +35,12 @@ On the default model's bundle (or --model), CPU device:
   layers) as it runs (the fused kernel), with BLAS products around numpy's softmax
   passes, with those passes' `exp` skipped, and with the two BLAS products alone.
 
+- base2: MLX's CPU exp, sigmoid and tanh against power(2, x) and a product, ns an element;
+  then verifier passes of T = 1, 2, 4, 8 tokens at 150 and 600 keys with the CPU's base-2
+  exponentials (edgespec.kernels.base2) on and off, alternating, median ms.
+
 `--only NAME[,NAME]` runs some of them (activation, linear, attention, softmax, shapes,
-arena, joint, weights, bound).
+arena, joint, weights, bound, base2).
 """
 
 from __future__ import annotations
@@ -410,11 +414,47 @@ def weights(model, reps: int) -> None:
             f"{k} {statistics.median(v) * 1000:.1f}" for k, v in times.items()))
 
 
+def base2_passes(engine, reps: int, contexts=(150, 600), widths=(1, 2, 4, 8)) -> None:
+    from edgespec.kernels import base2
+
+    model = engine.model
+    unary = {"exp": mx.exp, "sigmoid": mx.sigmoid, "tanh": mx.tanh, "power(2, x)": lambda x: mx.power(2.0, x),
+             "product": lambda x: x * 1.5}
+    x = mx.random.normal((1 << 18,)) * 3
+    mx.eval(x)
+    per = {name: statistics.median(_timed(lambda f=f: f(x)) for _ in range(5 * reps)) / x.size * 1e9
+           for name, f in unary.items()}
+    print("element-wise, ns an element: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
+    before = base2.ENABLED
+    try:
+        for S in contexts:
+            ids = [1000 + (i * 7) % 5000 for i in range(S)]
+            cache = engine.make_cache()
+            mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
+            times: dict[tuple, list[float]] = {}
+            for _ in range(reps):
+                for on in (True, False):  # alternating: the machine's drift hits both alike
+                    base2.ENABLED = on
+                    for T in widths:
+                        for _ in range(3):
+                            x = mx.array(ids[:T], dtype=mx.int32)[None]
+                            times.setdefault((on, T), []).append(_timed(lambda x=x, cache=cache: model(x, cache)))
+                            for c in cache:
+                                c.trim(T)
+            for on in (True, False):
+                med = {T: statistics.median(times[(on, T)]) * 1000 for T in widths}
+                print(f"pass at {S} keys, base 2 {'on' if on else 'off'}, median ms: "
+                      + ", ".join(f"T={T} {med[T]:.1f}" for T in widths)
+                      + f"; T={widths[-1]} / T={widths[0]} {med[widths[-1]] / med[widths[0]]:.2f}")
+    finally:
+        base2.ENABLED = before
+
+
 SECTIONS = {"activation": lambda e, r: activation(e.model, r), "linear": lambda e, r: linear(e.model, r),
             "attention": lambda e, r: attention(r), "softmax": lambda e, r: softmax(r), "shapes": batch_shapes,
             "arena": arena_rows,
             "joint": lambda e, r: joint_choice(r), "weights": lambda e, r: weights(e.model, r),
-            "bound": lambda e, r: prefill_bound(e.model, r)}
+            "bound": lambda e, r: prefill_bound(e.model, r), "base2": base2_passes}
 
 
 def main(argv=None) -> int:

@@ -191,3 +191,18 @@ def test_the_dispatcher_takes_the_grouped_path_on_the_cpu_and_it_has_gradients(m
     grouped = mx.grad(loss(lambda q_: real(q_, k, v, 0.25, "causal")))(q)
     assert float(mx.abs(fused).max()) > 0
     np.testing.assert_allclose(np.array(grouped), np.array(fused), rtol=1e-4, atol=1e-5)
+
+
+def test_a_pass_builds_its_mask_bias_once_for_all_its_layers():
+    causal = kernel._mask_bias("causal", 3, 10)
+    assert kernel._mask_bias("causal", 3, 10) is causal  # the next layer of the pass
+    wider = kernel._mask_bias("causal", 3, 11)  # the next pass: one more key
+    assert wider is not causal and wider.shape[-1] == 11
+    allowed = np.arange(11)[None] <= (8 + np.arange(3))[:, None]
+    np.testing.assert_array_equal(np.array(wider).reshape(3, 11), np.where(allowed, 0.0, -np.inf))
+    tree = mx.array(np.tril(np.ones((3, 11), bool), k=8))
+    first = kernel._mask_bias(tree, 3, 11)
+    assert kernel._mask_bias(tree, 3, 11) is first
+    again = kernel._mask_bias(mx.array(np.array(tree)), 3, 11)  # an equal mask, another array
+    assert again is not first
+    np.testing.assert_array_equal(np.array(again), np.array(first))

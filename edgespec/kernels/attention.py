@@ -175,19 +175,30 @@ def _mask_bias(mask, T: int, S: int) -> mx.array | None | bool:
     (T, S), for scores grouped as (B, Hk, G, T, S); None for no mask (every key visible, as in
     the fused kernel); False where the mask is of a kind the grouped path does not take
     (per-head masks, additive float masks)."""
+    global _last_bias
     if mask is None:
         return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown attention mask {mask!r}")
-        # new tokens are the last T slots; each sees the slots up to its own
+    if isinstance(mask, str) and mask != "causal":
+        raise ValueError(f"unknown attention mask {mask!r}")
+    # Every layer of a pass gets the same mask: built once, not once a layer (4-5 small ops
+    # each, about 1 ms a pass of SmolLM2's 30 layers).
+    key = (T, S) if isinstance(mask, str) else mask
+    last_key, last = _last_bias
+    if last_key is key or (type(key) is tuple and type(last_key) is tuple and last_key == key):
+        return last
+    if isinstance(mask, str):  # new tokens are the last T slots; each sees the slots up to its own
         mask = mx.arange(S)[None] <= (S - T + mx.arange(T))[:, None]
     if mask.dtype != mx.bool_ or not 2 <= mask.ndim <= 4:
         return False
     m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (b, 1, T, S)
     if m.shape[1] != 1:
         return False
-    return mx.where(m, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))[:, :, None]
+    bias = mx.where(m, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))[:, :, None]
+    _last_bias = (key, bias)  # one assignment: a concurrent pass sees the old pair or the new
+    return bias
+
+
+_last_bias: tuple = (None, None)  # (the mask, or (T, S) for "causal"; its bias)
 
 
 def grouped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array | None:
