@@ -61,7 +61,6 @@ from edgespec.caches.recurrent import (
 )
 from edgespec.errors import ModelLoadError
 from edgespec.kernels import base2
-from edgespec.kernels.activation import activate
 from edgespec.kernels.linear import Linear
 
 KINDS = ("linear_attention", "full_attention")
@@ -148,7 +147,7 @@ class GatedDeltaNet(nn.Module):
                      mx.zeros((B, self.Hv, self.Dk, self.Dv), mx.float32))
         parents = tree_parents(mask, cache.offset, T) if cache is not None else None
         win, last = conv_windows(qkv, state[0], parents)
-        mixed = activate("silu", depthwise(win, self.conv1d.weight, None)).astype(mx.float32)
+        mixed = base2.silu(depthwise(win, self.conv1d.weight, None)).astype(mx.float32)
         kd = self.Hk * self.Dk
         r = self.Hv // self.Hk  # each q/k head serves r consecutive value heads
         q = mx.repeat(l2norm(mixed[..., :kd].reshape(B, T, self.Hk, self.Dk)), r, axis=2) * self.Dk**-0.5
@@ -163,7 +162,7 @@ class GatedDeltaNet(nn.Module):
             out, S = delta_rule(q, k, v, g, beta, state[1], parents, inference=cache is not None)
         if cache is not None:
             cache.write((qkv, k, v, g, beta), (last, S), parents, state)
-        out = self.norm(out.astype(x.dtype)) * activate("silu", z.astype(mx.float32)).astype(x.dtype)
+        out = self.norm(out.astype(x.dtype)) * base2.silu(z.astype(mx.float32)).astype(x.dtype)
         return self.out_proj(out.reshape(B, T, -1))
 
 

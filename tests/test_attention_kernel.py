@@ -206,3 +206,23 @@ def test_a_pass_builds_its_mask_bias_once_for_all_its_layers():
     again = kernel._mask_bias(mx.array(np.array(tree)), 3, 11)  # an equal mask, another array
     assert again is not first
     np.testing.assert_array_equal(np.array(again), np.array(first))
+
+
+def test_the_mask_bias_is_not_shared_between_threads():
+    """An array belongs to the stream of the thread that built it: another thread (a batcher
+    worker restarted after a crash) gets its own bias, and evaluates it."""
+    import threading
+
+    mine = kernel._mask_bias("causal", 2, 9)
+    got = {}
+
+    def other():
+        b = kernel._mask_bias("causal", 2, 9)
+        got["same"] = b is mine
+        got["value"] = np.array(b)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert got["same"] is False
+    np.testing.assert_array_equal(got["value"], np.array(mine))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -168,6 +169,10 @@ def numpy_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
 
 
 _FLOAT32_LOWEST = -3.4028234663852886e38
+# (the mask, or (T, S) for "causal"; its bias), per thread: an array is built on its thread's
+# stream, and another thread cannot evaluate it (a batcher worker restarted after a crash met
+# "There is no Stream(cpu, N) in current thread" on its predecessor's bias).
+_last_bias = threading.local()
 
 
 def _mask_bias(mask, T: int, S: int) -> mx.array | None | bool:
@@ -175,7 +180,6 @@ def _mask_bias(mask, T: int, S: int) -> mx.array | None | bool:
     (T, S), for scores grouped as (B, Hk, G, T, S); None for no mask (every key visible, as in
     the fused kernel); False where the mask is of a kind the grouped path does not take
     (per-head masks, additive float masks)."""
-    global _last_bias
     if mask is None:
         return None
     if isinstance(mask, str) and mask != "causal":
@@ -183,7 +187,7 @@ def _mask_bias(mask, T: int, S: int) -> mx.array | None | bool:
     # Every layer of a pass gets the same mask: built once, not once a layer (4-5 small ops
     # each, about 1 ms a pass of SmolLM2's 30 layers).
     key = (T, S) if isinstance(mask, str) else mask
-    last_key, last = _last_bias
+    last_key, last = getattr(_last_bias, "pair", (None, None))
     if last_key is key or (type(key) is tuple and type(last_key) is tuple and last_key == key):
         return last
     if isinstance(mask, str):  # new tokens are the last T slots; each sees the slots up to its own
@@ -194,11 +198,8 @@ def _mask_bias(mask, T: int, S: int) -> mx.array | None | bool:
     if m.shape[1] != 1:
         return False
     bias = mx.where(m, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))[:, :, None]
-    _last_bias = (key, bias)  # one assignment: a concurrent pass sees the old pair or the new
+    _last_bias.pair = (key, bias)
     return bias
-
-
-_last_bias: tuple = (None, None)  # (the mask, or (T, S) for "causal"; its bias)
 
 
 def grouped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array | None:
