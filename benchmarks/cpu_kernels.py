@@ -38,9 +38,11 @@ On the default model's bundle (or --model), CPU device:
 - base2: MLX's CPU exp, sigmoid and tanh against power(2, x) and a product, ns an element;
   then verifier passes of T = 1, 2, 4, 8 tokens at 150 and 600 keys with the CPU's base-2
   exponentials (edgespec.kernels.base2) on and off, alternating, median ms.
+- align: verifier passes of T = 1, 2, 4, 8 tokens at 150 keys with the CBLAS shim's copy of
+  misaligned activation rows (cblas_skinny.h) on and off, alternating, median ms.
 
 `--only NAME[,NAME]` runs some of them (activation, linear, attention, softmax, shapes,
-arena, joint, weights, bound, base2).
+arena, joint, weights, bound, base2, align).
 """
 
 from __future__ import annotations
@@ -450,11 +452,45 @@ def base2_passes(engine, reps: int, contexts=(150, 600), widths=(1, 2, 4, 8)) ->
         base2.ENABLED = before
 
 
+def aligned_rows(engine, reps: int, S: int = 150, widths=(1, 2, 4, 8)) -> None:
+    """Decoding passes with the shim's copy of misaligned activation rows on and off, alternating."""
+    import ctypes
+
+    try:
+        switch = ctypes.CDLL(None).edgespec_cblas_skinny_align
+    except AttributeError:
+        print("align: the CBLAS shim is not preloaded (LD_PRELOAD=$(make -s preload))")
+        return
+    model = engine.model
+    ids = [1000 + (i * 7) % 5000 for i in range(S)]
+    cache = engine.make_cache()
+    mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
+    times: dict[tuple, list[float]] = {}
+    try:
+        for _ in range(reps):
+            for on in (1, 0):
+                switch(on)
+                for T in widths:
+                    for _ in range(3):
+                        x = mx.array(ids[:T], dtype=mx.int32)[None]
+                        times.setdefault((on, T), []).append(_timed(lambda x=x: model(x, cache)))
+                        for c in cache:
+                            c.trim(T)
+    finally:
+        switch(1)
+    for on in (1, 0):
+        med = {T: statistics.median(times[(on, T)]) * 1000 for T in widths}
+        print(f"pass at {S} keys, aligned rows {'on' if on else 'off'}, median ms: "
+              + ", ".join(f"T={T} {med[T]:.1f}" for T in widths)
+              + f"; T={widths[-1]} / T={widths[0]} {med[widths[-1]] / med[widths[0]]:.2f}")
+
+
 SECTIONS = {"activation": lambda e, r: activation(e.model, r), "linear": lambda e, r: linear(e.model, r),
             "attention": lambda e, r: attention(r), "softmax": lambda e, r: softmax(r), "shapes": batch_shapes,
             "arena": arena_rows,
             "joint": lambda e, r: joint_choice(r), "weights": lambda e, r: weights(e.model, r),
-            "bound": lambda e, r: prefill_bound(e.model, r), "base2": base2_passes}
+            "bound": lambda e, r: prefill_bound(e.model, r), "base2": base2_passes,
+            "align": aligned_rows}
 
 
 def main(argv=None) -> int:

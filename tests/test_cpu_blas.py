@@ -79,6 +79,36 @@ print(shim.edgespec_cblas_skinny_calls() - before)
 
 
 @linux_with_cc
+def test_misaligned_rows_copied_aligned_give_the_same_bits(shim):
+    """The kernel copies misaligned activation rows into an aligned buffer (cblas_skinny.h):
+    every product equals, bitwise, the one computed from the rows where they lie, for rows
+    at odd offsets and strides, a length with a tail (k = 300), and x given transposed."""
+    code = FEW_ROWS + """
+big = mx.array(rng.standard_normal((16, 700)).astype(np.float32))
+w300 = mx.array(rng.standard_normal((1100, 300)).astype(np.float32))
+cases = []
+for r in (2, 5, 8, 16):
+    cases += [(big[:r, 3:323], w), (big[:r, 1:301], w300), (mx.array(rng.standard_normal((r, 300)).astype(np.float32)), w300)]
+def products():
+    out = []
+    for x, wt in cases:
+        out += [np.array(x @ wt.T), np.array((wt @ x.T).T), np.array((wt @ mx.contiguous(x.T)).T)]
+    return out
+shim.edgespec_cblas_skinny_align(1)
+on = products()
+shim.edgespec_cblas_skinny_align(0)
+off = products()
+shim.edgespec_cblas_skinny_align(1)
+assert all(np.array_equal(a, b) for a, b in zip(on, off, strict=True))
+for (x, wt), got in zip(cases, on[::3]):
+    want = np.array(x).astype(np.float64) @ np.array(wt).T.astype(np.float64)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-6
+print(len(on))
+"""
+    assert int(run_with(shim[0], code)) == 4 * 3 * 3
+
+
+@linux_with_cc
 def test_few_row_products_off_go_to_openblas(shim):
     code = FEW_ROWS + """
 shim.edgespec_cblas_skinny(1)

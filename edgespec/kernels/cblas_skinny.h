@@ -144,6 +144,7 @@ static sk_job sk_cur;
 static long sk_r0, sk_r1;
 static int sk_started, sk_atfork;
 static atomic_int sk_on = 1;
+static atomic_int sk_align = 1; /* copy misaligned activation rows (sk_aligned_rows) */
 static atomic_long sk_calls; /* products taken here (for the build's check) */
 
 static long sk_now_ns(void) {
@@ -217,6 +218,33 @@ static void sk_run(const sk_job *j, long rows) {
 }
 
 /* ---------------------------------------------------------------- the entry point */
+/* The activation rows, copied into this thread's buffer: 64-byte aligned rows, SK_LANES-
+ * padded. MLX's CPU arrays are 8-byte aligned, so each 64-byte load of a row as stored
+ * spans two cache lines; with two or more rows the loads of x, not the weight stream, set
+ * the pace (benchmarks/cpu_kernels.py --only weights). The copy is exact, and the sum each
+ * output takes is unchanged. `transposed`: x is given as x.T (k x n, leading dimension ld).
+ * NULL if the buffer cannot grow. */
+static const float *sk_aligned_rows(const float *x, long ld, long n, long k, int transposed, long *ldx) {
+    static __thread float *buf;
+    static __thread long cap;
+    long stride = (k + SK_LANES - 1) & ~(long)(SK_LANES - 1);
+    if (cap < n * stride) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)(n * stride) * sizeof(float));
+        cap = buf ? n * stride : 0;
+        if (!buf) return NULL;
+    }
+    if (transposed)
+        for (long t = 0; t < k; t++)
+            for (long i = 0; i < n; i++) buf[i * stride + t] = x[t * ld + i];
+    else
+        for (long i = 0; i < n; i++) memcpy(buf + i * stride, x + i * ld, (size_t)k * sizeof(float));
+    *ldx = stride;
+    return buf;
+}
+
+static int sk_misaligned(const float *x, long ld) { return ((uintptr_t)x | (uintptr_t)(ld * sizeof(float))) & 63; }
+
 /* Row-major C = alpha op(A) op(B) + beta C (CBLAS enums: 101 row-major, 111 no transpose,
  * 112 transpose). 1 when computed here, 0 when OpenBLAS should. */
 static int sk_gemm(int order, int ta, int tb, long m, long n, long k, float alpha, const float *a, long lda,
@@ -224,34 +252,33 @@ static int sk_gemm(int order, int ta, int tb, long m, long n, long k, float alph
     if (!atomic_load_explicit(&sk_on, memory_order_relaxed) || order != 101 || ta != 111 || k < SK_LANES)
         return 0;
     sk_job j = {.k = (int)k, .alpha = alpha, .beta = beta};
+    const float *x;
+    long ldx, weight_rows;
+    int transposed = 0;
     if (tb == 112 && m <= SK_MAX_ROWS && n >= SK_MIN_WEIGHT_ROWS) { /* x (m x k) @ W.T, W (n x k) */
-        j.w = b, j.ldw = ldb, j.x = a, j.ldx = lda, j.n = (int)m, j.c = c, j.rs = 1, j.is = ldc;
-        sk_run(&j, n);
-        return 1;
-    }
-    if (m < SK_MIN_WEIGHT_ROWS || n > SK_MAX_ROWS) return 0;
-    j.w = a, j.ldw = lda, j.n = (int)n, j.c = c, j.rs = ldc, j.is = 1; /* W (m x k) @ x.T: c (m x n) */
-    if (tb == 112) { /* x (n x k) as stored */
-        j.x = b, j.ldx = ldb;
-    } else if (tb == 111) { /* x.T (k x n) as stored: its columns copied into rows */
-        static __thread float *buf;
-        static __thread long cap;
-        if (cap < n * k) {
-            float *grown = realloc(buf, (size_t)(n * k) * sizeof(float));
-            if (!grown) return 0;
-            buf = grown, cap = n * k;
-        }
-        for (long t = 0; t < k; t++)
-            for (long i = 0; i < n; i++) buf[i * k + t] = b[t * ldb + i];
-        j.x = buf, j.ldx = k;
+        j.w = b, j.ldw = ldb, x = a, ldx = lda, j.n = (int)m, j.c = c, j.rs = 1, j.is = ldc, weight_rows = n;
+    } else if (m >= SK_MIN_WEIGHT_ROWS && n <= SK_MAX_ROWS && (tb == 112 || tb == 111)) {
+        /* W (m x k) @ x.T, c (m x n); x (n x k) as stored, or x.T (k x n) as stored */
+        j.w = a, j.ldw = lda, x = b, ldx = ldb, j.n = (int)n, j.c = c, j.rs = ldc, j.is = 1, weight_rows = m;
+        transposed = tb == 111;
     } else {
         return 0;
     }
-    sk_run(&j, m);
+    /* One row: the loads of x are not the limit (as many as the weight's). */
+    if (transposed || (j.n > 1 && sk_misaligned(x, ldx) && atomic_load_explicit(&sk_align, memory_order_relaxed))) {
+        x = sk_aligned_rows(x, ldx, j.n, k, transposed, &ldx);
+        if (!x) return 0;
+    }
+    j.x = x, j.ldx = ldx;
+    sk_run(&j, weight_rows);
     return 1;
 }
 
 __attribute__((visibility("default"))) void edgespec_cblas_skinny(int on) { atomic_store(&sk_on, on != 0); }
+
+/* For comparisons in one process (benchmarks/cpu_kernels.py --only align): 0 leaves
+ * misaligned activation rows where they are. */
+__attribute__((visibility("default"))) void edgespec_cblas_skinny_align(int on) { atomic_store(&sk_align, on != 0); }
 
 __attribute__((visibility("default"))) long edgespec_cblas_skinny_calls(void) { return atomic_load(&sk_calls); }
 
