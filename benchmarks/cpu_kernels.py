@@ -416,10 +416,41 @@ def weights(model, reps: int) -> None:
             f"{k} {statistics.median(v) * 1000:.1f}" for k, v in times.items()))
 
 
-def base2_passes(engine, reps: int, contexts=(150, 600), widths=(1, 2, 4, 8)) -> None:
+def _alternating_passes(engine, reps: int, what: str, switch, contexts=(150,), widths=(1, 2, 4, 8)) -> None:
+    """Verifier passes of each width at each context with `switch(True)` and `switch(False)` in
+    pairs, one right after the other, in alternating order (the machine's drift hits both
+    alike): median ms each way, and the median of the paired differences; left switched on."""
+    model = engine.model
+    try:
+        for S in contexts:
+            ids = [1000 + (i * 7) % 5000 for i in range(S)]
+            cache = engine.make_cache()
+            mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
+            times: dict[tuple, list[float]] = {}
+            for rep in range(reps):
+                for T in widths:
+                    for i in range(3):
+                        for on in ((True, False) if (rep + i) % 2 else (False, True)):
+                            switch(on)
+                            x = mx.array(ids[:T], dtype=mx.int32)[None]
+                            times.setdefault((on, T), []).append(_timed(lambda x=x, cache=cache: model(x, cache)))
+                            for c in cache:
+                                c.trim(T)
+            for on in (True, False):
+                med = {T: statistics.median(times[(on, T)]) * 1000 for T in widths}
+                print(f"pass at {S} keys, {what} {'on' if on else 'off'}, median ms: "
+                      + ", ".join(f"T={T} {med[T]:.1f}" for T in widths)
+                      + f"; T={widths[-1]} / T={widths[0]} {med[widths[-1]] / med[widths[0]]:.2f}")
+            print(f"pass at {S} keys, {what} on minus off, paired median ms: " + ", ".join(
+                f"T={T} {statistics.median(a - b for a, b in zip(times[(True, T)], times[(False, T)])) * 1000:+.2f}"
+                for T in widths))
+    finally:
+        switch(True)
+
+
+def base2_passes(engine, reps: int) -> None:
     from edgespec.kernels import base2
 
-    model = engine.model
     unary = {"exp": mx.exp, "sigmoid": mx.sigmoid, "tanh": mx.tanh, "power(2, x)": lambda x: mx.power(2.0, x),
              "product": lambda x: x * 1.5}
     x = mx.random.normal((1 << 18,)) * 3
@@ -427,33 +458,11 @@ def base2_passes(engine, reps: int, contexts=(150, 600), widths=(1, 2, 4, 8)) ->
     per = {name: statistics.median(_timed(lambda f=f: f(x)) for _ in range(5 * reps)) / x.size * 1e9
            for name, f in unary.items()}
     print("element-wise, ns an element: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
-    before = base2.ENABLED
-    try:
-        for S in contexts:
-            ids = [1000 + (i * 7) % 5000 for i in range(S)]
-            cache = engine.make_cache()
-            mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
-            times: dict[tuple, list[float]] = {}
-            for _ in range(reps):
-                for on in (True, False):  # alternating: the machine's drift hits both alike
-                    base2.ENABLED = on
-                    for T in widths:
-                        for _ in range(3):
-                            x = mx.array(ids[:T], dtype=mx.int32)[None]
-                            times.setdefault((on, T), []).append(_timed(lambda x=x, cache=cache: model(x, cache)))
-                            for c in cache:
-                                c.trim(T)
-            for on in (True, False):
-                med = {T: statistics.median(times[(on, T)]) * 1000 for T in widths}
-                print(f"pass at {S} keys, base 2 {'on' if on else 'off'}, median ms: "
-                      + ", ".join(f"T={T} {med[T]:.1f}" for T in widths)
-                      + f"; T={widths[-1]} / T={widths[0]} {med[widths[-1]] / med[widths[0]]:.2f}")
-    finally:
-        base2.ENABLED = before
+    _alternating_passes(engine, reps, "base 2", lambda on: setattr(base2, "ENABLED", on), contexts=(150, 600))
 
 
-def aligned_rows(engine, reps: int, S: int = 150, widths=(1, 2, 4, 8)) -> None:
-    """Decoding passes with the shim's copy of misaligned activation rows on and off, alternating."""
+def aligned_rows(engine, reps: int) -> None:
+    """The CBLAS shim's copy of misaligned activation rows (cblas_skinny.h) on and off."""
     import ctypes
 
     try:
@@ -461,28 +470,7 @@ def aligned_rows(engine, reps: int, S: int = 150, widths=(1, 2, 4, 8)) -> None:
     except AttributeError:
         print("align: the CBLAS shim is not preloaded (LD_PRELOAD=$(make -s preload))")
         return
-    model = engine.model
-    ids = [1000 + (i * 7) % 5000 for i in range(S)]
-    cache = engine.make_cache()
-    mx.eval(model(mx.array(ids, dtype=mx.int32)[None], cache))
-    times: dict[tuple, list[float]] = {}
-    try:
-        for _ in range(reps):
-            for on in (1, 0):
-                switch(on)
-                for T in widths:
-                    for _ in range(3):
-                        x = mx.array(ids[:T], dtype=mx.int32)[None]
-                        times.setdefault((on, T), []).append(_timed(lambda x=x: model(x, cache)))
-                        for c in cache:
-                            c.trim(T)
-    finally:
-        switch(1)
-    for on in (1, 0):
-        med = {T: statistics.median(times[(on, T)]) * 1000 for T in widths}
-        print(f"pass at {S} keys, aligned rows {'on' if on else 'off'}, median ms: "
-              + ", ".join(f"T={T} {med[T]:.1f}" for T in widths)
-              + f"; T={widths[-1]} / T={widths[0]} {med[widths[-1]] / med[widths[0]]:.2f}")
+    _alternating_passes(engine, reps, "aligned rows", lambda on: switch(int(on)))
 
 
 SECTIONS = {"activation": lambda e, r: activation(e.model, r), "linear": lambda e, r: linear(e.model, r),

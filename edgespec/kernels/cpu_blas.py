@@ -29,7 +29,7 @@ prefetched ahead, on two threads: SmolLM2's 538 MB of weights in 26.1 / 29.5 / 3
 --only weights --reps 3`, once each way, 2026-12-06), a decoding pass of one token in about 0.6x
 the time (a one-off timing); each row of a few-row product is bitwise that row alone. Misaligned
 activation rows (MLX's arrays are 8-byte aligned) are copied to an aligned buffer first: a pass of
-8 tokens 5% faster (`--only align`, docs/batching.md). `EDGESPEC_SKINNY=0` (or
+8 tokens about 4% faster (`--only align`, docs/batching.md). `EDGESPEC_SKINNY=0` (or
 `edgespec_cblas_skinny(0)` through ctypes) sends them to OpenBLAS, for comparisons.
 
 `make setup` builds it into .cache/lib (`python -m edgespec.kernels.cpu_blas OUT`),
