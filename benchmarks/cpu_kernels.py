@@ -442,7 +442,7 @@ def _alternating_passes(engine, reps: int, what: str, switch, contexts=(150,), w
                       + ", ".join(f"T={T} {med[T]:.1f}" for T in widths)
                       + f"; T={widths[-1]} / T={widths[0]} {med[widths[-1]] / med[widths[0]]:.2f}")
             print(f"pass at {S} keys, {what} on minus off, paired median ms: " + ", ".join(
-                f"T={T} {statistics.median(a - b for a, b in zip(times[(True, T)], times[(False, T)])) * 1000:+.2f}"
+                f"T={T} {statistics.median(a - b for a, b in zip(times[(True, T)], times[(False, T)], strict=True)) * 1000:+.2f}"
                 for T in widths))
     finally:
         switch(True)
