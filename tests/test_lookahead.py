@@ -83,6 +83,46 @@ def test_window_tree_has_the_lookahead_mask():
         tree.add_path([5])
 
 
+def test_a_chain_is_verified_as_a_causal_pass_with_the_tree_paths_logits(peaky):
+    """tree_forward sends a chain (each node the previous one's child) through the causal pass
+    (no tree mask, no per-node positions) and a tree with a branch through the tree mask; the
+    chain's logits equal what the tree mask gives for the same nodes."""
+    from edgespec.generate import prefill
+    from edgespec.lookahead.verify import tree_forward
+
+    calls = []
+
+    class Spy:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, inputs, cache, mask=None, positions=None):
+            calls.append((mask is None, positions is None))
+            return self.model(inputs, cache, mask=mask, positions=positions)
+
+    prompt = prompts(1, seed=4)[0]
+    chain = StepTree.rooted(5)
+    chain.add_path([9, 2, 11, 3])
+    branched = StepTree.rooted(5)
+    branched.add_path([9, 2, 11, 3])
+    branched.add_path([9, 7])
+    assert chain.is_chain() and not branched.is_chain() and StepTree.rooted(5).is_chain()
+    out = {}
+    for name, tree in (("chain", chain), ("branched", branched)):
+        cache = peaky.make_cache()
+        prefill(peaky, cache, prompt)
+        out[name] = np.array(tree_forward(Spy(peaky), cache, tree))
+        assert cache[0].offset == len(prompt) + len(tree)
+    assert calls == [(True, True), (False, False)]
+    np.testing.assert_allclose(out["chain"], out["branched"][:5], rtol=1e-5, atol=1e-5)
+    # the tree mask's way for the chain itself, for comparison: the same logits
+    cache = peaky.make_cache()
+    prefill(peaky, cache, prompt)
+    mask, pos = tree_mask(mx.array(chain.parents, dtype=mx.int32), cache[0].offset)
+    masked = np.array(peaky(mx.array([chain.tokens]), cache, mask=mask, positions=pos)[0])
+    np.testing.assert_allclose(out["chain"], masked, rtol=1e-5, atol=1e-5)
+
+
 def test_pool_ranks_longer_context_matches_first():
     pool = NgramPool(span=2, jacobi_len=2)
     seq = [

@@ -28,6 +28,10 @@ class StepTree:
     def rooted(cls, x0: int) -> StepTree:
         return cls([x0], [-1], [{}])
 
+    def is_chain(self) -> bool:
+        """Every node the child of the one before it (no branches, no window)."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def add_node(self, token: int, parent: int) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
