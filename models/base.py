@@ -312,11 +312,13 @@ class RoPE(nn.Module):
         # each (row, token) becomes its own batch entry with its own offset, so one call
         # of the same kernel as the contiguous path computes it.
         B, H, T, D = x.shape
-        pos = positions.astype(mx.int32)
-        if pos.ndim == 1:
-            pos = mx.broadcast_to(pos[None], (B, T))
+        pos = positions if positions.dtype == mx.int32 else positions.astype(mx.int32)
+        if B == 1 and pos.ndim == 1:  # a single sequence's tree (T,): already one offset per entry
+            flat = pos
+        else:
+            flat = (mx.broadcast_to(pos[None], (B, T)) if pos.ndim == 1 else pos).reshape(-1)
         xt = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)  # (B*T, H, 1, D)
-        xt = mx.fast.rope(xt, self.dims, offset=pos.reshape(-1), **kw)
+        xt = mx.fast.rope(xt, self.dims, offset=flat, **kw)
         return xt.reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
 
