@@ -109,6 +109,17 @@ print(len(on))
 
 
 @linux_with_cc
+def test_the_process_can_ask_how_many_rows_the_kernel_takes(shim):
+    """cpu_blas.few_row_kernel(): 16 with the shim preloaded, 0 with its kernel off or no shim."""
+    code = "from edgespec.kernels import cpu_blas; print(cpu_blas.few_row_kernel())"
+    assert run_with(shim[0], code).strip() == "16"
+    assert run_with(shim[0], code, EDGESPEC_SKINNY="0").strip() == "0"
+    r = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "0", r.stderr[-500:]
+
+
+@linux_with_cc
 def test_few_row_products_off_go_to_openblas(shim):
     code = FEW_ROWS + """
 shim.edgespec_cblas_skinny(1)

@@ -20,13 +20,20 @@ def test_matches_the_definition(shape, bias):
     np.testing.assert_allclose(np.array(out), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_few_rows_take_the_swapped_product_on_the_cpu(monkeypatch):
-    """The few-row form is what runs for decoding-sized calls on the CPU, and only there."""
+@pytest.mark.parametrize("native", [0, 16])
+def test_few_rows_take_the_swapped_product_on_the_cpu(monkeypatch, native):
+    """The few-row form is what runs for decoding-sized calls on the CPU, and only there; with
+    the CBLAS shim's few-row kernel in the process (NATIVE_FEW_ROWS rows), calls it takes keep
+    MLX's `x @ W.T` (both forms reach the kernel, with the same bits: tests/test_cpu_blas.py)."""
+    monkeypatch.setattr(lin, "NATIVE_FEW_ROWS", native)
     layer = lin.Linear(16, 8)
     calls = []
     real = nn.Linear.__call__
     monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: calls.append(x.shape) or real(self, x))
-    layer(mx.zeros((2, 3, 16)))
+    layer(mx.zeros((2, 3, 16)))  # 6 rows
+    assert (calls == []) == (mx.default_device() == mx.cpu and not native)
+    calls.clear()
+    layer(mx.zeros((1, 17, 16)))  # past the kernel's rows: the swapped form on the CPU
     assert (calls == []) == (mx.default_device() == mx.cpu)
     layer(mx.zeros((1, lin.CPU_SWAP_MAX_ROWS + 1, 16)))  # a prompt chunk: MLX's product
     assert calls[-1] == (1, lin.CPU_SWAP_MAX_ROWS + 1, 16)

@@ -276,6 +276,9 @@ static int sk_gemm(int order, int ta, int tb, long m, long n, long k, float alph
 
 __attribute__((visibility("default"))) void edgespec_cblas_skinny(int on) { atomic_store(&sk_on, on != 0); }
 
+/* The most activation rows a product taken here has, 0 while off (cpu_blas.py: few_row_kernel). */
+__attribute__((visibility("default"))) int edgespec_cblas_skinny_rows(void) { return atomic_load(&sk_on) ? SK_MAX_ROWS : 0; }
+
 /* For comparisons in one process (benchmarks/cpu_kernels.py --only align): 0 leaves
  * misaligned activation rows where they are. */
 __attribute__((visibility("default"))) void edgespec_cblas_skinny_align(int on) { atomic_store(&sk_align, on != 0); }

@@ -215,6 +215,18 @@ def write_library(out: Path, make) -> bool:
             os.unlink(tmp)
 
 
+def few_row_kernel() -> int:
+    """The most rows of an MLX product this process's shim answers with its own kernel (its
+    SK_MAX_ROWS); 0 with no shim preloaded, its kernel off (EDGESPEC_SKINNY=0), or a shim built
+    before it could be asked."""
+    try:
+        rows = ctypes.CDLL(None).edgespec_cblas_skinny_rows
+    except (AttributeError, OSError):
+        return 0
+    rows.restype = ctypes.c_int
+    return int(rows())
+
+
 def describe(preload: str | None = None) -> str | None:
     """Which BLAS answers MLX's CPU products in this process, from LD_PRELOAD; None if none."""
     preload = os.environ.get("LD_PRELOAD", "") if preload is None else preload

@@ -9,6 +9,13 @@ the second way in three runs of four, 11-14% slower in one; 1 row within noise (
 docs/batching.md). So on the CPU, calls of up to CPU_SWAP_MAX_ROWS rows
 (decoding steps, verification rounds, batched passes) use the second form; prompt
 chunks, and every call on Metal, keep MLX's. Both forms are differentiable.
+
+Where the CBLAS shim's few-row kernel answers MLX's products (Linux, `make`; cpu_blas.py),
+both forms reach that kernel and give the same bits, so calls of as many rows as it takes
+(NATIVE_FEW_ROWS, 16) keep `x @ W.T`: three ops fewer a layer (the transposes and the reshape), which a verifier pass
+pays when its graph is built and run. Passes of SmolLM2 at 150 keys, the two forms in pairs
+(one-off script, 80 pairs): -0.29 / -1.01 / -1.28 / -0.98 ms for 1 / 2 / 4 / 8 tokens, the
+graph's building -0.35 to -0.45 ms of them (docs/adaptive.md).
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgespec.kernels import exact
+from edgespec.kernels import cpu_blas, exact
 from edgespec.kernels.spec import on_metal
 
 CPU_SWAP_MAX_ROWS = 64
+# Rows up to which the shim's few-row kernel answers this process's products (0: no shim); read
+# once, as the shim stays for the process.
+NATIVE_FEW_ROWS = cpu_blas.few_row_kernel()
 
 
 class Linear(nn.Linear):
@@ -28,7 +38,9 @@ class Linear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         if exact.enabled():  # bitwise verification: rows independent of the pass width (kernels/exact.py)
             return exact.exact_linear(x, self["weight"], self["bias"] if "bias" in self else None)
-        if x.ndim < 2 or x.size // x.shape[-1] > CPU_SWAP_MAX_ROWS or mx.default_device() != mx.cpu:
+        rows = x.size // x.shape[-1] if x.ndim >= 2 else 0
+        if not rows or rows > CPU_SWAP_MAX_ROWS or rows <= NATIVE_FEW_ROWS \
+                or mx.default_device() != mx.cpu:
             return super().__call__(x)
         y = (self["weight"] @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
         return y + self["bias"] if "bias" in self else y
