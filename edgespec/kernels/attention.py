@@ -222,14 +222,17 @@ def grouped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=
     if bias is False:
         return None
     G = H // Hk
+    # Only a boolean mask can hide every key from a row ("causal": each query sees itself).
+    empty_rows = bias is not None and not isinstance(mask, str)
     s = (q * (scale * base2.LOG2E)).reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)  # (B, Hk, G*T, S)
-    top = mx.max(s, axis=-1, keepdims=True) if bias is None else None
     if bias is not None:
         s = (s.reshape(B, Hk, G, T, S) + bias).reshape(-1, Hk, G * T, S)
-        top = mx.maximum(mx.max(s, axis=-1, keepdims=True), _FLOAT32_LOWEST)  # finite where a row sees nothing
+    top = mx.max(s, axis=-1, keepdims=True)
+    if empty_rows:
+        top = mx.maximum(top, _FLOAT32_LOWEST)  # finite where a row sees nothing
     e = mx.power(2.0, s - top)
     total = mx.sum(e, axis=-1, keepdims=True)
-    if bias is not None:  # each row's largest term is 2**0 = 1: a total below 1 means no key seen, zeros
+    if empty_rows:  # each row's largest term is 2**0 = 1: a total below 1 means no key seen, zeros
         total = mx.maximum(total, 1.0)
     return ((e @ v) / total).reshape(-1, H, T, D)
 
