@@ -221,7 +221,7 @@ static void sk_run(const sk_job *j, long rows) {
 /* The activation rows, copied into this thread's buffer: 64-byte aligned rows, SK_LANES-
  * padded. MLX's CPU arrays are 8-byte aligned, so each 64-byte load of a row as stored
  * spans two cache lines; with two or more rows the loads of x, not the weight stream, set
- * the pace (benchmarks/cpu_kernels.py --only weights). The copy is exact, and the sum each
+ * the pace (benchmarks/cpu_kernels.py --only align). The copy is exact, and the sum each
  * output takes is unchanged. `transposed`: x is given as x.T (k x n, leading dimension ld).
  * NULL if the buffer cannot grow. */
 static const float *sk_aligned_rows(const float *x, long ld, long n, long k, int transposed, long *ldx) {
