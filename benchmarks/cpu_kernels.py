@@ -37,9 +37,10 @@ On the default model's bundle (or --model), CPU device:
 
 - base2: MLX's CPU exp, sigmoid and tanh against power(2, x) and a product, ns an element;
   then verifier passes of T = 1, 2, 4, 8 tokens at 150 and 600 keys with the CPU's base-2
-  exponentials (edgespec.kernels.base2) on and off, alternating, median ms.
+  exponentials (edgespec.kernels.base2) on and off in pairs (alternating order): median ms
+  each way and the median of the paired differences.
 - align: verifier passes of T = 1, 2, 4, 8 tokens at 150 keys with the CBLAS shim's copy of
-  misaligned activation rows (cblas_skinny.h) on and off, alternating, median ms.
+  misaligned activation rows (cblas_skinny.h) on and off, measured as base2's.
 
 `--only NAME[,NAME]` runs some of them (activation, linear, attention, softmax, shapes,
 arena, joint, weights, bound, base2, align).
