@@ -29,6 +29,9 @@ PYTEST_ARGS ?=
 # Swift toolchain is found: `swift` on PATH, else /opt/swift. Without one it is skipped.
 SWIFT     ?= $(shell command -v swift 2>/dev/null || { test -x /opt/swift/usr/bin/swift && echo /opt/swift/usr/bin/swift; })
 SWIFT_FIXTURE := .cache/swift-test
+# The servers those tests start keep what they write (learnt costs, verified checksums) in a
+# home of their own, emptied each run: never in the user's ~/.cache/edgespec.
+SWIFT_HOME    := $(SWIFT_FIXTURE)/home
 # A hung Swift test ends the run after 15 minutes instead of holding CI (they take ~10 s).
 SWIFT_TIMEOUT := $(shell command -v timeout >/dev/null 2>&1 && echo timeout 900)
 
@@ -81,9 +84,10 @@ swift-test: setup
 ifeq ($(strip $(SWIFT)),)
 	@echo "swift-test: SKIPPED: no Swift toolchain (no swift on PATH, no /opt/swift/usr/bin/swift); EdgespecKit not built or tested"
 else
-	$(RUNENV) $(PY) tests/swift_fixture.py $(SWIFT_FIXTURE)
+	rm -rf $(SWIFT_HOME) && mkdir -p $(SWIFT_HOME)
+	EDGESPEC_HOME=$(abspath $(SWIFT_HOME)) $(RUNENV) $(PY) tests/swift_fixture.py $(SWIFT_FIXTURE)
 	cd apps/swift && $(SWIFT) build
-	cd apps/swift && EDGESPEC_TEST_PYTHON=$(abspath $(PY)) EDGESPEC_TEST_FIXTURE=$(abspath $(SWIFT_FIXTURE)) \
+	cd apps/swift && EDGESPEC_HOME=$(abspath $(SWIFT_HOME)) EDGESPEC_TEST_PYTHON=$(abspath $(PY)) EDGESPEC_TEST_FIXTURE=$(abspath $(SWIFT_FIXTURE)) \
 	  EDGESPEC_TEST_PRELOAD="$(PRELOAD)" $(SWIFT_TIMEOUT) $(SWIFT) test
 endif
 

@@ -27,3 +27,23 @@ def test_swiftui_listing_is_the_compiled_file():
             continue
         assert want in lines[at:], f"not in ChatViewModel.swift (in this order): {want!r}"
         at = lines.index(want, at) + 1
+
+
+def test_swift_tests_write_in_a_home_of_their_own():
+    """`make swift-test` starts real servers: what they persist (learnt costs, checksums) goes to
+    a home under the fixture folder, emptied first, never the user's ~/.cache/edgespec."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        import pytest
+
+        pytest.skip("no make")
+    # SWIFT=swift: the recipe as it runs where a toolchain is found (-n: printed, not run)
+    out = subprocess.run(["make", "-n", "--no-print-directory", "swift-test", "SWIFT=swift"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    home = str(ROOT / ".cache" / "swift-test" / "home")
+    runs = [ln for ln in out.splitlines() if "swift_fixture.py" in ln or "EDGESPEC_TEST_PYTHON=" in ln]
+    assert len(runs) == 2, out
+    assert all(f"EDGESPEC_HOME={home} " in ln for ln in runs), out
+    assert "rm -rf .cache/swift-test/home" in out, out
