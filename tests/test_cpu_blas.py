@@ -57,14 +57,15 @@ shim = ctypes.CDLL(None)
 shim.edgespec_cblas_skinny_calls.restype = ctypes.c_long
 rng = np.random.default_rng(5)
 w = mx.array(rng.standard_normal((2048, 320)).astype(np.float32))  # large enough for the helper
-xs = [mx.array(rng.standard_normal((r, 320)).astype(np.float32)) for r in (1, 3, 8, 13, 16)]
+xs = [mx.array(rng.standard_normal((r, 320)).astype(np.float32)) for r in (1, 3, 8, 13, 16, 17, 24, 29, 32)]
 """
 
 
 @linux_with_cc
 def test_few_row_products_are_the_one_row_products_bitwise(shim):
     """Each row of a few-row product (a verify pass) is bitwise that row alone (a plain step),
-    in either operand order, and the products ran in the shim's kernel."""
+    in either operand order, and the products ran in the shim's kernel; past 16 rows too,
+    where the rows meet each block of weight rows 16 at a time."""
     code = FEW_ROWS + """
 before = shim.edgespec_cblas_skinny_calls()
 for x in xs:
@@ -75,7 +76,7 @@ for x in xs:
     assert np.abs(one - want).max() / np.abs(want).max() < 1e-6
 print(shim.edgespec_cblas_skinny_calls() - before)
 """
-    assert int(run_with(shim[0], code)) >= 5 * 4
+    assert int(run_with(shim[0], code)) >= 9 * 4
 
 
 @linux_with_cc
@@ -84,10 +85,10 @@ def test_misaligned_rows_copied_aligned_give_the_same_bits(shim):
     every product equals, bitwise, the one computed from the rows where they lie, for rows
     at odd offsets and strides, a length with a tail (k = 300), and x given transposed."""
     code = FEW_ROWS + """
-big = mx.array(rng.standard_normal((16, 700)).astype(np.float32))
+big = mx.array(rng.standard_normal((32, 700)).astype(np.float32))
 w300 = mx.array(rng.standard_normal((1100, 300)).astype(np.float32))
 cases = []
-for r in (2, 5, 8, 16):
+for r in (2, 5, 8, 16, 21, 32):
     cases += [(big[:r, 3:323], w), (big[:r, 1:301], w300), (mx.array(rng.standard_normal((r, 300)).astype(np.float32)), w300)]
 def products():
     out = []
@@ -105,14 +106,14 @@ for (x, wt), got in zip(cases, on[::3]):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-6
 print(len(on))
 """
-    assert int(run_with(shim[0], code)) == 4 * 3 * 3
+    assert int(run_with(shim[0], code)) == 6 * 3 * 3
 
 
 @linux_with_cc
 def test_the_process_can_ask_how_many_rows_the_kernel_takes(shim):
-    """cpu_blas.few_row_kernel(): 16 with the shim preloaded, 0 with its kernel off or no shim."""
+    """cpu_blas.few_row_kernel(): 32 with the shim preloaded, 0 with its kernel off or no shim."""
     code = "from edgespec.kernels import cpu_blas; print(cpu_blas.few_row_kernel())"
-    assert run_with(shim[0], code).strip() == "16"
+    assert run_with(shim[0], code).strip() == "32"
     assert run_with(shim[0], code, EDGESPEC_SKINNY="0").strip() == "0"
     r = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
                        capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 /* Few-row float products for the CBLAS shim (cblas_forward.c).
  *
- * A decoding pass multiplies a few rows (its tokens: 1 for a plain step, 2-16 for a verify
+ * A decoding pass multiplies a few rows (its tokens: 1 for a plain step, 2-32 for a verify
  * pass) by every weight matrix of the model. OpenBLAS answers such a product with its
  * general kernel, which on this project's CPU streams the weights at 6-9 GB/s whatever
  * the row count (benchmarks/cpu_kernels.py --only weights with EDGESPEC_SKINNY=0: SmolLM2's
@@ -34,7 +34,9 @@
 #include <string.h>
 #include <time.h>
 
-#define SK_MAX_ROWS 16
+#define SK_MAX_ROWS 32
+#define SK_CHUNK 16               /* activation rows a weight row meets at once (accumulators in registers) */
+#define SK_WBLOCK 4               /* weight rows that stay in L1 while every chunk of rows passes them */
 #define SK_PAIR_MAX 8             /* up to this many activation rows, two weight rows at a time */
 #define SK_LANES 16               /* floats a vector: one AVX-512 register, two AVX2 ones */
 #define SK_MIN_WEIGHT_ROWS 64     /* a smaller "weight" (attention's blocks) stays with OpenBLAS */
@@ -114,7 +116,7 @@ static inline __attribute__((always_inline)) void sk_rows_n(const sk_job *j, lon
     }
     for (; r < r1; r++) {
         const float *w0 = j->w + r * j->ldw;
-        skv a0[SK_MAX_ROWS];
+        skv a0[SK_CHUNK];
         for (int i = 0; i < N; i++) a0[i] = (skv){0};
         for (int t = 0; t < k16; t += SK_LANES) {
             skv v0 = sk_load(w0 + t);
@@ -125,13 +127,33 @@ static inline __attribute__((always_inline)) void sk_rows_n(const sk_job *j, lon
     }
 }
 
-SK_CLONES static void sk_rows(const sk_job *j, long r0, long r1) {
+static inline __attribute__((always_inline)) void sk_rows_any(const sk_job *j, long r0, long r1) {
     switch (j->n) {
 #define SK_CASE(n) case n: sk_rows_n(j, r0, r1, n); break;
     SK_CASE(1) SK_CASE(2) SK_CASE(3) SK_CASE(4) SK_CASE(5) SK_CASE(6) SK_CASE(7) SK_CASE(8)
     SK_CASE(9) SK_CASE(10) SK_CASE(11) SK_CASE(12) SK_CASE(13) SK_CASE(14) SK_CASE(15)
 #undef SK_CASE
-    default: sk_rows_n(j, r0, r1, SK_MAX_ROWS); break;
+    default: sk_rows_n(j, r0, r1, SK_CHUNK); break;
+    }
+}
+
+/* More than SK_CHUNK activation rows: a few weight rows at a time, each block met by every
+ * chunk of SK_CHUNK rows while it is still in L1, so the weights are streamed from memory once.
+ * Every output is the sum sk_rows_n computes for it alone, so the bits do not depend on n. */
+SK_CLONES static void sk_rows(const sk_job *j, long r0, long r1) {
+    if (j->n <= SK_CHUNK) {
+        sk_rows_any(j, r0, r1);
+        return;
+    }
+    for (long rb = r0; rb < r1; rb += SK_WBLOCK) {
+        long re = rb + SK_WBLOCK < r1 ? rb + SK_WBLOCK : r1;
+        for (int i0 = 0; i0 < j->n; i0 += SK_CHUNK) {
+            sk_job c = *j;
+            c.x = j->x + i0 * j->ldx;
+            c.c = j->c + i0 * j->is;
+            c.n = j->n - i0 < SK_CHUNK ? j->n - i0 : SK_CHUNK;
+            sk_rows_any(&c, rb, re);
+        }
     }
 }
 

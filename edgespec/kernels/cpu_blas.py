@@ -127,14 +127,14 @@ for rows, k, n in ((1, 96, 160), (3, 96, 160), (8, 200, 64), (130, 64, 300)):
     for got in (mx.array(x) @ mx.array(w).T, (mx.array(w) @ mx.array(x).T).T):
         err = float(np.abs(np.array(got) - want).max() / np.abs(want).max())
         assert err < 1e-5, f"({rows}x{k}) @ ({k}x{n}): relative error {err:.2e}"
-# The few-row products (cblas_skinny.h): 1..16 rows in MLX's three forms (x @ W.T, W @ x.T
+# The few-row products (cblas_skinny.h): 1..32 rows in MLX's three forms (x @ W.T, W @ x.T
 # as a view and as a copy, with and without a bias added by the product), weights large
 # enough for the helper thread, each row bitwise the row a one-row product gives.
 shim.edgespec_cblas_skinny_calls.restype = ctypes.c_long
 before = shim.edgespec_cblas_skinny_calls()
 w = mx.array(rng.standard_normal((1100, 300)).astype(np.float32))
 bias = mx.array(rng.standard_normal(1100).astype(np.float32))
-for rows in range(1, 17):
+for rows in range(1, 33):
     x = mx.array(rng.standard_normal((rows, 300)).astype(np.float32))
     want = np.array(x).astype(np.float64) @ np.array(w).T.astype(np.float64)
     forms = (x @ w.T, (w @ x.T).T, (w @ mx.contiguous(x.T)).T, mx.addmm(bias, x, w.T) - bias)
@@ -144,7 +144,7 @@ for rows in range(1, 17):
     one = np.concatenate([np.array(x[i : i + 1] @ w.T) for i in range(rows)])
     assert np.array_equal(np.array(forms[0]), one), f"{rows} rows: not bitwise the one-row products"
     assert np.array_equal(np.array(forms[1]), one), f"{rows} rows (W @ x.T): not bitwise the one-row products"
-assert shim.edgespec_cblas_skinny_calls() - before >= 16 * 4, "the few-row products did not reach the shim's kernel"
+assert shim.edgespec_cblas_skinny_calls() - before >= 32 * 4, "the few-row products did not reach the shim's kernel"
 blas = [d["filepath"] for d in threadpool_info() if d.get("user_api") == "blas"]
 assert len(blas) == 1, f"more than one BLAS loaded: {blas}"
 shim.edgespec_cblas_target.restype = ctypes.c_char_p

@@ -12,7 +12,7 @@ chunks, and every call on Metal, keep MLX's. Both forms are differentiable.
 
 Where the CBLAS shim's few-row kernel answers MLX's products (Linux, `make`; cpu_blas.py),
 both forms reach that kernel and give the same bits, so calls of as many rows as it takes
-(NATIVE_FEW_ROWS, 16) keep `x @ W.T`: three ops fewer a product (the transposes and the
+(NATIVE_FEW_ROWS, 32) keep `x @ W.T`: three ops fewer a product (the transposes and the
 reshape), which a verifier pass pays when its graph is built and run. Passes of SmolLM2 at 150 keys, the two forms in pairs
 (one-off script, 80 pairs): -0.29 / -1.01 / -1.28 / -0.98 ms for 1 / 2 / 4 / 8 tokens, the
 graph's building -0.35 to -0.45 ms of them (docs/adaptive.md).
