@@ -174,6 +174,7 @@ def test_a_request_arriving_during_a_pass_starts_before_the_pass_ends(monkeypatc
     between two segments (their prompt's pass, their first token) in that same step, instead
     of waiting for the whole pass and the next step. Their replies equal each run alone."""
     monkeypatch.setattr(batcher_mod, "EVAL_SEGMENT", segment)
+    monkeypatch.setattr(batcher_mod, "ALONE_WHOLE_TOKENS", 0)  # request 0's short passes segmented too
     engine = make_tiny_engine(3, scale=1.3, num_hidden_layers=4)  # segments of 1 or 2 layers
     kws = [dict(max_tokens=30, mode="auto"), dict(max_tokens=20, mode="plain"),
            dict(max_tokens=20, temperature=0.9, seed=4, mode="auto")]
@@ -215,6 +216,27 @@ def test_a_request_arriving_during_a_pass_starts_before_the_pass_ends(monkeypatc
     assert got == [r.tokens for r in ref]
     assert first_step[1] == first_step[2] == arrived[0]  # their first tokens came in that same step
     assert b.counts() == (0, 0)
+
+
+def test_a_request_alone_evaluates_its_short_passes_at_once(monkeypatch):
+    """Alone, a pass of up to ALONE_WHOLE_TOKENS tokens is evaluated at once (each segment
+    boundary is a synchronisation); its prompt's pass, wider, still in segments. The reply
+    is the same either way."""
+    monkeypatch.setattr(batcher_mod, "EVAL_SEGMENT", 1)
+    engine = make_tiny_engine(3, scale=1.3, num_hidden_layers=4)
+    parts = []
+    real = batcher_mod.Batcher._eval_part
+    monkeypatch.setattr(batcher_mod.Batcher, "_eval_part",
+                        lambda self, a: (parts.append(self.steps), real(self, a)))
+    prompt = PROMPTS[1]  # 26 tokens: the prompt's pass is wide
+    assert len(prompt) > batcher_mod.ALONE_WHOLE_TOKENS
+    got = alone(engine, prompt, max_tokens=12, mode="plain").tokens
+    assert len(got) == 12
+    assert len(set(parts)) == 1  # the prompt's pass alone was segmented (one step, 3 boundaries)
+    monkeypatch.setattr(batcher_mod, "ALONE_WHOLE_TOKENS", 0)
+    parts.clear()
+    assert alone(engine, prompt, max_tokens=12, mode="plain").tokens == got
+    assert len(set(parts)) >= 11  # every step's pass in segments
 
 
 def test_a_full_batch_evaluates_its_pass_at_once(monkeypatch):

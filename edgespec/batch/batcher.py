@@ -62,6 +62,11 @@ IDLE_EXIT_S = 5.0  # an idle worker thread ends after this long
 # A pass is evaluated this many layers at a time, so a request arriving meanwhile starts within
 # a fraction of a step (time to first token under load).
 EVAL_SEGMENT = 6
+# ... except a request decoding alone whose pass has at most this many tokens (a plain step, a
+# small verification): evaluated at once, as each segment boundary is a synchronisation (3-5%
+# of a lone request's tokens/s on the project's CPU, docs/batching.md); a request arriving then
+# waits for that one short pass. Wider passes (several plain steps long) stay segmented.
+ALONE_WHOLE_TOKENS = 16
 READER_GRACE_S = 0.005  # how long a step waits for readers to take the tokens just streamed
 _BATCHERS: weakref.WeakSet = weakref.WeakSet()
 
@@ -253,6 +258,8 @@ class Batcher(BatchPolicy):
         marks, self._marks = self._marks, []
         if len(self._live) >= self.max_batch:
             marks = []  # nobody could be admitted before the pass ends: evaluate it at once
+        elif len(self._live) == 1 and all(T <= ALONE_WHOLE_TOKENS for _, T in self._last_passes):
+            marks = []  # alone, a short pass: a newcomer waits for it (ALONE_WHOLE_TOKENS)
         if pending:
             t0 = time.perf_counter()
             arrived = False

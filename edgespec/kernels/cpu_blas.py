@@ -19,7 +19,7 @@ that numpy ships (scipy-openblas, prefixed ILP64 symbols). Against Debian's Open
   With the default wait the shim's 8,190-token prefill took 1.17-1.18x Debian's time in
   `benchmarks/blas_preload.py`; with the short one, 0.96x (docs/prefill.md).
 
-Few-row products (1 to 16 activation rows against a weight matrix: a decoding pass's
+Few-row products (1 to 32 activation rows against a weight matrix: a decoding pass's
 tokens) do not go to OpenBLAS: its general product streams the weights at about 9 GB/s on
 this CPU whatever the row count, and a matrix-vector product (`sgemv`) for one row would
 favour single-token steps, which the accelerator the product runs on does not. The shim's
