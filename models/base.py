@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from edgespec.kernels import base2, exact
 from edgespec.kernels.activation import gated_activation
 from edgespec.kernels.attention import attention, numpy_attention, use_numpy_attention
 from edgespec.kernels.linear import Linear
+from edgespec.kernels.spec import on_metal
 
 # Config fields that never change the forward math of a decoder in inference (bookkeeping,
 # training-only knobs, generation defaults). Every other field must be read by the
@@ -307,6 +309,8 @@ class RoPE(nn.Module):
         """x: (B, H, T, D). `positions` (T,) or (B, T) overrides the contiguous `offset + arange(T)`."""
         kw = dict(traditional=self.traditional, base=self.base, scale=self.scale, freqs=self._freqs)
         if positions is None:
+            if x.dtype == mx.float32 and not on_metal():
+                return rope_from_table(self, x, offset)
             return mx.fast.rope(x, self.dims, offset=offset, **kw)
         # Per-token positions (tree / lookahead steps, batched rows at different offsets):
         # each (row, token) becomes its own batch entry with its own offset, so one call
@@ -320,6 +324,78 @@ class RoPE(nn.Module):
         xt = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)  # (B*T, H, 1, D)
         xt = mx.fast.rope(xt, self.dims, offset=flat, **kw)
         return xt.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+
+
+# On the CPU `mx.fast.rope` has no kernel: every call builds its reference graph, about 30 ops
+# (the inverse frequencies, an exp, cos and sin of the positions, the rotation), and a
+# 30-layer model calls it 60 times a pass. Passes of SmolLM2 at 150 keys with RoPE left out
+# took 7.2 ms less at 1 token and 10.8 ms less at 4 (of 49 and 63; in pairs, a one-off
+# script). So on the CPU the contiguous path reads cos and sin from a table and rotates with
+# six ops. The table is read off `mx.fast.rope`'s own output for a unit input (1 where cos
+# multiplies, 0 where sin does), so it holds exactly the values the reference graph computes,
+# and the rotation is its expression (x1 cos - x2 sin, x1 sin + x2 cos): the same bits as
+# `mx.fast.rope`, which the per-token `positions` path still calls (tests/test_rope_table.py).
+# float32 only: for half types the reference computes in float32 and rounds once.
+_ROPE_TABLES: dict[tuple, tuple] = {}  # settings -> (cos (N, dims/2), sin (N, dims/2)), evaluated
+_ROPE_TABLE_MIN = 1024
+_ROPE_MEMO = threading.local()  # this thread's last (table, offset, T, cos rows, sin rows)
+
+
+def _rope_key(rope: RoPE) -> tuple:
+    key = rope.__dict__.get("_table_key")
+    if key is None:
+        freqs = None if rope._freqs is None else tuple(float(v) for v in rope._freqs.tolist())
+        key = (rope.dims, bool(rope.traditional), rope.base, float(rope.scale), freqs)
+        rope.__dict__["_table_key"] = key
+    return key
+
+
+def rope_table(rope: RoPE, need: int) -> tuple[mx.array, mx.array]:
+    """(cos, sin) of positions 0..N-1 (N >= need, doubled as it grows) for `rope`'s settings,
+    shared by every RoPE with the same ones (a model's layers, its drafter's)."""
+    got = rope.__dict__.get("_table")
+    if got is not None and got[0].shape[0] >= need:
+        return got
+    key = _rope_key(rope)
+    got = _ROPE_TABLES.get(key)
+    if got is None or got[0].shape[0] < need:
+        n = max(_ROPE_TABLE_MIN, 1 << max(need - 1, 1).bit_length())
+        h = rope.dims // 2
+        one = mx.array([1.0, 0.0] * h if rope.traditional else [1.0] * h + [0.0] * h, dtype=mx.float32)
+        unit = mx.broadcast_to(one.reshape(1, 1, 1, rope.dims), (n, 1, 1, rope.dims))
+        out = mx.fast.rope(unit, rope.dims, traditional=rope.traditional, base=rope.base, scale=rope.scale,
+                           offset=mx.arange(n, dtype=mx.int32), freqs=rope._freqs).reshape(n, rope.dims)
+        cos, sin = (out[:, 0::2], out[:, 1::2]) if rope.traditional else (out[:, :h], out[:, h:])
+        got = (mx.contiguous(cos), mx.contiguous(sin))
+        mx.eval(*got)  # now, on this thread: other threads' passes read these arrays
+        _ROPE_TABLES[key] = got
+    rope.__dict__["_table"] = got
+    return got
+
+
+def rope_from_table(rope: RoPE, x: mx.array, offset: int) -> mx.array:
+    """`mx.fast.rope(x, rope.dims, offset=offset, ...)` for x (B, H, T, D) on the CPU, with cos
+    and sin read from the table: the same bits, six ops instead of about thirty."""
+    T = x.shape[2]
+    table = rope_table(rope, offset + T)
+    memo = getattr(_ROPE_MEMO, "last", None)
+    if memo is not None and memo[0] is table and memo[1] == offset and memo[2] == T:
+        c, s = memo[3], memo[4]  # the pass's other layers: the same positions
+    else:
+        c, s = table[0][offset : offset + T], table[1][offset : offset + T]
+        _ROPE_MEMO.last = (table, offset, T, c, s)
+    dims = rope.dims
+    if rope.traditional:
+        pairs = x[..., :dims].reshape(*x.shape[:-1], dims // 2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        parts = [mx.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(*x.shape[:-1], dims)]
+    else:
+        h = dims // 2
+        x1, x2 = x[..., :h], x[..., h:dims]
+        parts = [x1 * c - x2 * s, x1 * s + x2 * c]
+    if dims < x.shape[-1]:
+        parts.append(x[..., dims:])
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
 class LongRoPE(RoPE):
