@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -316,6 +317,10 @@ class RoPE(nn.Module):
         # each (row, token) becomes its own batch entry with its own offset, so one call
         # of the same kernel as the contiguous path computes it.
         B, H, T, D = x.shape
+        if B == 1 and positions.ndim == 1 and offset > 0 and x.dtype == mx.float32 and not on_metal():
+            # A single sequence's tree over its cache: its positions lie in offset .. offset + T - 1
+            # (the cache's offset plus each node's depth, kernels/tree.py), which the table covers.
+            return rope_from_table(self, x, offset, positions)
         pos = positions if positions.dtype == mx.int32 else positions.astype(mx.int32)
         if B == 1 and pos.ndim == 1:  # a single sequence's tree (T,): already one offset per entry
             flat = pos
@@ -377,7 +382,17 @@ def rope_table(rope: RoPE, need: int) -> tuple[mx.array, ...]:
     return got
 
 
-def rope_from_table(rope: RoPE, x: mx.array, offset: int) -> mx.array:
+def _check_positions(positions: mx.array, rows: int) -> None:
+    """With EDGESPEC_CHECK_EXACT on (the test suite): per-token positions past the table's rows
+    (sized from offset + T: a tree's positions are below it) would read what is not there; a
+    caller that passes such positions is told (a synchronisation, so only then)."""
+    if os.environ.get("EDGESPEC_CHECK_EXACT", "").strip().lower() in ("1", "true", "on", "yes"):
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"RoPE positions {lo}..{hi} outside the table's {rows} rows")
+
+
+def rope_from_table(rope: RoPE, x: mx.array, offset: int, positions: mx.array | None = None) -> mx.array:
     """`mx.fast.rope(x, rope.dims, offset=offset, ...)` for x (B, H, T, D) on the CPU, with cos
     and sin read from the table: the same bits, six ops instead of about thirty (rotary dims
     over the whole head, the usual case; nine for the traditional layout or partial dims)."""
@@ -385,13 +400,19 @@ def rope_from_table(rope: RoPE, x: mx.array, offset: int) -> mx.array:
     dims = rope.dims
     table = rope_table(rope, offset + T)
     full = not rope.traditional and dims == x.shape[-1]
+    where = offset if positions is None else positions
     memo = getattr(_ROPE_MEMO, "last", None)
-    if memo is not None and memo[0] is table and memo[1] == offset and memo[2] == T and memo[3] == full:
+    same = memo is not None and (memo[1] is where or (positions is None and type(memo[1]) is int and memo[1] == offset))
+    if same and memo[0] is table and memo[2] == T and memo[3] == full:
         c, s = memo[4], memo[5]  # the pass's other layers: the same positions
     else:
         at = 2 if full else 0
-        c, s = table[at][offset : offset + T], table[at + 1][offset : offset + T]
-        _ROPE_MEMO.last = (table, offset, T, full, c, s)
+        if positions is None:
+            c, s = table[at][offset : offset + T], table[at + 1][offset : offset + T]
+        else:
+            _check_positions(positions, table[0].shape[0])
+            c, s = table[at][positions], table[at + 1][positions]
+        _ROPE_MEMO.last = (table, where, T, full, c, s)
     if full:
         h = dims // 2
         return x * c + mx.concatenate([x[..., h:], x[..., :h]], axis=-1) * s

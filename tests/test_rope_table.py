@@ -44,8 +44,14 @@ def test_the_table_gives_mx_fast_ropes_bits(setting):
                             freqs=r._freqs)
         got = mb.rope_from_table(r, x, offset)
         assert np.array_equal(np.array(got), np.array(want)), (offset, T)
-        by_position = r(x[:1], offset, mx.arange(offset, offset + T, dtype=mx.int32))  # mx.fast.rope per token
-        assert np.array_equal(np.array(by_position), np.array(got[:1])), (offset, T)
+        # per-token positions: a tree's (one sequence, from the table) and a batch's rows
+        # (B, T) (mx.fast.rope with one offset per entry), here a tree-like shuffle of depths
+        pos = mx.array(offset + rng.permutation(T), dtype=mx.int32)
+        want_pos = mx.fast.rope(x.transpose(0, 2, 1, 3).reshape(2 * T, 3, 1, D), r.dims, traditional=r.traditional,
+                                base=r.base, scale=r.scale, offset=mx.concatenate([pos, pos]), freqs=r._freqs)
+        want_pos = want_pos.reshape(2, T, 3, D).transpose(0, 2, 1, 3)
+        assert np.array_equal(np.array(r(x[:1], offset, pos)), np.array(want_pos[:1])), (offset, T)
+        assert np.array_equal(np.array(r(x, offset, mx.stack([pos, pos]))), np.array(want_pos)), (offset, T)
     assert mb.rope_table(r, 1)[0].shape[0] >= 5017  # grown past the first 1024 positions
 
 
@@ -87,3 +93,20 @@ def test_a_model_pass_takes_the_table_on_the_cpu(monkeypatch):
         x, rope.dims, traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset,
         freqs=rope._freqs))
     assert np.array_equal(np.array(model(ids, model.make_cache())), got)
+
+
+def test_positions_past_the_table_are_refused_while_checking(monkeypatch):
+    """A single sequence's per-token positions over a cache are read from the table, sized from
+    offset + T (a tree's positions are below it); with EDGESPEC_CHECK_EXACT on (the suite) a
+    caller passing positions past its rows is told at once instead of reading what is not there.
+    Without a cache (offset 0) positions can be anything: mx.fast.rope computes them."""
+    monkeypatch.setenv("EDGESPEC_CHECK_EXACT", "1")
+    r = _rope(64, base=4321.0)
+    x = mx.ones((1, 2, 3, 64))
+    mx.eval(r(x, 10, mx.array([10, 11, 12], dtype=mx.int32)))
+    with pytest.raises(ValueError, match="outside the table's 1024 rows"):
+        r(x, 10, mx.array([10, 11, 5000], dtype=mx.int32))
+    far = mx.array([7000, 7001, 7002], dtype=mx.int32)
+    want = mx.fast.rope(x.transpose(0, 2, 1, 3).reshape(3, 2, 1, 64), 64, traditional=False, base=4321.0,
+                        scale=1.0, offset=far).reshape(1, 3, 2, 64).transpose(0, 2, 1, 3)
+    assert np.array_equal(np.array(r(x, 0, far)), np.array(want))
