@@ -310,14 +310,15 @@ class RoPE(nn.Module):
         """x: (B, H, T, D). `positions` (T,) or (B, T) overrides the contiguous `offset + arange(T)`."""
         kw = dict(traditional=self.traditional, base=self.base, scale=self.scale, freqs=self._freqs)
         if positions is None:
-            if x.dtype == mx.float32 and not on_metal():
+            if x.dtype == mx.float32 and type(offset) is int and not on_metal():
                 return rope_from_table(self, x, offset)
             return mx.fast.rope(x, self.dims, offset=offset, **kw)
         # Per-token positions (tree / lookahead steps, batched rows at different offsets):
         # each (row, token) becomes its own batch entry with its own offset, so one call
         # of the same kernel as the contiguous path computes it.
         B, H, T, D = x.shape
-        if B == 1 and positions.ndim == 1 and offset > 0 and x.dtype == mx.float32 and not on_metal():
+        if B == 1 and positions.ndim == 1 and type(offset) is int and offset > 0 and x.dtype == mx.float32 \
+                and not on_metal():
             # A single sequence's tree over its cache: its positions lie in offset .. offset + T - 1
             # (the cache's offset plus each node's depth, kernels/tree.py), which the table covers.
             return rope_from_table(self, x, offset, positions)
