@@ -332,19 +332,20 @@ class RoPE(nn.Module):
         return xt.reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
 
-# On the CPU `mx.fast.rope` has no kernel: every call builds its reference graph, about 30 ops
-# (the inverse frequencies, an exp, cos and sin of the positions, the rotation), and a
-# 30-layer model calls it 60 times a pass. Passes of SmolLM2 at 150 keys with RoPE left out
-# took 7.2 ms less at 1 token and 10.8 ms less at 4 (of 49 and 63; in pairs, a one-off
-# script). So on the CPU the contiguous path reads cos and sin from a table and rotates with
-# six ops: passes 3.7 / 4.8 / 4.6 ms faster at 1 / 4 / 8 tokens (of 41 / 45 / 49, in pairs). The table is read off `mx.fast.rope`'s own output for a unit input (1 where cos
-# multiplies, 0 where sin does), so it holds exactly the values the reference graph computes,
-# and the rotation is its expression (x1 cos - x2 sin, x1 sin + x2 cos): the same bits as
-# `mx.fast.rope`, which the per-token `positions` path still calls (tests/test_rope_table.py).
-# float32 only: for half types the reference computes in float32 and rounds once.
-_ROPE_TABLES: dict[tuple, tuple] = {}  # settings -> (cos (N, dims/2), sin (N, dims/2)), evaluated
+# On the CPU `mx.fast.rope` has no kernel: every call builds its reference graph, 29 nodes (the
+# inverse frequencies, an exp, cos and sin of the positions, the rotation), and a 30-layer model
+# calls it 60 times a pass. Passes of SmolLM2 at 150 keys with RoPE left out took 7.2 ms less at
+# 1 token and 10.8 ms less at 4 (of 49 and 63; in pairs, a one-off script). So on the CPU RoPE
+# reads cos and sin from a table and rotates with six ops: passes 3.7 / 4.8 / 4.6 ms faster at
+# 1 / 4 / 8 tokens (of 41 / 45 / 49, in pairs). The table is read off `mx.fast.rope`'s own output
+# for a unit input (1 where cos multiplies, 0 where sin does), so it holds exactly the values the
+# reference graph computes, and the rotation is the reference's expression (x1 cos - x2 sin,
+# x1 sin + x2 cos): the same bits as `mx.fast.rope`, which a batch's rows and calls without a
+# cache still take (tests/test_rope_table.py). float32 only: half types keep the reference (the
+# table's bits were not checked against its rounding there).
+_ROPE_TABLES: dict[tuple, tuple] = {}  # settings -> rope_table's four arrays, evaluated
 _ROPE_TABLE_MIN = 1024
-_ROPE_MEMO = threading.local()  # this thread's last (table, offset, T, cos rows, sin rows)
+_ROPE_MEMO = threading.local()  # this thread's last (table, offset or positions, T, full, cos rows, sin rows)
 
 
 def _rope_key(rope: RoPE) -> tuple:
@@ -403,8 +404,8 @@ def rope_from_table(rope: RoPE, x: mx.array, offset: int, positions: mx.array | 
     full = not rope.traditional and dims == x.shape[-1]
     where = offset if positions is None else positions
     memo = getattr(_ROPE_MEMO, "last", None)
-    same = memo is not None and (memo[1] is where or (positions is None and type(memo[1]) is int and memo[1] == offset))
-    if same and memo[0] is table and memo[2] == T and memo[3] == full:
+    same = memo is not None and memo[0] is table and memo[2] == T and memo[3] == full
+    if same and (memo[1] is where or (positions is None and type(memo[1]) is int and memo[1] == offset)):
         c, s = memo[4], memo[5]  # the pass's other layers: the same positions
     else:
         at = 2 if full else 0

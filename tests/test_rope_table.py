@@ -1,7 +1,8 @@
 """RoPE on the CPU from a table (models/base.py): `mx.fast.rope` has no CPU kernel, so each call
-built a reference graph of about 30 ops; the contiguous path now reads cos and sin from a table
-read off `mx.fast.rope`'s own output, and must give its bits exactly, for every setting a model
-can have, at every offset, beside the per-token `positions` path that still calls it."""
+built a reference graph of 29 nodes; the contiguous path and a single sequence's tree now read
+cos and sin from a table read off `mx.fast.rope`'s own output, and must give its bits exactly,
+for every setting a model can have, at every offset, beside a batch's rows (2-D positions),
+which still call it."""
 
 from __future__ import annotations
 
