@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import threading
 
+import edgespec.models.base as mb
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_tiny_model
-
-import edgespec.models.base as mb
 
 
 def _rope(dims, traditional=False, base=10000.0, scale=1.0, freqs=None) -> mb.RoPE:
