@@ -50,3 +50,35 @@ def test_parameters_gradients_and_quantization_are_nn_linears():
     holder = nn.Sequential(lin.Linear(64, 64))
     nn.quantize(holder, group_size=32, bits=4)
     assert isinstance(holder.layers[0], nn.QuantizedLinear)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_kept_transposed_view_gives_the_same_bits_and_follows_the_weight(monkeypatch, bias):
+    """keep_transposed (models loaded for inference): the products read a kept view of W.T,
+    bit for bit what nn.Linear computes; the view is no parameter, and a weight replaced
+    afterwards (training, `update`) is what the next product uses, not the old view."""
+    monkeypatch.setattr(lin, "NATIVE_FEW_ROWS", 32)  # decoding-sized calls take MLX's form
+    mx.random.seed(2)
+    holder = nn.Sequential(lin.Linear(48, 80, bias=bias), nn.ReLU(), lin.Linear(80, 8))
+    ref = nn.Sequential(nn.Linear(48, 80, bias=bias), nn.ReLU(), nn.Linear(80, 8))
+    ref.update(holder.parameters())
+    assert lin.keep_transposed(holder) == 2
+    assert "_transposed" in holder.layers[0].__dict__
+    names = {k for k, _ in __import__("mlx.utils").utils.tree_flatten(holder.parameters())}
+    assert not any("_transposed" in k for k in names)
+    for shape in [(1, 1, 48), (4, 48), (1, 20, 48), (200, 48)]:
+        x = mx.random.normal(shape)
+        assert mx.array_equal(holder(x), ref(x)).item()
+    # training swaps the weights: the gradient is the weight's, and the stale view is dropped
+    x = mx.random.normal((3, 48))
+    g1 = nn.value_and_grad(holder, lambda m: m(x).square().sum())(holder)[1]
+    g2 = nn.value_and_grad(ref, lambda m: m(x).square().sum())(ref)[1]
+    np.testing.assert_allclose(np.array(g1["layers"][0]["weight"]), np.array(g2["layers"][0]["weight"]),
+                               rtol=1e-5, atol=1e-5)
+    lin.keep_transposed(holder)
+    new = {"layers": [{"weight": holder.layers[0].weight * 2}, {}, {}]}
+    holder.update(new)
+    ref.update(new)
+    assert mx.array_equal(holder(x), ref(x)).item()
+    assert "_transposed" not in holder.layers[0].__dict__
+    assert "_transposed" in holder.layers[2].__dict__  # untouched: still kept

@@ -16,6 +16,13 @@ both forms reach that kernel and give the same bits, so calls of as many rows as
 reshape), which a verifier pass pays when its graph is built and run. Passes of SmolLM2 at 150 keys, the two forms in pairs
 (one-off script, 80 pairs): -0.29 / -1.01 / -1.28 / -0.98 ms for 1 / 2 / 4 / 8 tokens, the
 graph's building -0.35 to -0.45 ms of them (docs/adaptive.md).
+
+`W.T` is itself a graph node, built and run at every call: 210 a SmolLM2 pass. A model loaded
+for inference (`edgespec.weights.loader.build_model`) has each Linear keep its weight's
+transposed view (`keep_transposed`: a view, no copy), used while the weight is the one it was
+taken of; a replaced weight (training, `update`) drops it. The product is the same call on the
+same strides, so the same bits. Passes of SmolLM2 at 150 keys, in pairs (60 pairs, one-off
+script): -1.0 / -0.7 / -0.2 ms at 1 / 4 / 8 tokens (of 50 / 55 / 63).
 """
 
 from __future__ import annotations
@@ -41,7 +48,15 @@ class Linear(nn.Linear):
         rows = x.size // x.shape[-1] if x.ndim >= 2 else 0
         if not rows or rows > CPU_SWAP_MAX_ROWS or rows <= NATIVE_FEW_ROWS \
                 or mx.default_device() != mx.cpu:
-            return super().__call__(x)
+            kept = self.__dict__.get("_transposed")
+            if kept is None:
+                return super().__call__(x)
+            if kept[0] is not self["weight"]:  # replaced since: the view is of the old weight
+                del self.__dict__["_transposed"]
+                return super().__call__(x)
+            if "bias" in self:  # nn.Linear's two forms, on the kept view
+                return mx.addmm(self["bias"], x, kept[1])
+            return x @ kept[1]
         y = (self["weight"] @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
         return y + self["bias"] if "bias" in self else y
 
@@ -50,6 +65,20 @@ class Linear(nn.Linear):
         q = super().to_quantized(*args, **kw)
         q.__class__ = QuantizedLinear
         return q
+
+
+def keep_transposed(model: nn.Module) -> int:
+    """Each `Linear` of `model` keeps its weight's transposed view for its products (evaluated
+    here; it shares the weight's memory). For models loaded for inference. -> how many."""
+    kept = []
+    for _, mod in model.named_modules():
+        if type(mod) is Linear:  # not a QuantizedLinear (no "weight" to transpose as such)
+            w = mod["weight"]
+            # outside the module's parameter tree: a plain attribute, not a parameter
+            mod.__dict__["_transposed"] = (w, w.T)
+            kept.append(mod.__dict__["_transposed"][1])
+    mx.eval(kept)
+    return len(kept)
 
 
 class QuantizedLinear(nn.QuantizedLinear):

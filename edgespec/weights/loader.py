@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgespec.errors import ModelLoadError
+from edgespec.kernels.linear import keep_transposed
 from edgespec.models import model_from_config
 from edgespec.models.base import quantize_as_stored
 from edgespec.models.llama import Model
@@ -72,6 +73,7 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype=None
         raise ModelLoadError(f"weights do not match the config: {e}") from None
     model.eval()
     mx.eval(model.parameters())
+    keep_transposed(model)  # for inference: each product reads a kept view (kernels/linear.py)
     return model
 
 
