@@ -158,6 +158,40 @@ def test_unseen_counts_what_a_model_drafter_feeds_next():
         assert len(seq[len(drafter.fed):]) == n + 1  # what draft() feeds: the unseen and the last
 
 
+def test_a_catch_up_projects_only_the_last_position_and_drafts_the_same():
+    """A draft call feeds its catch-up and the last token in one pass; only that pass's last
+    position is drafted from, so only it goes through the output projection (and, for a
+    reduced-vocabulary drafter, its expansion to the full vocabulary). The drafts and their q
+    are those of projecting every position."""
+    from edgespec.drafters.distilled import DistilledDrafter
+    from edgespec.drafters.vocab_map import VocabMap
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 60) for _ in range(7)]
+    later = [rng.randrange(1, 60) for _ in range(9)]  # other sources' rounds: 9 unseen
+    model = make_tiny_model(6, num_hidden_layers=1)
+    vmap = VocabMap(np.array([-1] + list(range(0, 64, 2)), dtype=np.int64), 64)
+    small = make_tiny_model(6, num_hidden_layers=1, vocab_size=vmap.size)
+    for make in (lambda: ModelDrafter(model), lambda: DistilledDrafter(small, vmap)):
+        drafts, widths = [], []
+        for last_only_allowed in (True, False):
+            d = make()
+            real = type(d)._forward
+
+            def forward(x, last_only=False, d=d, real=real, allowed=last_only_allowed, widths=widths):
+                widths.append((allowed, x.shape[1], last_only))
+                return real(d, x, last_only and allowed)
+            d._forward = forward
+            d.begin(prompt)
+            d.sync(prompt + later)
+            out = d.draft(3, GREEDY)
+            drafts.append((out.tokens, np.array(out.logprobs)))
+        assert drafts[0][0] == drafts[1][0]
+        np.testing.assert_array_equal(drafts[0][1], drafts[1][1])
+        # the catch-up pass (10 tokens) asked for its last position alone
+        assert (True, 10, True) in widths
+
+
 def test_draft_cost_without_unseen_tokens_learns_per_token_alone():
     d = cal.DraftCost()
     d.observe(4, 0.04)

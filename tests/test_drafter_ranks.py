@@ -26,8 +26,8 @@ class SecondGuess(ModelDrafter):
 
     name = "second-guess"
 
-    def _forward(self, x: mx.array) -> mx.array:
-        logits = super()._forward(x)
+    def _forward(self, x: mx.array, last_only: bool = False) -> mx.array:
+        logits = super()._forward(x, last_only)
         top = mx.max(logits, axis=-1, keepdims=True)
         first = logits == top
         second = mx.max(mx.where(first, -mx.inf, logits), axis=-1, keepdims=True)

@@ -275,9 +275,9 @@ class ModelDrafter(CommittedSequence):
         return [self.cache[i] for i in self.layer_ids]
 
     # -- model call: (1, T) tokens -> (T, V) logits, appending T positions to the cache
-    def _forward(self, x: mx.array) -> mx.array:
-        """x (1, T) int32 -> logits (T, V)."""
-        return self.model(x, self.cache, layer_ids=self.layer_ids)[0]
+    def _forward(self, x: mx.array, last_only: bool = False) -> mx.array:
+        """x (1, T) int32 -> logits (T, V); `last_only`: the last position's alone, (1, V)."""
+        return self.model(x, self.cache, layer_ids=self.layer_ids, last_only=last_only)[0]
 
     def _trim_to(self, n: int) -> None:
         drop = len(self.fed) - n
@@ -335,7 +335,8 @@ class ModelDrafter(CommittedSequence):
         feed = mx.array(pending, dtype=mx.int32)[None]  # (1, T)
         sure = 1.0
         for _ in range(k):
-            logits = self._forward(feed)[-1]  # (V,)
+            # A catch-up feeds many tokens; only the last one's logits are drafted from.
+            logits = self._forward(feed, last_only=True)[-1]  # (V,)
             lp = sampler.logprobs(logits)
             tok = sampler.sample(lp)
             toks.append(tok)

@@ -45,9 +45,10 @@ class DistilledDrafter(ModelDrafter):
         self._to_reduced = mx.array(vocab_map.to_reduced)  # (V,) int32
         self._kept = mx.array(vocab_map.ids[1:].astype(np.int32))  # (N-1,) full ids of slots 1..
 
-    def _forward(self, x: mx.array) -> mx.array:
-        """x (1, T) full ids -> logits (T, V) over the full vocabulary (-inf where q = 0)."""
-        logits = self.model(self._to_reduced[x], self.cache)[0]  # (T, N)
+    def _forward(self, x: mx.array, last_only: bool = False) -> mx.array:
+        """x (1, T) full ids -> logits (T, V) over the full vocabulary (-inf where q = 0);
+        `last_only`: the last position's alone, (1, V)."""
+        logits = self.model(self._to_reduced[x], self.cache, last_only=last_only)[0]  # (T, N)
         full = mx.full((logits.shape[0], self.vocab_size), -mx.inf, dtype=logits.dtype)
         full[:, self._kept] = logits[:, 1:]
         return full

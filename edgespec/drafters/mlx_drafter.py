@@ -37,10 +37,10 @@ class MLXDrafter(ModelDrafter):
         self.rows = int(model.args.vocab_size)
         self.vocab_size = int(vocab_size or self.rows)
 
-    def _forward(self, x: mx.array) -> mx.array:
+    def _forward(self, x: mx.array, last_only: bool = False) -> mx.array:
         if self.vocab_size == self.rows:
-            return super()._forward(x)
-        logits = super()._forward(mx.minimum(x, self.rows - 1))  # (T, rows)
+            return super()._forward(x, last_only)
+        logits = super()._forward(mx.minimum(x, self.rows - 1), last_only)  # (T, rows)
         if self.rows > self.vocab_size:
             return logits[:, : self.vocab_size]
         pad = mx.full((logits.shape[0], self.vocab_size - self.rows), -mx.inf, dtype=logits.dtype)
