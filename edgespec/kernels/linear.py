@@ -74,9 +74,10 @@ def keep_transposed(model: nn.Module) -> int:
     for _, mod in model.named_modules():
         if type(mod) is Linear:  # not a QuantizedLinear (no "weight" to transpose as such)
             w = mod["weight"]
+            wt = w.T
             # outside the module's parameter tree: a plain attribute, not a parameter
-            mod.__dict__["_transposed"] = (w, w.T)
-            kept.append(mod.__dict__["_transposed"][1])
+            mod.__dict__["_transposed"] = (w, wt)
+            kept.append(wt)
     mx.eval(kept)
     return len(kept)
 
