@@ -75,12 +75,15 @@ def load(
         loaded.manifest = {**loaded.manifest, "source": {**(loaded.manifest.get("source") or {}),
                                                          "name": hub.repo_id.split("/")[1], "hub": str(hub)}}
     from edgespec.drafters import attach_drafter  # deferred: light import edgespec
+    from edgespec.drafters.registry import auto_drafter  # deferred: light import edgespec
 
     engine = Engine(loaded, history=history, prompt_cache_bytes=prompt_cache_bytes, kv_bits=kv_bits,
                     kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     engine._prompt_cache_limit()  # a bad bound fails here, not at the first request
     if attach_drafter(engine, drafter) is None and drafter is None and paired is not None:
         notes += _attach_paired(engine, paired)
+    if drafter is None and paired is None:
+        engine.auto_drafter = auto_drafter(engine)
     engine.load_notes = notes
     return engine
 

@@ -103,6 +103,9 @@ class Engine:
 
     loaded: LoadedModel
     drafter: Any = None  # a Drafter (see edgespec.drafters) or None
+    # The drafter mode auto drafts with instead of `drafter` when none was named at load: the
+    # verifier's own weights in int8 where they can run (edgespec.drafters.registry.auto_drafter).
+    auto_drafter: Any = None
     default_mode: str = "auto"
     memory_budget: int | None = None  # bytes; None = use the free memory detected
     # Earlier prompts and replies as a draft source: "memory" (default, this process only),
@@ -358,8 +361,8 @@ class Engine:
 
     def build_mode(self, options: GenerateOptions, mode_name: str, stats: GenerationStats):
         """The decoding mode object for one generation (runs on the batch worker's thread)."""
-        if mode_name == "adaptive" and options.mode == "auto" and self.drafter is not None \
-                and not self._drafter_fits():
+        if mode_name == "adaptive" and options.mode == "auto" and (self.auto_drafter or self.drafter) is not None \
+                and not drafter_fits(self, self.memory_budget, self.auto_drafter or self.drafter):
             # No extra weights: the drafter would not fit the memory budget.
             mode = make_adaptive_mode(self, options, use_drafter=False)
             stats.notes.append("auto: the drafter does not fit the memory budget; weight-free sources only")

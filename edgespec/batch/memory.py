@@ -91,8 +91,8 @@ def cache_budget(engine, free_at_start: int | None) -> float:
     """Bytes the sequences' caches may hold together (inf when nothing is known)."""
     if engine.memory_budget is not None:
         weights = tree_bytes(engine.model)
-        if engine.drafter is not None:
-            weights += drafter_bytes(engine.drafter, engine.model, 0)[0]
+        for d in {id(d): d for d in (engine.drafter, engine.auto_drafter) if d is not None}.values():
+            weights += drafter_bytes(d, engine.model, 0)[0]
         return float(engine.memory_budget - weights)
     if free_at_start is None:
         return float("inf")

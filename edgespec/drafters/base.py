@@ -161,6 +161,7 @@ class AcceptsDrafts:
     seq: list[int]
     _last_draft: list[int]
     model = None  # no MLX model of its own unless a subclass has one
+    host_bytes = 0  # bytes of weights it holds outside an MLX model (the int8 drafter's)
     expected_acceptance = 0.5
 
     def sync(self, committed: list[int]) -> None:

@@ -19,6 +19,7 @@ class PromptLookupDrafter:
     vocab_size = 0  # works with any vocabulary
     expected_acceptance = 0.5
     caps = DrafterCaps(runs_on="host")
+    host_bytes = 0  # no weights
     model = None  # no weights
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1):

@@ -25,6 +25,7 @@ example (edgespec.drafters.dflash), is these two lines:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -44,6 +45,8 @@ from edgespec.drafters.feature import FeatureDrafter, is_feature_folder
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.mtp import MTP_PACKAGE, MTPDrafter, has_mtp
 from edgespec.drafters.prompt_lookup import PromptLookupDrafter
+from edgespec.drafters.quantized import QuantizedDrafter
+from edgespec.drafters.quantized import available as quantized_available
 from edgespec.drafters.self_spec import self_drafter
 from edgespec.errors import ModelLoadError
 
@@ -113,6 +116,7 @@ SHORTCUTS: dict[str, Callable[[Any], Drafter | None]] = {
     "self": self_drafter,
     "mtp": MTPDrafter.load,
     "prompt_lookup": lambda engine: PromptLookupDrafter(),
+    "int8": QuantizedDrafter.load,  # the verifier's own weights in int8 (CPU device, Llama-style)
 }
 
 
@@ -180,10 +184,32 @@ def load_drafter(engine, spec):
     return load_path(path, engine)
 
 
+def auto_drafter(engine):
+    """The drafter mode auto drafts with when none was named at load: the verifier itself in int8
+    (edgespec.drafters.quantized) where it can run (the CPU device, a Llama-style verifier, the
+    kernel built), unless the bundle has a drafter of its own or the model an MTP head;
+    EDGESPEC_INT8_DRAFTER=off turns it off. None: auto drafts with the attached drafter."""
+    if os.environ.get("EDGESPEC_INT8_DRAFTER", "on").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    if _bundle_has_drafter(engine) or has_mtp(engine.loaded.model):
+        return None
+    if quantized_available(engine.loaded.model) is not None:
+        return None
+    return QuantizedDrafter.load(engine)
+
+
+def _bundle_has_drafter(engine) -> bool:
+    path = engine.loaded.path
+    return path is not None and Path(path).is_dir() and any(
+        (Path(path) / name).exists() for name in ("drafter", "drafter.mlpackage"))
+
+
 def attach_drafter(engine, spec=None):
     """Load the drafter named by `spec` and attach it to the engine (replacing any). Returns it."""
     old = engine.drafter
     engine.drafter = load_drafter(engine, spec)
+    if spec is not None:
+        engine.auto_drafter = None  # a drafter named: auto drafts with it
     if old is not None and old is not engine.drafter:
         old.close()
     folder = Path(spec).expanduser() if spec is not None and str(spec) not in SHORTCUTS else None

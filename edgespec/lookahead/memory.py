@@ -43,22 +43,24 @@ def drafter_bytes(drafter, verifier, context: int) -> tuple[int, int]:
     """(weights, KV cache at `context`) the drafter adds to the verifier's own."""
     model = drafter.model
     if model is None or not hasattr(model, "parameters"):
-        return 0, 0  # weight-free (prompt lookup) or not an MLX model (nothing known to count)
+        # weight-free (prompt lookup), host weights (the int8 drafter's), or not an MLX model
+        return int(drafter.host_bytes), 0
     n_layers = len((drafter.layer_ids if drafter.caps.mlx_model else None) or model.layers)
     own = 0 if model is verifier else tree_bytes(model)
     return own, kv_bytes(model.args, context) * n_layers // max(model.args.num_hidden_layers, 1)
 
 
-def drafter_fits(engine, budget: int | None = None) -> bool:
+def drafter_fits(engine, budget: int | None = None, drafter=None) -> bool:
     """True if verifier + drafter, weights and KV caches at the full context, fit the budget.
 
     Without a budget, the caches (not allocated yet) must fit in the free memory
     detected now; the weights are already loaded and out of it.
     """
-    if engine.drafter is None:
+    drafter = engine.drafter if drafter is None else drafter
+    if drafter is None:
         return True
     model, context = engine.model, engine.context_length
-    d_weights, d_kv = drafter_bytes(engine.drafter, model, context)
+    d_weights, d_kv = drafter_bytes(drafter, model, context)
     weights = tree_bytes(model) + d_weights
     caches = kv_bytes(model.args, context) + d_kv
     if budget is None:

@@ -93,7 +93,8 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
     o = options.mode_options
     wanted = o.get("sources", "auto")
     names = SOURCES if wanted == "auto" else tuple(wanted.split("+"))
-    drafter = engine.drafter if use_drafter and "drafter" in names else None
+    # Named at load, the engine's drafter; else the verifier in int8 where it runs (engine.auto_drafter)
+    drafter = (engine.auto_drafter or engine.drafter) if use_drafter and "drafter" in names else None
     if drafter is not None and not drafter_usable(drafter):
         if wanted != "auto":
             raise DrafterRequiredError(
@@ -101,7 +102,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
                 "(sync) and not read verifier features; use mode 'speculative' for it"
             )
         drafter = None
-    if wanted != "auto" and "drafter" in names and engine.drafter is None:
+    if wanted != "auto" and "drafter" in names and drafter is None and engine.drafter is None:
         raise DrafterRequiredError("adaptive source 'drafter' needs a drafter: load one (--drafter), or drop the source")
     store = cost_store(engine)  # read once per engine; measures nothing
     store.publish(engine)
