@@ -34,7 +34,8 @@ def test_the_kernel_computes_what_numpy_does(traditional, rot, T, n_scr):
     got = q.forward(toks, ctx, n_ctx, a, n_scr, rope, out_rows=T)
     want = q8.reference_forward(q, toks, ctx, n_ctx, b, n_scr, rope)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
-    assert np.allclose(a[0][:, :, : n_scr + T], b[0][:, :, : n_scr + T], atol=1e-4)  # the new keys kept
+    assert np.allclose(a[0][:, :, : n_scr + T], b[0][:, :, : n_scr + T],
+                       atol=2e-3)  # the new keys kept (activations in int16 on VNNI CPUs)
 
 
 def test_quantize_rows_round_trips_within_half_a_step():

@@ -18,6 +18,7 @@ import ctypes
 import functools
 import os
 import subprocess
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ import numpy as np
 from edgespec.kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_q8.c")
+# One pass at a time: the library's worker threads and activation buffer serve one caller.
+_LOCK = threading.Lock()
 P_N = 10  # pointers a layer (cpu_q8.c's P_ enum)
 
 
@@ -123,10 +126,12 @@ class Q8Model:
             kp[i], vp[i] = k.ctypes.data, v.ctypes.data
             hs[i], ps[i] = k.strides[-3] // 4, k.strides[-2] // 4
         out = np.empty((min(out_rows, T), self.V), np.float32)
-        rc = lib.edgespec_q8_forward(self.cfg.ctypes.data, self.fcfg.ctypes.data, self.ptrs, self.head.ctypes.data,
-                                     self.s_head.ctypes.data, self.final_norm.ctypes.data, h.ctypes.data, T, kp, vp,
-                                     hs.ctypes.data, ps.ctypes.data, n_ctx, sk.ctypes.data, sv.ctypes.data, n_scr,
-                                     sk.shape[2], cos.ctypes.data, sin.ctypes.data, out.ctypes.data, out.shape[0])
+        with _LOCK:
+            rc = lib.edgespec_q8_forward(self.cfg.ctypes.data, self.fcfg.ctypes.data, self.ptrs, self.head.ctypes.data,
+                                         self.s_head.ctypes.data, self.final_norm.ctypes.data, h.ctypes.data, T, kp,
+                                         vp, hs.ctypes.data, ps.ctypes.data, n_ctx, sk.ctypes.data, sv.ctypes.data,
+                                         n_scr, sk.shape[2], cos.ctypes.data, sin.ctypes.data, out.ctypes.data,
+                                         out.shape[0])
         if rc != 0:
             raise MemoryError("the int8 drafting kernel found no memory for its scratch")
         return out
