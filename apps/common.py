@@ -19,8 +19,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default=None,
         help="drafter for speculative decoding: a drafter folder or bundle, a hub name ORG/NAME, 'self' (skip-layer "
-        "self-speculation), 'prompt_lookup', or 'none'; default: the bundle's own drafter if any, else for "
-        "a model run by name the drafter paired with it when it is in the cache",
+        "self-speculation), 'int8' (the verifier's own weights in int8, CPU device), 'prompt_lookup', or 'none'; "
+        "default: the bundle's own drafter if any, else for a model run by name the drafter paired with it when "
+        "it is in the cache; mode auto then drafts with the verifier in int8 where it runs "
+        "(EDGESPEC_INT8_DRAFTER=off: with the default drafter)",
     )
     g.add_argument(
         "--memory-budget",

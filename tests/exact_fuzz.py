@@ -76,7 +76,8 @@ class Case:
     history_warm: bool
     kv_bits: int | None
     batch: int  # rows decoded together (1: alone)
-    drafter: str | None  # None, "model" (a tiny MLX drafter) or "dflash" (a DFlash block drafter)
+    # None, "model" (a tiny MLX drafter), "dflash" (a DFlash block drafter) or "int8" (the verifier in int8)
+    drafter: str | None
     prompt: list[int]
     max_tokens: int
     decisions: list = field(default_factory=list)
@@ -132,7 +133,7 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
         history_warm=r.random() < 0.3,
         kv_bits=8 if verifier == "tiny" and r.random() < 0.15 else None,
         batch=r.choice((1, 1, 1, 3)),
-        drafter=r.choice(("model", "dflash")) if verifier == "tiny" and r.random() < 0.35 else None,
+        drafter=r.choice(("model", "dflash", "int8")) if verifier == "tiny" and r.random() < 0.35 else None,
         prompt=prompt,
         max_tokens=r.randrange(8, 40),
     )
@@ -178,6 +179,13 @@ class Verifiers:
                      corpus=self._corpus(case.verifier, loaded) if case.corpus else "off")
         if dflash:
             eng.drafter = self._dflash(loaded)
+        elif case.drafter == "int8" and case.verifier == "tiny":
+            from edgespec.drafters.quantized import QuantizedDrafter, quantize_model
+
+            key = f"int8-{id(loaded)}"
+            if key not in self._models:
+                self._models[key] = quantize_model(loaded.model)
+            eng.drafter = QuantizedDrafter(loaded.model, self._models[key])
         elif case.drafter and case.verifier == "tiny":
             if "drafter" not in self._models:
                 self._models["drafter"] = make_tiny_model(5, scale=3.0, num_hidden_layers=1)

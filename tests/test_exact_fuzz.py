@@ -34,7 +34,7 @@ def test_auto_equals_plain_under_seeded_decisions(verifiers):
     assert not rep.errors, _report(rep)
     # The cases cover every feature at least once.
     for key in ("grammar=True", "penalties=True", "prefix_warm=True", "history_warm=True", "kv_bits=8",
-                "batch=3", "drafter=model", "drafter=dflash", "greedy=False", "corpus=True"):
+                "batch=3", "drafter=model", "drafter=dflash", "drafter=int8", "greedy=False", "corpus=True"):
         assert rep.coverage.get(key, 0) > 0, key
 
 

@@ -9,6 +9,7 @@ from stats_support import adaptive_continuations, chisq_pvalue, continuation_law
 from edgespec.drafters import registry
 from edgespec.drafters.quantized import QuantizedDrafter, available, quantize_model, unsupported
 from edgespec.engine import make_options
+from edgespec.errors import ModelLoadError
 from edgespec.generate import prefill
 from edgespec.kernels import q8
 from edgespec.logits.sampling import Sampler, SamplingParams
@@ -114,9 +115,12 @@ def test_sampled_auto_with_it_follows_the_verifier_law():
 
 def test_which_models_it_takes():
     assert unsupported(make_tiny_model()) is None
-    assert "attention" in unsupported(make_tiny_model(attention_bias=True)) or \
-        "bias" in unsupported(make_tiny_model(attention_bias=True))
+    assert "bias" in unsupported(make_tiny_model(attention_bias=True))
     assert available(make_tiny_model()) is None  # the CPU device, the kernel built
+    engine = make_tiny_engine(0, mlp_bias=True)
+    with pytest.raises(ModelLoadError, match="cannot draft for this model: layer 0 has a bias"):
+        registry.load_drafter(engine, "int8")
+    assert registry.auto_drafter(engine) is None  # auto keeps the attached drafter there
 
 
 def test_auto_drafts_with_it_unless_a_drafter_is_named(monkeypatch):

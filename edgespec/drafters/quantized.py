@@ -16,9 +16,9 @@ in a scratch of its own, dropped at the next draft. So there is no prompt prefil
 catch-up, and nothing to roll back: `sync` only replaces the committed sequence.
 
 Where it applies: a Llama-style verifier (`unsupported` says why another is not), float32 or
-half weights, on the CPU device, with plain float caches (a quantized KV cache, a batch's
-arena rows that are not plain, or a cache kind without `state` give no draft: the output is
-unchanged). On Metal MLX's own quantized products are the right tool; this kind declares
+half weights, on the CPU device, with float32 caches (a quantized KV cache is read dequantized,
+as the verifier reads it; half-precision caches or a cache without `state` give no draft: the
+output is unchanged). On Metal MLX's own quantized products are the right tool; this kind declares
 `runs_on` "host" and is offered on the CPU device only (`available`).
 """
 
@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps
+from edgespec.errors import ModelLoadError
 from edgespec.kernels import q8
 
 NAME = "int8"
@@ -153,7 +154,7 @@ class QuantizedDrafter(AcceptsDrafts):
 
     def _context(self):
         """(per layer (keys, values) numpy (Hk, n, D), n) from the verifier cache, or None where
-        it cannot be read (no cache, another kind, a quantized cache, half precision)."""
+        it cannot be read (no cache, another layer count, no state, half precision)."""
         p = len(self.seq) - 1
         cache = self.cache
         if cache is None or p < 1 or len(cache) != self.weights.L:
@@ -161,9 +162,9 @@ class QuantizedDrafter(AcceptsDrafts):
         n = min(int(cache[0].offset), p)
         states = []
         for c in cache:
-            if int(c.offset) < n or getattr(c, "bits", None):
+            if int(c.offset) < n:
                 return None
-            state = c.state
+            state = c.state  # what the verifier attends to (a quantized cache's, dequantized)
             if state is None or state[0].dtype != mx.float32 or state[0].shape[0] != 1:
                 return None
             states.append(state)
@@ -222,9 +223,9 @@ class QuantizedDrafter(AcceptsDrafts):
 
     @classmethod
     def load(cls, verifier) -> QuantizedDrafter:
-        """For `verifier` (an Engine or LoadedModel); ValueError where `available` says no."""
+        """For `verifier` (an Engine or LoadedModel); ModelLoadError where `available` says no."""
         model = getattr(getattr(verifier, "loaded", verifier), "model", verifier)
         why = available(model)
         if why is not None:
-            raise ValueError(f"the int8 drafter cannot draft for this model: {why}")
+            raise ModelLoadError(f"drafter 'int8' cannot draft for this model: {why}")
         return cls(model, quantize_model(model))

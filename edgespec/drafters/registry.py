@@ -6,6 +6,7 @@ loads it.
                                            # else a shipped one, else none
     load_drafter(engine, "mtp")            # the verifier's multi-token-prediction head (Qwen3.5)
     load_drafter(engine, "self")           # skip-layer self-speculation (no extra weights)
+    load_drafter(engine, "int8")           # the verifier's own weights in int8 (CPU device)
     load_drafter(engine, "prompt_lookup")  # n-gram lookup in the prompt
     load_drafter(engine, "path/to/drafter")
     load_drafter(engine, "none")
@@ -173,13 +174,13 @@ def load_drafter(engine, spec):
         shipped = shipped_drafter_path(engine)
         return load_path(shipped, engine) if shipped is not None else None
     if not isinstance(spec, (str, Path)):
-        raise ValueError(f"drafter must be None, 'none', 'self', 'prompt_lookup', 'mtp' or a path, got {spec!r}")
+        raise ValueError(f"drafter must be None, 'none', 'self', 'int8', 'prompt_lookup', 'mtp' or a path, got {spec!r}")
     s = str(spec)
     if s in SHORTCUTS:
         return SHORTCUTS[s](engine)
     path = Path(s).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"drafter {s!r}: no such file or folder (valid: none, self, prompt_lookup, mtp, "
+        raise ModelLoadError(f"drafter {s!r}: no such file or folder (valid: none, self, int8, prompt_lookup, mtp, "
                              "or a path)")
     return load_path(path, engine)
 

@@ -296,11 +296,22 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* A child process forked after the workers started has none of them: it computes alone. */
+static void forked_child(void) {
+    pthread_mutex_init(&MU, NULL);
+    pthread_cond_init(&GO, NULL);
+    STARTED = 0, THREADS = 1;
+    atomic_store(&SLEEPING, 0);
+    atomic_store(&PENDING, 0);
+}
+
 /* Sets the number of threads products use (1..8, the caller included); returns it. Workers are
  * started once and kept; fewer threads leave the others idle. */
 __attribute__((visibility("default"))) int edgespec_q8_threads(int n) {
+    static int registered;
     if (n < 1) n = 1;
     if (n > 8) n = 8;
+    if (!registered) registered = pthread_atfork(NULL, NULL, forked_child) == 0;
     pthread_mutex_lock(&MU);
     while (STARTED < n - 1 && pthread_create(&IDS[STARTED], NULL, worker, &PARTS[STARTED + 1]) == 0) STARTED++;
     THREADS = STARTED + 1 < n ? STARTED + 1 : n;
