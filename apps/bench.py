@@ -196,6 +196,7 @@ def run(args) -> int:
                     or (os.path.basename(str(path)) if path else "model")),
         drafter=args.drafter,  # the --drafter spec (for the recommended command line)
         drafter_name=getattr(engine.drafter, "name", None),
+        auto_drafter_name=getattr(engine.auto_drafter, "name", None),  # what mode auto drafts with
         machine=machine_info(),
     )
     report = build_report(run_, meta)

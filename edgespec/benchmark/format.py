@@ -162,7 +162,8 @@ def format_markdown(report: dict, plots: list[str] | None = None) -> str:
     if meta.get("command"):
         md += ["Reproduce with:", "", "```sh", meta["command"], "```", ""]
     md.append(
-        f"Model: `{meta.get('model', '?')}`; drafter: `{meta.get('drafter_name') or 'none'}`; "
+        f"Model: `{meta.get('model', '?')}`; drafter: `{meta.get('drafter_name') or 'none'}`"
+        + (f" (auto: `{meta['auto_drafter_name']}`)" if meta.get("auto_drafter_name") else "") + "; "
         f"{len(report['prompts'])} prompts in {len(report['domains'])} domains; max_tokens {st['max_tokens']}, "
         f"{st['repeats']} repeat(s) after {st['warmup']} warm-up round(s); temperature {st['temperature']}."
     )

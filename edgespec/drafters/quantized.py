@@ -33,6 +33,7 @@ import numpy as np
 from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps
 from edgespec.errors import ModelLoadError
 from edgespec.kernels import q8
+from edgespec.models.base import MLP, Attention, DecoderLayer, Model, RoPE, rope_table
 
 NAME = "int8"
 # New positions a draft call can hold: the tokens after the verifier's cache (one, in the
@@ -49,8 +50,6 @@ def unsupported(model) -> str | None:
     """Why `model`'s pass cannot run in int8, or None when it can: every layer the base
     Llama-style decoder (RMSNorm, RoPE, grouped-query attention without bias, window, soft-cap,
     q/k norms or gate; a SiLU-gated MLP without bias), the same RoPE in every layer, dense weights."""
-    from edgespec.models.base import MLP, Attention, DecoderLayer, Model, RoPE
-
     if not isinstance(model, Model) or type(model).__call__ is not Model.__call__:
         return "its architecture has a forward pass of its own"
     if model.embed_scale or model._final_softcap is not None:
@@ -178,8 +177,6 @@ class QuantizedDrafter(AcceptsDrafts):
         return ctx, n
 
     def _rope(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        from edgespec.models.base import rope_table
-
         table = rope_table(self.rope, start + n)
         return _numpy(table[0][start : start + n]), _numpy(table[1][start : start + n])
 
