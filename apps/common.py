@@ -190,7 +190,7 @@ def load_engine(args, progress: bool = True):
         bitwise=getattr(args, "bitwise_verify", None),
     )
     if budget:
-        engine.memory_budget = budget
+        engine.limit_memory(budget)
     for note in engine.load_notes:
         print(f"[edgespec] {note}", file=sys.stderr)
     from edgespec.weights.bundle import unverified_note  # deferred: CLI start-up

@@ -298,6 +298,15 @@ class Engine:
     def _drafter_fits(self) -> bool:
         return drafter_fits(self, self.memory_budget)
 
+    def limit_memory(self, budget: int) -> None:
+        """Hold the engine to `budget` bytes (`memory_budget`); the int8 drafter mode auto would
+        draft with (`auto_drafter`) is let go, with a note, when its weights do not fit beside the
+        verifier's and its caches: auto then drafts with the attached drafter, as before."""
+        self.memory_budget = budget
+        if self.auto_drafter is not None and not drafter_fits(self, budget, self.auto_drafter):
+            self.auto_drafter = None
+            self.load_notes.append("the int8 drafter does not fit the memory budget: auto drafts without it")
+
     def note_once(self, message: str) -> bool:
         """True the first time a note is seen (apps show each fallback message once)."""
         if message in self._notes_said:

@@ -63,4 +63,4 @@ def test_a_folder_goes_to_the_first_kind_that_detects_it(tmp_path):
     (assistant / "config.json").write_text(json.dumps({"model_type": "gemma4_assistant"}))
     assert [_kind(p) for p in (feature, distilled, assistant, plain)] == ["feature", "distilled", "gemma4-assistant",
                                                                            "mlx"]
-    assert KINDS[-1].name == "mlx" and set(SHORTCUTS) == {"none", "self", "mtp", "prompt_lookup"}
+    assert KINDS[-1].name == "mlx" and set(SHORTCUTS) == {"none", "self", "int8", "mtp", "prompt_lookup"}

@@ -140,3 +140,14 @@ def test_a_context_it_cannot_read_gives_no_draft():
     assert d.draft(2, Sampler(SamplingParams())).tokens == []  # no verifier cache bound
     d.bind_verifier_cache([object()])  # another layer count
     assert d.draft(2, Sampler(SamplingParams())).tokens == []
+
+
+def test_a_memory_budget_it_does_not_fit_lets_it_go():
+    from edgespec.lookahead.memory import tree_bytes
+
+    engine = make_tiny_engine(0)
+    engine.auto_drafter = QuantizedDrafter.load(engine)
+    engine.limit_memory(1 << 30)  # room enough: kept
+    assert engine.auto_drafter is not None and engine.memory_budget == 1 << 30
+    engine.limit_memory(tree_bytes(engine.model) + 1024)  # the verifier's weights and little else
+    assert engine.auto_drafter is None and "does not fit" in engine.load_notes[-1]

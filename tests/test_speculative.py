@@ -189,7 +189,7 @@ def test_mlx_drafter_load_checks_vocabulary(tmp_path):
     d = attach_drafter(engine, tmp_path / "ok")
     assert isinstance(d, MLXDrafter) and engine.drafter is d
     assert attach_drafter(engine, "none") is None and engine.drafter is None
-    with pytest.raises(ValueError, match="self, prompt_lookup"):
+    with pytest.raises(ValueError, match="self, int8, prompt_lookup"):
         attach_drafter(engine, tmp_path / "missing")
 
 

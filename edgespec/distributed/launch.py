@@ -141,5 +141,5 @@ def join_or_launch(args, argv: list[str] | None = None, default_bundle=None):
     if engine is None:
         return 0, None
     if budget:
-        engine.memory_budget = budget
+        engine.limit_memory(budget)
     return None, engine
