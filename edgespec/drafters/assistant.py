@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps
+from edgespec.drafters.base import CHAIN_MODES, Draft, DrafterCaps, ReadsVerifierCache
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
 from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
@@ -93,7 +93,7 @@ def check_fit(assistant_args, verifier_args) -> dict[str, int]:
     return {kind: store[kind] for kind in set(t.layer_types)}
 
 
-class AssistantDrafter(AcceptsDrafts):
+class AssistantDrafter(ReadsVerifierCache):
     """Drafter protocol (begin / draft / accept / sync / close) over Gemma 4's assistant."""
 
     # drafts from the verifier's live cache: no pipelining, not in tree/cascade
@@ -120,10 +120,6 @@ class AssistantDrafter(AcceptsDrafts):
         return twin
 
     # ------------------------------------------------------------- verifier state
-    def bind_verifier_cache(self, cache) -> None:
-        """The verifier cache of the generation this drafter now serves."""
-        self.cache = cache
-
     def _inputs(self):
         """(keys/values per layer type, hidden at p - 1, p) from the verifier cache, or None."""
         p = len(self.seq) - 1
@@ -142,17 +138,10 @@ class AssistantDrafter(AcceptsDrafts):
         return kv, hidden, p
 
     # ------------------------------------------------------------- protocol
-    def begin(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("the drafter needs a non-empty prompt")
-        self.seq = list(prompt)
-        self._last_draft = []
-
     def draft(self, k: int, sampler) -> Draft:
         got = self._inputs() if k >= 1 else None
         if got is None:
-            self._last_draft = []
-            return Draft([], None)
+            return self._no_draft()
         kv, hidden, p = got
         dtype = self.assistant.pre_projection.weight.dtype
         hidden = hidden.astype(dtype)
@@ -167,13 +156,6 @@ class AssistantDrafter(AcceptsDrafts):
             rows.append(lp)
             tok = t.reshape(1, 1).astype(mx.int32)
         return self._finish(toks, rows)
-
-    def sync(self, committed: list[int]) -> None:
-        self.seq = list(committed)
-        self._last_draft = []
-
-    def close(self) -> None:
-        self.cache = None
 
     @classmethod
     def load(cls, path: str | Path, verifier) -> AssistantDrafter:

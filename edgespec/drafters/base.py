@@ -182,6 +182,35 @@ class AcceptsDrafts:
         return Draft(list(self._last_draft), q)
 
 
+class ReadsVerifierCache(AcceptsDrafts):
+    """The protocol of the drafters that own no cache of the committed text and read the
+    verifier's (`reads="verifier_cache"`: Gemma 4's assistant, the verifier in int8): `begin`
+    and `sync` only replace the committed sequence, `bind_verifier_cache` hands over the
+    cache of the generation it serves, `close` lets it go."""
+
+    cache = None
+
+    def bind_verifier_cache(self, cache) -> None:
+        """The verifier cache of the generation this drafter now serves."""
+        self.cache = cache
+
+    def begin(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the drafter needs a non-empty prompt")
+        self.sync(prompt)
+
+    def sync(self, committed: list[int]) -> None:
+        self.seq = list(committed)
+        self._last_draft = []
+
+    def close(self) -> None:
+        self.cache = None
+
+    def _no_draft(self) -> Draft:
+        self._last_draft = []
+        return Draft([], None)
+
+
 class CommittedSequence(AcceptsDrafts):
     """sync() shared by the drafters that cache what they were fed.
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps
+from edgespec.drafters.base import CHAIN_MODES, Draft, DrafterCaps, ReadsVerifierCache
 from edgespec.errors import ModelLoadError
 from edgespec.kernels import q8
 from edgespec.models.base import MLP, Attention, DecoderLayer, Model, RoPE, rope_table
@@ -120,7 +120,7 @@ def quantize_model(model) -> q8.Q8Model:
                       eps=layer.input_layernorm.eps, scale=attn.scale)
 
 
-class QuantizedDrafter(AcceptsDrafts):
+class QuantizedDrafter(ReadsVerifierCache):
     """Drafts with the verifier's own weights in int8 over the verifier's cache (module notes)."""
 
     caps = DrafterCaps(reads="verifier_cache", forks=True, runs_on="host", modes=CHAIN_MODES)
@@ -146,10 +146,6 @@ class QuantizedDrafter(AcceptsDrafts):
         twin = copy.copy(self)
         twin.cache, twin.seq, twin._last_draft, twin._scratch = None, [], [], None
         return twin
-
-    def bind_verifier_cache(self, cache) -> None:
-        """The verifier cache of the generation this drafter now serves."""
-        self.cache = cache
 
     def _context(self):
         """(per layer (keys, values) numpy (Hk, n, D), n) from the verifier cache, or None where
@@ -181,23 +177,15 @@ class QuantizedDrafter(AcceptsDrafts):
         return _numpy(table[0][start : start + n]), _numpy(table[1][start : start + n])
 
     # ------------------------------------------------------------- protocol
-    def begin(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("the drafter needs a non-empty prompt")
-        self.seq = list(prompt)
-        self._last_draft = []
-
     def draft(self, k: int, sampler) -> Draft:
         got = self._context() if k >= 1 else None
         if got is None:
-            self._last_draft = []
-            return Draft([], None)
+            return self._no_draft()
         ctx, n = got
         feed = self.seq[n:]  # the committed tokens after the verifier's cache (usually the last one)
         k = min(k, SCRATCH - len(feed))
         if k < 1:
-            self._last_draft = []
-            return Draft([], None)
+            return self._no_draft()
         if self._scratch is None:
             self._scratch = self.weights.scratch(SCRATCH)
         toks, rows, n_scr = [], [], 0
@@ -210,13 +198,6 @@ class QuantizedDrafter(AcceptsDrafts):
             rows.append(lp)
             feed = [int(t.item())]
         return self._finish(toks, rows)
-
-    def sync(self, committed: list[int]) -> None:
-        self.seq = list(committed)
-        self._last_draft = []
-
-    def close(self) -> None:
-        self.cache = None
 
     @classmethod
     def load(cls, verifier) -> QuantizedDrafter:
