@@ -91,8 +91,8 @@ def _drive_timed(guard, n, rate, seconds, steps):
 
 
 def test_a_loser_with_long_steps_waits_in_proportion_to_their_time():
-    """Speculation in a batch of 8 at a third of plain's rate (as at 8 rows in docs/batching.md's
-    run at 2d619d7), each step taken as three times as long: with waits counted in steps
+    """Speculation in a batch of 8 at a third of plain's rate (as at 8 rows in
+    benchmarks/results/batching.md's run at 2d619d7), each step taken as three times as long: with waits counted in steps
     (the guard of 2d619d7) re-measuring it cost 7.4% of the tokens over 300 steps; counted in
     time, 3.9%: measuring it once."""
     g = SpecGuard()

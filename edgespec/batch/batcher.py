@@ -64,7 +64,7 @@ IDLE_EXIT_S = 5.0  # an idle worker thread ends after this long
 EVAL_SEGMENT = 6
 # ... except a request decoding alone whose pass has at most this many tokens (a plain step, a
 # small verification): evaluated at once, as each segment boundary is a synchronisation (3-5%
-# of a lone request's tokens/s on the project's CPU, docs/batching.md); a request arriving then
+# of a lone request's tokens/s on the project's CPU, benchmarks/results/batching.md); a request arriving then
 # waits for that one short pass. Wider passes (several plain steps long) stay segmented.
 ALONE_WHOLE_TOKENS = 16
 READER_GRACE_S = 0.005  # how long a step waits for readers to take the tokens just streamed

@@ -20,7 +20,7 @@ re-measuring costs at most `explore` of the rate. A run of a loser whose rate is
 fraction x below the winner's and whose steps take s times as long costs
 run_steps * s * x winner-steps' worth of tokens, so the wait is run_steps * s * x /
 explore. Counting steps alone under-counts a loser whose steps are long (speculation in
-a batch of 8: docs/batching.md). The base of that wait doubles (to `wait_max`) each time
+a batch of 8: benchmarks/results/batching.md). The base of that wait doubles (to `wait_max`) each time
 the loser loses again.
 
 A win on one short run can be luck (a run of steps whose rows happened to accept much),

@@ -9,7 +9,7 @@ that numpy ships (scipy-openblas, prefixed ILP64 symbols). Against Debian's Open
 - its few-row products are faster, so a pass over a few tokens costs less beside one
   token's (`benchmarks/blas_preload.py`, each preload in fresh processes, alternating:
   decoding passes of 4 and 8 rows in 0.84x and 0.82x Debian's time, one row 0.95x;
-  docs/batching.md);
+  benchmarks/results/batching.md);
 - the process holds one OpenBLAS, not two, and `threadpoolctl` limits reach all its
   callers (MLX's products, numpy's long-prompt attention and activation);
 - that OpenBLAS's pool workers wait THREAD_TIMEOUT (2^4 cycles) before sleeping, not

@@ -6,7 +6,7 @@ few rows against a transposed weight is slow for row counts that are not a multi
 weights: 4 rows 0.53 vs 0.31 ms, 8 rows 0.54 vs 0.40 ms; at 64 rows both 1.07 ms).
 Whole SmolLM2 decoding passes (benchmarks/cpu_kernels.py): 4 and 8 rows 5-16% faster
 the second way in three runs of four, 11-14% slower in one; 1 row within noise (see
-docs/batching.md). So on the CPU, calls of up to CPU_SWAP_MAX_ROWS rows
+benchmarks/results/batching.md). So on the CPU, calls of up to CPU_SWAP_MAX_ROWS rows
 (decoding steps, verification rounds, batched passes) use the second form; prompt
 chunks, and every call on Metal, keep MLX's. Both forms are differentiable.
 
@@ -15,7 +15,7 @@ both forms reach that kernel and give the same bits, so calls of as many rows as
 (NATIVE_FEW_ROWS, 32) keep `x @ W.T`: three ops fewer a product (the transposes and the
 reshape), which a verifier pass pays when its graph is built and run. Passes of SmolLM2 at 150 keys, the two forms in pairs
 (one-off script, 80 pairs): -0.29 / -1.01 / -1.28 / -0.98 ms for 1 / 2 / 4 / 8 tokens, the
-graph's building -0.35 to -0.45 ms of them (docs/adaptive.md).
+graph's building -0.35 to -0.45 ms of them (benchmarks/results/adaptive.md).
 
 `W.T` is itself a graph node, built and run at every call: 210 a SmolLM2 pass. A model loaded
 for inference (`edgespec.weights.loader.build_model`) has each Linear keep its weight's

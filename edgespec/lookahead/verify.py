@@ -36,7 +36,7 @@ def tree_forward(model, cache, tree: StepTree) -> mx.array:
     A one-node tree is exactly a plain step, and a chain a causal pass at contiguous positions
     (a speculative verification's): the fused mask and RoPE's contiguous form, with none of
     the ops a tree mask and per-node positions add in every layer (1-3% of a pass of 2-8
-    tokens of SmolLM2, the same logits bitwise: docs/adaptive.md), and on recurrent layers
+    tokens of SmolLM2, the same logits bitwise: benchmarks/results/adaptive.md), and on recurrent layers
     no branch bookkeeping. Otherwise the tree mask and per-node RoPE positions let each node
     see only its ancestors.
     """
