@@ -74,6 +74,24 @@ def add_arguments(p) -> None:
         "chosen per batch; --repeats rounds per level); writes concurrency.json, concurrency.md and a plot",
     )
     g.add_argument(
+        "--profile", default=None,
+        help="also run every generation on the simulated clock of an Apple-silicon cost profile, "
+        "PROFILE[:FORMAT] (e.g. m4-pro, m1-max:f16; weights q4_0 unless FORMAT says otherwise): `auto` "
+        "decides by that chip's prices and the report adds simulated tokens/s and speedup, the same on "
+        "any host; 'list' lists the profiles with the source of every number; default "
+        "$EDGESPEC_COST_PROFILE (docs/costs.md)",
+    )
+    g.add_argument(
+        "--verifier-shape", default=None,
+        help="with --profile: price the verifier's passes as this published model (llama3-8b, qwen3-0.6b, "
+        "qwen3-1.7b, qwen3-4b, qwen3-8b, ...; tokens stay the loaded model's); default: the loaded model's shape",
+    )
+    g.add_argument(
+        "--draft-device", default=None, choices=("gpu", "ane", "cpu"),
+        help="with --profile: the unit every drafter runs on (default: a Core ML drafter on the Neural "
+        "Engine, others on the GPU)",
+    )
+    g.add_argument(
         "--per-client", type=int, default=3,
         help="with --concurrency: requests each client sends back to back in a round (default 3)",
     )
@@ -101,6 +119,9 @@ def reproduce_command(args) -> str:
         ("--seed", args.seed, None),
         ("--out", args.out, None),
         ("--concurrency", getattr(args, "concurrency", None), None),
+        ("--profile", getattr(args, "profile", None), None),
+        ("--verifier-shape", getattr(args, "verifier_shape", None), None),
+        ("--draft-device", getattr(args, "draft_device", None), None),
         ("--per-client", getattr(args, "per_client", 3) if getattr(args, "concurrency", None) else None, 3),
     ):
         if value is not None and value != default:
@@ -157,6 +178,12 @@ def run(args) -> int:
     from edgespec.progress import progress_bar  # deferred: CLI start-up
 
     # Validate everything cheap before loading the model.
+    if _profile(args) == "list":
+        from edgespec.costs.profiles import PROFILES, describe  # deferred: CLI start-up
+
+        for p in PROFILES.values():
+            print("\n".join(describe(p)))
+        return 0
     if args.concurrency is not None:
         if args.per_client < 1:
             raise ValueError(f"--per-client takes a positive integer, got {args.per_client}")
@@ -186,6 +213,9 @@ def run(args) -> int:
             seed=args.seed,
             chat=not args.raw,
             on_progress=on_progress,
+            profile=args.profile,
+            verifier_shape=args.verifier_shape,
+            draft_device=args.draft_device,
         )
     path = getattr(engine.loaded, "path", None)
     meta = dict(
@@ -225,6 +255,25 @@ def run(args) -> int:
         )
         return EXIT_MISMATCH
     return 130 if run_.settings.get("interrupted") else 0
+
+
+def _profile(args) -> str | None:
+    """--profile (else $EDGESPEC_COST_PROFILE), checked: ValueError names the known profiles."""
+    from edgespec.costs import clock  # deferred: CLI start-up
+    from edgespec.costs.model import SHAPES  # deferred: CLI start-up
+
+    spec = args.profile if args.profile is not None else clock.from_env()
+    if spec is not None and spec.strip().lower() == "list":
+        args.profile = "list"
+        return "list"
+    if spec is not None:
+        clock.parse(spec)
+    elif args.verifier_shape is not None or args.draft_device is not None:
+        raise ValueError("--verifier-shape and --draft-device price a cost profile's passes: give --profile too")
+    if args.verifier_shape is not None and args.verifier_shape not in SHAPES:
+        raise ValueError(f"unknown --verifier-shape {args.verifier_shape!r}; known: {', '.join(SHAPES)}")
+    args.profile = spec
+    return spec
 
 
 def _levels(text: str) -> list[int]:

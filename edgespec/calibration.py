@@ -59,6 +59,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from edgespec.adaptive.estimate import DRAFT_PRIOR, Costs, DraftCost
+from edgespec.costs.clock import active as simulation
 from edgespec.kernels import COSTS_REVISION
 from edgespec.paths import home as edgespec_home
 from edgespec.safe_write import aside_name, clean_stale_temps, temp_prefix
@@ -468,6 +469,14 @@ atexit.register(_save_all)
 def cost_store(engine) -> CostStore:
     """The engine's CostStore (created on first use: reads the persisted file, measures nothing)."""
     store = engine.memory.cost_store
+    sim = simulation()
+    if store is None and sim is not None:
+        # Under a cost profile (edgespec.costs.clock.simulate): the profile's curve at a typical
+        # context, learnt further from the simulated passes, never written to the host's file.
+        store = engine.memory.cost_store = CostStore(None, None, kind="gpu")
+        store.costs = Costs(list(SIZES), sim.curve(SIZES))
+        store.verifier_bytes = weight_bytes(engine.model)
+        return store
     if store is None:
         key = path = None
         if enabled():

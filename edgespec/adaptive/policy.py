@@ -33,15 +33,18 @@ Decision kinds (the tuple recorded):
 - ("spec_k", k): modes speculative's, prompt_lookup's and cascade's draft length for the next
   round (0: a plain step);
 - ("step", kind): modes tree's and lookahead's step kind ("full", "lean" or "plain");
-- ("tree_size", n): the drafted nodes a dynamic tree of mode tree keeps.
+- ("tree_size", n): the drafted nodes a dynamic tree of mode tree keeps;
+- ("pipeline", on): whether `auto` drafts the next round while this one is verified
+  (edgespec.adaptive.pipeline; asked only in rounds that draft and can draft ahead).
 """
 
 from __future__ import annotations
 
 import random
-import time
 from collections import deque
 from dataclasses import replace
+
+from edgespec.costs.clock import default_clock
 
 
 class RegretGuard:
@@ -190,7 +193,7 @@ class Policy:
 
     def __init__(self, clock=None):
         self.decisions: list[tuple] = []
-        self.clock = clock if clock is not None else time.perf_counter
+        self.clock = clock if clock is not None else default_clock()  # a profile's simulated one
 
     # What the decoder tells the policy after each round run alone (not inside a batch,
     # whose own guard compares step shapes: edgespec.batch.guard). Default: nothing kept.
@@ -232,6 +235,10 @@ class Policy:
     def tree_size(self, default: int, n_max: int) -> int:
         """How many drafted nodes a dynamic tree of mode tree keeps (edgespec.tree.TreeBudget)."""
         return self._decide("tree_size", default, int, n_max=n_max)
+
+    def pipeline(self, default: bool) -> bool:
+        """Whether `auto` drafts the next round while this round's tree is verified."""
+        return self._decide("pipeline", default, bool)
 
     def _decide(self, kind: str, default, cast, **ctx):
         """`choose`'s answer to a hook, as `cast`, recorded in `decisions` (replays read them)."""
@@ -300,6 +307,9 @@ class TimedPolicy(Policy):
     def tree_size(self, default, n_max):
         return default
 
+    def pipeline(self, default):
+        return default
+
 
 class SeededPolicy(Policy):
     """Seeded random choices: plain or tree rounds, any draft length, any ancestor-closed
@@ -310,6 +320,8 @@ class SeededPolicy(Policy):
         super().__init__()
         self.seed = seed
         self.rng = random.Random(seed)
+        # drawn apart: the other choices of a seed stay what they were before this kind existed
+        self.pipe_rng = random.Random(seed + 1)
         self.p_plain = p_plain
 
     def choose(self, kind, default, **ctx):
@@ -344,6 +356,8 @@ class SeededPolicy(Policy):
             return r.choice(ctx["kinds"])
         if kind == "tree_size":
             return r.randint(0, ctx["n_max"])
+        if kind == "pipeline":
+            return self.pipe_rng.random() < 0.5
         return default
 
     def describe(self) -> str:

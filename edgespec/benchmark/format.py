@@ -12,6 +12,7 @@ COLUMNS = (
     "speedup",
     "accept",
     "tok/pass",
+    "calls/tok",
     "draft",
     "verify",
     "peak MB",
@@ -33,27 +34,41 @@ def _speedup(m: dict) -> str:
     return s
 
 
+SIM_COLUMNS = ("sim tok/s", "sim x")  # with a cost profile: simulated tokens/s and speedup
+
+
+def columns(report: dict) -> tuple[str, ...]:
+    """The table's columns: the simulated ones after tokens/s when the run had a cost profile."""
+    if not (report.get("settings") or {}).get("profile"):
+        return COLUMNS
+    return COLUMNS[:4] + SIM_COLUMNS + COLUMNS[4:]
+
+
 def table_rows(report: dict) -> list[tuple[str, ...]]:
+    sim = columns(report) != COLUMNS
     rows = []
     for spec in report["modes"]:
         label = spec["label"]
         status = report["status"][label]
         per = report["results"].get(label)
         if not per:
-            rows.append((label, ALL, "-", "-", "-", "-", "-", "-", "-", status))
+            rows.append((label, ALL) + ("-",) * (len(columns(report)) - 3) + (status,))
             continue
         for dom in [ALL, *report["domains"]]:
             m = per.get(dom)
             if m is None:
                 continue
+            simulated = (_f(m.get("sim_tokens_per_s"), ".1f"), _f(m.get("sim_speedup"), ".2f") + "x") if sim else ()
             rows.append(
                 (
                     label if dom == ALL else "",
                     dom,
                     _f(m["tokens_per_s"], ".1f"),
                     _speedup(m),
+                    *simulated,
                     _f(m["acceptance_rate"], ".1%"),
                     _f(m["tokens_per_pass"], ".2f"),
+                    _f(m.get("draft_calls_per_token"), ".2f"),
                     _f(m["draft_fraction"], ".0%"),
                     _f(m["verify_fraction"], ".0%"),
                     f"{m['peak_memory_mb']:.0f}",
@@ -65,8 +80,9 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
 
 def format_table(report: dict) -> str:
     """Fixed-width table: one block per mode, its 'all' row first, then each domain."""
-    rows = [COLUMNS, *table_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    cols = columns(report)
+    rows = [cols, *table_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = []
     for n, r in enumerate(rows):
         if n > 0 and r[0]:
@@ -171,16 +187,22 @@ def format_markdown(report: dict, plots: list[str] | None = None) -> str:
         md.append("**Interrupted**: these numbers cover only the generations that finished.")
     if meta.get("machine"):
         md.append("Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()) + ".")
-    md += ["", "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    cols = columns(report)
+    md += ["", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     md += ["| " + " | ".join(c or " " for c in r) + " |" for r in rows]
     md += [
         "",
         "tok/s: generated tokens / decode seconds (prefill excluded), median per prompt over repeats. "
         "speedup: vs plain on the same prompts in this run, [min-max] over repeats. accept: drafted tokens kept. "
-        "tok/pass: tokens per verifier pass. draft/verify: share of decode time spent drafting/verifying. "
-        "peak MB: MLX peak memory.",
+        "tok/pass: tokens per verifier pass. calls/tok: drafter calls per generated token. "
+        "draft/verify: share of decode time spent drafting/verifying. peak MB: MLX peak memory.",
         "",
     ]
+    if st.get("profile"):
+        md += [f"sim tok/s, sim x: tokens/s and speedup over plain on the simulated clock of cost profile "
+               f"`{st['profile']}`" + (f", the verifier priced as `{st['verifier_shape']}`" if st.get("verifier_shape")
+                                       else "") + " (docs/costs.md): the same run gives the same figures "
+               "on any host.", ""]
     md += ["- " + line for line in summary_lines(report)]
     probs = problems(report)
     if probs:

@@ -119,7 +119,38 @@ def metrics(records: list[RunRecord], ref: list[RunRecord]) -> dict:
         draft_tokens=ks.most_common(1)[0][0] if ks else None,
         finish_reasons=dict(Counter(r.finish_reason for r in records)),
         notes=notes[:8],
+        # What transfers to another machine: how many drafter calls each committed token cost,
+        # and per source the tokens it got committed per verifier pass.
+        draft_calls_per_token=_rate(sum(r.draft_calls for r in records), _sum(records, "generated_tokens")),
+        source_tokens_per_pass=_by_source(records),
+        **_simulated(records, ref),
     )
+
+
+def _by_source(records: list[RunRecord]) -> dict[str, float]:
+    passes = _sum(records, "verifier_passes")
+    kept: Counter = Counter()
+    for r in records:
+        kept.update(r.stats.get("accepted_by_source") or {})
+    return {k: v / passes for k, v in sorted(kept.items())} if passes else {}
+
+
+def _simulated(records: list[RunRecord], ref: list[RunRecord]) -> dict:
+    """Under a cost profile: tokens per simulated decode second (the prompt's passes left out,
+    as decode_s leaves them out) and the speedup over plain's on the same generations."""
+    def rate(recs):
+        if not recs or any(r.sim is None for r in recs):
+            return None
+        dec = sum(r.sim["sim_s"] - r.sim["sim_prefill_s"] for r in recs)
+        return _rate(_sum(recs, "generated_tokens"), dec)
+
+    mine, plain = rate(records), rate(ref)
+    if mine is None:
+        return {}
+    n = len(records)
+    return dict(sim_tokens_per_s=mine, sim_speedup=mine / plain if plain else None,
+                sim_prefill_s=sum(r.sim["sim_prefill_s"] for r in records) / n,
+                sim_draft_s=sum(r.sim["sim_draft_s"] for r in records) / n)
 
 
 def domains_of(run: BenchRun) -> list[str]:

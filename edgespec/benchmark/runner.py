@@ -13,6 +13,7 @@ bitwise verification on every mismatch is a bug.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import numpy as np
 from edgespec.adaptive.history import HistoryStore
 from edgespec.benchmark.prompts import BenchPrompt
 from edgespec.benchmark.specs import ModeSpec
+from edgespec.costs.clock import simulate
 from edgespec.drafters import load_drafter
 from edgespec.engine import make_options
 from edgespec.kernels import exact
@@ -41,6 +43,10 @@ class RunRecord:
     finish_reason: str
     wall_s: float  # end to end, prompt encoding excluded
     stats: dict  # GenerationStats.as_dict()
+    draft_calls: int = 0  # calls of a drafter's draft() (any source drafting with a model)
+    # Under a cost profile (run_benchmark's `profile`): the simulated seconds of the generation
+    # (sim_s), of its prompt passes (sim_prefill_s) and of its draft calls (sim_draft_s).
+    sim: dict | None = None
 
     def compact(self) -> dict:
         """JSON-friendly record without the token ids."""
@@ -52,6 +58,8 @@ class RunRecord:
             repeat=self.repeat,
             finish_reason=self.finish_reason,
             wall_s=self.wall_s,
+            draft_calls=self.draft_calls,
+            **(self.sim or {}),
             **s,
         )
 
@@ -124,10 +132,17 @@ def run_benchmark(
     seed: int | None = None,
     chat: bool = True,
     on_progress: Callable[[int, str], None] | None = None,
+    profile: str | None = None,
+    verifier_shape: str | None = None,
+    draft_device: str | None = None,
 ) -> BenchRun:
     """Measure every spec on every prompt `repeats` times after `warmup` rounds.
 
     specs[0] must be the plain reference (see specs.parse_mode_specs).
+    profile: 'PROFILE[:FORMAT]' runs every generation on that Apple-silicon profile's simulated
+    clock as well (edgespec.costs.clock.simulate: `auto` decides by its prices, each record keeps
+    its simulated seconds); verifier_shape prices the verifier as that published model
+    (edgespec.costs.model.SHAPES), draft_device puts every drafter on 'gpu', 'ane' or 'cpu'.
     `on_progress(n_done, description)` is called after each generation (and
     with the count of skipped generations when a mode drops out).
     """
@@ -154,6 +169,9 @@ def run_benchmark(
             temperature=temperature,
             seed=seed,
             chat=chat,
+            profile=profile,
+            verifier_shape=verifier_shape,
+            draft_device=draft_device,
         ),
     )
     registered = set(available_modes()) | {"auto"}
@@ -180,6 +198,8 @@ def run_benchmark(
 
     drafters: dict[str, object] = {}  # per-spec drafters, loaded once, by drafter spec
     history = _EarlierPrompts(engine.history, ids) if engine.history is not None else None
+    sim = None  # the Simulation under a profile (set below)
+    calls = _DraftCalls()
 
     def generate(spec: ModeSpec, i: int):
         default = engine.drafter
@@ -187,14 +207,27 @@ def run_benchmark(
             engine.history = history.before(i)
         if spec.drafter is not None:
             if spec.drafter not in drafters:
-                drafters[spec.drafter] = load_drafter(engine, spec.drafter)
+                drafters[spec.drafter] = d = load_drafter(engine, spec.drafter)
+                if d is not None and sim is not None:
+                    sim.price_drafter(d)
+                calls.watch(d)
             engine.drafter = drafters[spec.drafter]
         try:
+            calls.n = 0
+            before = sim.clock.snapshot() if sim is not None else None
+            if sim is not None:
+                sim.prompt_len = len(ids[i])
             t0 = time.perf_counter()
             res = engine.generate(ids[i], options=options(spec, prompts[i]))
+            wall = time.perf_counter() - t0
             if history is not None and spec.is_reference:
                 history.answered(i, res.tokens)
-            return res, time.perf_counter() - t0
+            simulated = None
+            if sim is not None:
+                after = sim.clock.snapshot()
+                simulated = dict(sim_s=after[0] - before[0], sim_prefill_s=after[1] - before[1],
+                                 sim_draft_s=after[2] - before[2])
+            return res, wall, (calls.n, simulated)
         finally:
             engine.drafter = default
             if history is not None:
@@ -226,7 +259,7 @@ def run_benchmark(
                     if spec not in active:
                         continue  # dropped earlier in this rotation
                     try:
-                        res, wall = generate(spec, i)
+                        res, wall, (n_calls, simulated) = generate(spec, i)
                     except Exception as e:
                         drop(spec, e, n_measured - (r * len(prompts) + i))
                         continue
@@ -240,14 +273,22 @@ def run_benchmark(
                             res.finish_reason,
                             wall,
                             res.stats.as_dict(),
+                            n_calls,
+                            simulated,
                         )
                     )
                     progress(1, f"{p.domain} {spec.label}")
 
-    try:
-        measure()
-    except KeyboardInterrupt:  # keep what was measured: the report covers the finished runs
-        run.settings["interrupted"] = True
+    with contextlib.ExitStack() as stack:
+        if profile is not None:
+            sim = stack.enter_context(simulate(engine, profile, verifier_shape, draft_device))
+        for d in (engine.drafter, getattr(engine, "auto_drafter", None)):
+            calls.watch(d)
+        stack.callback(calls.release)
+        try:
+            measure()
+        except KeyboardInterrupt:  # keep what was measured: the report covers the finished runs
+            run.settings["interrupted"] = True
 
     for d in drafters.values():
         if d is not None and d is not engine.drafter:
@@ -263,6 +304,41 @@ def _logprobs(engine, ids: list[int]) -> np.ndarray:
     lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
     mx.eval(lp)
     return np.array(lp)
+
+
+class _DraftCalls:
+    """Counts the draft calls of the drafters watched (`n`, reset per generation): a drafter's
+    `draft` wrapped on the instance, unwrapped by `release`."""
+
+    def __init__(self):
+        self.n = 0
+        self._undo: list = []
+        self._seen: set[int] = set()
+
+    def watch(self, drafter) -> None:
+        if drafter is None or id(drafter) in self._seen or not hasattr(drafter, "draft"):
+            return
+        self._seen.add(id(drafter))
+        had = drafter.__dict__.get("draft")
+        inner = drafter.draft
+
+        def draft(*a, **kw):
+            self.n += 1
+            return inner(*a, **kw)
+
+        drafter.draft = draft
+
+        def undo():
+            drafter.__dict__.pop("draft", None)
+            if had is not None:
+                drafter.draft = had
+        self._undo.append(undo)
+
+    def release(self) -> None:
+        for u in reversed(self._undo):
+            u()
+        self._undo.clear()
+        self._seen.clear()
 
 
 class _EarlierPrompts:
