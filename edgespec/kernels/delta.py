@@ -29,7 +29,8 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from edgespec.kernels.spec import KernelSpec, metal, prologue
+from edgespec.kernels.delta_reference import delta_recurrent
+from edgespec.kernels.spec import KernelSpec, compare, metal, prologue, usable
 
 DK_MAX = 256  # the per-thread column lives in a private array of up to this many floats
 
@@ -120,7 +121,39 @@ def tree_slots(parents: list[int] | None, T: int) -> tuple[list[int], list[int],
 
 
 def delta_rule_metal(q, k, v, g, beta, S, parents: list[int] | None = None):
-    """The kernel on an Apple GPU; arguments and results as edgespec.caches.recurrent.delta_rule."""
+    """The kernel on an Apple GPU; arguments and results as edgespec.caches.recurrent.delta_rule.
+    A kernel that failed its self-check (for this key head size) gives the reference's results."""
+    spec = delta_spec(k.shape[3])
+    if not usable(spec, "float32", _check, k.shape[3]):
+        H, Hk = v.shape[2], k.shape[2]
+        if Hk != H:
+            q, k = mx.repeat(q, H // Hk, axis=2), mx.repeat(k, H // Hk, axis=2)
+        f32 = [a.astype(mx.float32) for a in (q, k, v, g, beta, S)]
+        return delta_recurrent(*f32, parents)
+    return _delta_rule_kernel(q, k, v, g, beta, S, parents)
+
+
+def _check(dk: int) -> None:
+    """The self-check at key head size `dk`: a chain and a tree pass with grouped heads against
+    the reference (within float32 rounding: the reference's products sum in another order)."""
+    rng = np.random.default_rng(0)
+    B, T, H, Hk, Dv = 1, 4, 2, 1, 8
+
+    def arr(*shape, scale=1.0):
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * np.float32(scale))
+
+    q, k = arr(B, T, Hk, dk, scale=dk ** -0.5), arr(B, T, Hk, dk, scale=dk ** -0.5)
+    v, S = arr(B, T, H, Dv), arr(B, H, dk, Dv, scale=0.1)
+    g = mx.array(-rng.random((B, T, H)).astype(np.float32))
+    beta = mx.array(rng.random((B, T, H)).astype(np.float32))
+    qr, kr = mx.repeat(q, H // Hk, axis=2), mx.repeat(k, H // Hk, axis=2)
+    for parents in (None, [-1, 0, 0, 2]):
+        got, want = _delta_rule_kernel(q, k, v, g, beta, S, parents), delta_recurrent(qr, kr, v, g, beta, S, parents)
+        compare("gated delta rule output", got[0], want[0], tol=1e-4)
+        compare("gated delta rule state", got[1], want[1], tol=1e-4)
+
+
+def _delta_rule_kernel(q, k, v, g, beta, S, parents: list[int] | None = None):
     B, T, H, Dv = v.shape
     Hk, Dk = k.shape[2], k.shape[3]
     par, slots, n = tree_slots(parents, T)

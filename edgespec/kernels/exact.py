@@ -44,7 +44,7 @@ from edgespec.errors import EdgespecError
 from edgespec.kernels import native
 from edgespec.kernels.attention import _pool, _workers
 from edgespec.kernels.native import NativeBuildError
-from edgespec.kernels.spec import KernelSpec, metal, on_metal, prologue
+from edgespec.kernels.spec import KernelSpec, compare, metal, on_metal, prologue, usable
 
 TILE = 8  # rows a BLAS call takes in bitwise mode (every call: N x TILE x K)
 ENV = "EDGESPEC_BITWISE"
@@ -200,13 +200,9 @@ def exact_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) ->
     lead = x.shape[:-1]
     X = x.reshape(-1, K)
     M = X.shape[0]
-    if on_metal():
-        y = metal(EXACT_LINEAR)(inputs=[X.astype(mx.float32), weight.astype(mx.float32),
-                                        mx.array([M, weight.shape[0], K], dtype=mx.int32)],
-                                grid=(weight.shape[0], M, 1), threadgroup=(32, 1, 1),
-                                output_shapes=[(M, weight.shape[0])], output_dtypes=[mx.float32])[0]
-        y = y.astype(x.dtype)
-    else:
+    if usable(EXACT_LINEAR, "float32", _check_linear):  # (on Metal; any dtype is given as float32)
+        y = _exact_linear_metal(X, weight).astype(x.dtype)
+    else:  # off Metal, or the kernel failed its self-check: same-shape tiles (below)
         tiles = -(-M // TILE)
         if tiles * TILE != M:
             X = mx.concatenate([X, mx.zeros((tiles * TILE - M, K), X.dtype)])
@@ -214,6 +210,25 @@ def exact_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) ->
         y = (weight @ X.reshape(tiles, TILE, K).swapaxes(1, 2)).swapaxes(1, 2).reshape(tiles * TILE, -1)[:M]
     y = y.reshape(*lead, -1)
     return y + bias if bias is not None else y
+
+
+def _exact_linear_metal(X: mx.array, weight: mx.array) -> mx.array:
+    M, K = X.shape
+    return metal(EXACT_LINEAR)(inputs=[X.astype(mx.float32), weight.astype(mx.float32),
+                                       mx.array([M, weight.shape[0], K], dtype=mx.int32)],
+                               grid=(weight.shape[0], M, 1), threadgroup=(32, 1, 1),
+                               output_shapes=[(M, weight.shape[0])], output_dtypes=[mx.float32])[0]
+
+
+def _check_linear() -> None:
+    """The self-check: a few rows against float64, and every row equal to itself computed alone."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((5, 48)).astype(np.float32)
+    W = rng.standard_normal((7, 48)).astype(np.float32)
+    y = _exact_linear_metal(mx.array(X), mx.array(W))
+    compare("exact_linear", y, (X.astype(np.float64) @ W.T.astype(np.float64)).astype(np.float32), tol=1e-5)
+    for m in range(X.shape[0]):
+        compare("exact_linear row alone", y[m : m + 1], _exact_linear_metal(mx.array(X[m : m + 1]), mx.array(W)))
 
 
 def exact_quantized_linear(x: mx.array, layer) -> mx.array:
@@ -241,19 +256,45 @@ def exact_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     gives. q (B, H, T, D), k/v (B, Hk, S, D), mask None / "causal" / bool broadcastable to
     (B, 1, T, S) (True = attend) -> (B, H, T, D) in q's dtype."""
     B, H, T, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    m, dims, (rows, bh) = attention_inputs(q, k, mask)
+    Hk = k.shape[1]
+    m, dims, _ = attention_inputs(q, k, mask)
     qg = _group_queries(q.astype(mx.float32), Hk)
-    if on_metal():
-        kf, vf = k.astype(mx.float32).reshape(B * Hk, S, D), v.astype(mx.float32).reshape(B * Hk, S, D)
-        out = metal(EXACT_ATTENTION)(
-            inputs=[qg, kf, vf, m, mx.array(dims, dtype=mx.int32),
-                    mx.array([scale, softcap or 0.0], dtype=mx.float32)],
-            grid=(D, rows, bh), threadgroup=(min(D, 32), 1, 1), output_shapes=[(bh, rows, D)],
-            output_dtypes=[mx.float32])[0]
-    else:
+    if usable(EXACT_ATTENTION, "float32", _check_attention):  # (on Metal; given as float32)
+        out = _exact_attention_metal(qg, k, v, m, dims, scale, softcap)
+    else:  # off Metal, or the kernel failed its self-check: the native CPU kernel (same semantics)
+        if on_metal():
+            try:
+                kernel()
+            except (NativeBuildError, OSError) as e:
+                raise BitwiseUnavailableError(f"bitwise verification: the Metal kernel failed its self-check and "
+                                              f"the native CPU kernel cannot be built here: {e}") from None
         out = _cpu_attention(qg, k.astype(mx.float32), v.astype(mx.float32), m, dims, scale, softcap)
     return _ungroup(out, B, H, T, D, Hk).astype(q.dtype)
+
+
+def _exact_attention_metal(qg, k, v, m, dims, scale, softcap) -> mx.array:
+    B, Hk, S, D = k.shape
+    rows, bh = dims[1], dims[5]
+    kf, vf = k.astype(mx.float32).reshape(B * Hk, S, D), v.astype(mx.float32).reshape(B * Hk, S, D)
+    return metal(EXACT_ATTENTION)(
+        inputs=[qg, kf, vf, m, mx.array(dims, dtype=mx.int32), mx.array([scale, softcap or 0.0], dtype=mx.float32)],
+        grid=(D, rows, bh), threadgroup=(min(D, 32), 1, 1), output_shapes=[(bh, rows, D)],
+        output_dtypes=[mx.float32])[0]
+
+
+def _check_attention() -> None:
+    """The self-check: causal and masked calls (grouped heads, a softcap) against float64 numpy."""
+    rng = np.random.default_rng(0)
+    B, H, Hk, T, S, D = 1, 4, 2, 3, 11, 16
+    q = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hk, S, D)).astype(np.float32) for _ in range(2))
+    tree = np.ones((1, 1, T, S), bool)
+    tree[0, 0, 2, S - 2] = False  # the last node does not see the middle one (a tree step)
+    for mask, cap in ((None, None), (tree, 30.0)):
+        mm, dims, _ = attention_inputs(mx.array(q), mx.array(k), None if mask is None else mx.array(mask))
+        qg = _group_queries(mx.array(q), Hk)
+        out = _ungroup(_exact_attention_metal(qg, mx.array(k), mx.array(v), mm, dims, 0.25, cap), B, H, T, D, Hk)
+        compare("exact_attention", out, reference_attention(q, k, v, 0.25, mask, cap), tol=1e-5)
 
 
 # Below this many multiply-adds a call (rows x keys x D, all heads) the heads run one after

@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edgespec.kernels.spec import KernelSpec, metal, prologue
+from edgespec.kernels.spec import KernelSpec, compare, dtype_name, metal, prologue, usable
 
 MAX_TOKENS = 16  # SwitchGLU takes the kernels on Metal for up to this many tokens
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -224,6 +224,45 @@ def launch_args(x, indices, gate, up, down, activation: str):
 
 
 def expert_glu_metal(x, indices, gate, up, down, activation: str) -> mx.array:
+    """Both kernels on an Apple GPU (the call is one kernel_applies took). They are checked as a
+    pair, under the first one's name, per (activation dtype, weight format); a pair that failed
+    its self-check gives expert_glu_reference's results."""
+    quant = "scales" in gate
+    traits = (x.dtype, gate["weight"].dtype if not quant else gate["scales"].dtype,
+              gate["group_size"] if quant else 0, gate["bits"] if quant else 0)
+    fmt = f"q{traits[3]}/{traits[2]} " if quant else ""
+    variant = f"{dtype_name(traits[0])} {fmt}{dtype_name(traits[1])}"
+    if not usable(EXPERT_GATE_UP_Q if quant else EXPERT_GATE_UP, variant, _check, *traits):
+        return expert_glu_reference(x, indices, gate, up, down, activation)
+    return _expert_glu_kernels(x, indices, gate, up, down, activation)
+
+
+def _check(x_dtype, w_dtype, group: int, bits: int) -> None:
+    """The self-check: 3 tokens over 4 experts (2 each, one expert chosen twice), both
+    activations, against MLX's composition in float32 (the kernels accumulate in float32)."""
+    rng = np.random.default_rng(0)
+    E = F = max(64, 2 * group)
+    x = mx.array(rng.standard_normal((3, E)).astype(np.float32)).astype(x_dtype)
+    indices = mx.array([[0, 3], [2, 2], [1, 0]], dtype=mx.uint32)
+
+    def proj(rows, cols):
+        w = mx.array(rng.standard_normal((4, rows, cols)).astype(np.float32) * np.float32(cols ** -0.5))
+        if not bits:
+            return {"weight": w.astype(w_dtype)}
+        wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+        return {"weight": wq, "scales": scales.astype(w_dtype), "biases": biases.astype(w_dtype),
+                "group_size": group, "bits": bits}
+
+    gate, up, down = proj(F, E), proj(F, E), proj(E, F)
+    as32 = [{k: (v.astype(mx.float32) if k in ("scales", "biases") or (k == "weight" and not bits) else v)
+             for k, v in p.items()} for p in (gate, up, down)]
+    for activation in ACTIVATIONS:
+        got = _expert_glu_kernels(x, indices, gate, up, down, activation)
+        want = expert_glu_reference(x.astype(mx.float32), indices, *as32, activation)
+        compare(f"experts ({activation})", got, want.astype(got.dtype), tol=1e-4 if got.dtype == mx.float32 else 2e-2)
+
+
+def _expert_glu_kernels(x, indices, gate, up, down, activation: str) -> mx.array:
     (s1, in1, grid1, shape1), (s2, in2, grid2, shape2) = launch_args(x, indices, gate, up, down, activation)
     (h,) = metal(s1)(inputs=in1, grid=grid1, threadgroup=(min(grid1[0], 64), 1, 1), output_shapes=[shape1],
                      output_dtypes=[mx.float32])

@@ -9,8 +9,9 @@ so the kernel gathers into a fresh (B, Hk, n, D) block that is then written back
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
-from edgespec.kernels.spec import KernelSpec, metal, on_metal, prologue
+from edgespec.kernels.spec import KernelSpec, compare, dtype_name, metal, on_metal, prologue, usable
 
 # Grid (D, n, B*Hk): one thread per copied element; src is the whole cache
 # buffer (rows of C slots), idx holds absolute slot numbers.
@@ -34,8 +35,24 @@ def kv_gather_reference(src: mx.array, idx: mx.array) -> mx.array:
 
 
 def kv_gather(src: mx.array, idx: mx.array) -> mx.array:
-    if not on_metal():
+    """src (B, Hk, C, D), idx (n,) absolute slots -> (B, Hk, n, D): the kernel on Metal once it
+    passed its self-check at src's dtype (a Mac's caches are half), else the reference."""
+    if not usable(KV_GATHER, dtype_name(src.dtype), _check, src.dtype):
         return kv_gather_reference(src, idx)
+    return _kv_gather_metal(src, idx)
+
+
+def _check(dtype) -> None:
+    """The self-check: a small cache of `dtype` (values that exercise its every bit pattern
+    class: negatives, subnormals of half, large values) gathered in a new order, bit for bit."""
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal((2, 3, 9, 40)).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 12, (2, 3, 9, 40))
+    src = mx.array(vals).astype(dtype)
+    idx = mx.array([7, 2, 5, 0], dtype=mx.int32)
+    compare("kv_gather", _kv_gather_metal(src, idx), kv_gather_reference(src, idx))
+
+
+def _kv_gather_metal(src: mx.array, idx: mx.array) -> mx.array:
     B, Hk, C, D = src.shape
     n = idx.shape[0]
     dims = mx.array([C, D, n], dtype=mx.int32)

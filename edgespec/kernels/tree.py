@@ -16,8 +16,9 @@ position prefix_len + depth.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
-from edgespec.kernels.spec import KernelSpec, metal, on_metal, prologue
+from edgespec.kernels.spec import KernelSpec, compare, metal, prologue, usable
 
 # Grid (S, T, 1): one thread per mask entry. A node's ancestors have smaller
 # indices, so the walk up stops as soon as it passes below the key column.
@@ -140,10 +141,38 @@ def tree_accept_reference(tokens: mx.array, parents: mx.array, pred: mx.array) -
     return mx.stack([best, score[best], pred[best]]).astype(mx.int32)
 
 
+# The self-checks' trees: a chain, a bushy tree, a lone root.
+_CHECK_TREES = ([-1, 0, 1, 2, 3], [-1, 0, 0, 1, 1, 2, 5, 0, 7], [-1])
+
+
+def _check_mask() -> None:
+    for parents in _CHECK_TREES:
+        p = mx.array(parents, dtype=mx.int32)
+        for prefix in (0, 3):
+            got, want = _tree_mask_metal(p, prefix), tree_mask_reference(p, prefix)
+            compare("tree_mask mask", got[0], want[0])
+            compare("tree_mask positions", got[1], want[1])
+
+
+def _check_accept() -> None:
+    rng = np.random.default_rng(0)
+    for parents in _CHECK_TREES:
+        T = len(parents)
+        for _ in range(4):
+            tokens = mx.array(rng.integers(0, 3, T), dtype=mx.int32)
+            pred = mx.array(rng.integers(0, 3, T), dtype=mx.int32)
+            p = mx.array(parents, dtype=mx.int32)
+            compare("tree_accept", _tree_accept_metal(tokens, p, pred), tree_accept_reference(tokens, p, pred))
+
+
 def tree_mask(parents: mx.array, prefix_len: int) -> tuple[mx.array, mx.array]:
     """Mask (T, prefix_len + T) bool and RoPE positions (T,) int32 of a tree step."""
-    if not on_metal():
+    if not usable(TREE_MASK, "int32", _check_mask):
         return tree_mask_reference(parents, prefix_len)
+    return _tree_mask_metal(parents, prefix_len)
+
+
+def _tree_mask_metal(parents: mx.array, prefix_len: int) -> tuple[mx.array, mx.array]:
     T = parents.shape[0]
     S = prefix_len + T
     dims = mx.array([T, prefix_len], dtype=mx.int32)
@@ -159,8 +188,12 @@ def tree_mask(parents: mx.array, prefix_len: int) -> tuple[mx.array, mx.array]:
 
 def tree_accept(tokens: mx.array, parents: mx.array, pred: mx.array) -> mx.array:
     """Greedy verification of a token tree in one pass: int32 (3,) [best, depth, bonus]."""
-    if not on_metal():
+    if not usable(TREE_ACCEPT, "int32", _check_accept):
         return tree_accept_reference(tokens, parents, pred)
+    return _tree_accept_metal(tokens, parents, pred)
+
+
+def _tree_accept_metal(tokens: mx.array, parents: mx.array, pred: mx.array) -> mx.array:
     dims = mx.array([tokens.shape[0]], dtype=mx.int32)
     (result,) = metal(TREE_ACCEPT)(
         inputs=[tokens.astype(mx.int32), parents.astype(mx.int32), pred.astype(mx.int32), dims],
