@@ -3,9 +3,9 @@
 A case is drawn from its seed: a verifier (tiny dense Llama; the same with a tokenizer that
 has JSON's punctuation pairs, for JSON schemas; or a hybrid with recurrent layers), features
 (a grammar, penalties, prefix cache warm, history warm, quantized KV,
-a batch of concurrent rows, a drafter), greedy or sampled, and a `SeededPolicy` that
-replaces every timing-driven choice of `auto` (plain or tree rounds, draft lengths, tree
-shapes, the Jacobi window). Its output is compared with plain decoding's under the same
+a batch of concurrent rows, a drafter, drafting ahead allowed or not), greedy or sampled, and a
+`SeededPolicy` that replaces every timing-driven choice of `auto` (plain or tree rounds, draft
+lengths, tree shapes, the Jacobi window, whether a round drafts the next one ahead). Its output is compared with plain decoding's under the same
 options. The runtime guard (edgespec.logits.exactness) is on, so a token drawn from the wrong row
 or a row processed along the wrong prefix fails where it happens.
 
@@ -84,6 +84,9 @@ class Case:
     corpus: bool = False  # a corpus table (edgespec.adaptive.corpus) of the verifier's own replies
     # auto's options for a ranking drafter ("model"): runner-ups and a draft floor, or none
     ranked: dict = field(default_factory=dict)
+    # drafting ahead allowed (auto's `pipeline`): with a drafter that can (MLX, int8), its calls
+    # run on the drafter's worker and the policy's seeded choice drafts rounds ahead
+    pipeline: bool = True
 
     def describe(self) -> str:
         feats = [f"verifier={self.verifier}", "greedy" if self.greedy else "sampled"]
@@ -98,6 +101,8 @@ class Case:
             feats.append(f"ranked={self.ranked}")
         if self.drafter:
             feats.append(f"drafter={self.drafter}")
+            if not self.pipeline:
+                feats.append("pipeline=False")
         if self.kv_bits:
             feats.append(f"kv_bits={self.kv_bits}")
         if self.batch > 1:
@@ -139,6 +144,7 @@ def draw_case(seed: int, verifiers: list[str]) -> Case:
     )
     if case.drafter == "model":
         case.ranked = ranked
+    case.pipeline = random.Random(seed + 41).random() < 0.7  # drawn apart, as above
     return case
 
 
@@ -234,7 +240,7 @@ class Verifiers:
 
 def _options(case: Case, mode: str, logprobs: int | None = None, **mode_options) -> dict:
     if mode in ("auto", "adaptive"):
-        mode_options = {**case.ranked, **mode_options}
+        mode_options = {**case.ranked, **({} if case.pipeline else {"pipeline": False}), **mode_options}
     o = dict(max_tokens=case.max_tokens, mode=mode, response_format=case.grammar, **case.penalties, **mode_options)
     if not case.greedy:
         o.update(temperature=1.0, seed=1000 + case.seed)
@@ -323,7 +329,8 @@ def run_cases(verifiers: Verifiers, seeds, names: list[str], mode: str = "auto")
     rep = Report()
     for seed in seeds:
         case = draw_case(seed, names)
-        for key in ("verifier", "greedy", "prefix_warm", "history_warm", "kv_bits", "batch", "drafter", "corpus"):
+        for key in ("verifier", "greedy", "prefix_warm", "history_warm", "kv_bits", "batch", "drafter", "corpus",
+                    "pipeline"):
             v = getattr(case, key)
             rep.coverage[f"{key}={v}"] = rep.coverage.get(f"{key}={v}", 0) + 1
         rep.coverage[f"grammar={bool(case.grammar)}"] = rep.coverage.get(f"grammar={bool(case.grammar)}", 0) + 1

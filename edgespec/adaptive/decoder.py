@@ -20,6 +20,15 @@ the default one's regret guard sends the decoder back to plain steps when the
 rounds realise fewer tokens/s than plain steps measured in the same window (a
 busy machine the prices did not see), and prices against those paired steps.
 
+Drafting ahead (edgespec.adaptive.pipeline): with a drafter that can draft while the verifier
+runs, a round may hand the drafter the next round's premise (its own chain up to where the tree
+keeps it, then its own next token) before the verifier's pass, so the next round's chain is
+drafted on the drafter's worker while this round is verified. When the pass commits exactly the
+premise, the next round drafts nothing (its chain is in hand, priced free); otherwise the early
+chain is dropped. The planner prices the choice each drafting round (`Overlap`: the slowdown each
+side causes the other, measured) and the policy carries it out (`Policy.pipeline`). Drafts are
+candidates only, so whatever was drafted ahead, every committed token is plain decoding's.
+
 When nothing is expected to beat a plain step, the decoder runs plain steps
 the way plain decoding does (the next step queued before the current token
 is handed out) and looks at the sources after each token, so silent sources
@@ -41,7 +50,7 @@ the decoder's state; the pricing is estimate.py, the sources sources.py, the cho
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -55,6 +64,7 @@ from edgespec.adaptive.estimate import (
     merge_candidates,
     plan_tree,
 )
+from edgespec.adaptive.pipeline import Direct, Overlap, Worker, placement
 from edgespec.adaptive.policy import Policy, TimedPolicy
 from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
 from edgespec.batch.cost import BatchCosts, joint_sizes
@@ -79,6 +89,7 @@ class Plan:
     rate: float = 0.0
     probe: bool = False
     expected: float | None = None  # tokens the round is expected to commit (what the prices assumed)
+    ahead: bool = False  # draft the next round while this one is verified (edgespec.adaptive.pipeline)
 
 
 class AdaptiveDecoder:
@@ -87,13 +98,17 @@ class AdaptiveDecoder:
     def __init__(self, model, sources, costs: Costs, drafter: DrafterSource | None = None,
                  guesses: int = 3, span: int = 16, max_tree: int = 32, probe_start: int = 8, probe_max: int = 128,
                  margin: float = 1.02, jacobi: JacobiSource | None = None, memory: dict | None = None,
-                 batch_aware: bool = True, after_request=None, policy: Policy | None = None):
+                 batch_aware: bool = True, after_request=None, policy: Policy | None = None,
+                 pipeline: bool = True, overlap: Overlap | None = None):
         """costs: the verify-cost curve, learnt from this decoder's passes run alone (the engine
         shares one between its decoders and persists it, edgespec.calibration).
         memory: a dict kept by the engine across requests (acceptance, the plain step's time,
         probe waits); each request starts from it and writes back what it learned.
         after_request: called once a request's rounds end (the engine publishes and saves costs).
-        policy: carries out (or replaces, in tests) every timing-driven choice (edgespec.adaptive.policy)."""
+        policy: carries out (or replaces, in tests) every timing-driven choice (edgespec.adaptive.policy).
+        pipeline: allow drafting the next round while this one is verified, where the drafter
+        can (edgespec.adaptive.pipeline); overlap: its pricing, fixed (tests, benchmarks), else
+        the one kept in `memory` (slowdowns measured as it runs)."""
         self.model = model
         self.policy = policy if policy is not None else TimedPolicy()
         self.clock = self.policy.clock  # every duration the decoder measures (a fake one in tests)
@@ -111,6 +126,12 @@ class AdaptiveDecoder:
         self.batch_aware = batch_aware  # price trees against the running batch (edgespec.batch.cost)
         self.after_request = after_request
         self._batch_ctx = None
+        self.pipeline = bool(pipeline)
+        self._overlap_given = overlap
+        self.overlap: Overlap | None = None  # set per request when drafting ahead is possible
+        self._lane = Direct()  # where drafter calls run: the drafter's worker when drafting ahead
+        self._early = None  # the next round's candidates drafted ahead, when their premise held
+        self._overlapped = False  # the last tree round's pass ran beside a draft
         priors = {}  # first guesses of the per-depth acceptance, as each source declares them
         for src in self.sources:
             priors.update(src.priors)
@@ -176,7 +197,14 @@ class AdaptiveDecoder:
     def _plan(self, seq: list[int]) -> Plan:
         """What this round does: the timed choice (`_timed_plan`), as the policy carries it out."""
         plan = self._timed_plan(seq)
-        return self.policy.plan(plan, bool(plan.cands), self.drafter is not None, KMAX)
+        plan = self.policy.plan(plan, bool(plan.cands), self.drafter is not None, KMAX)
+        if plan.kind == "tree" and plan.draft_k and self._can_ahead():
+            ahead = self.policy.pipeline(plan.ahead)
+            if ahead != plan.ahead:
+                plan = replace(plan, ahead=ahead)
+        elif plan.ahead:
+            plan = replace(plan, ahead=False)
+        return plan
 
     def _timed_plan(self, seq: list[int]) -> Plan:
         allowed = getattr(self.model, "speculation_allowed", None) if self._batch_ctx is not None else None
@@ -205,7 +233,10 @@ class AdaptiveDecoder:
         # Drafting runs inside this sequence's turn: in a batch every row waits for it. A call
         # first catches the drafter up on the tokens it has not seen (other sources' rounds):
         # priced apart, once per call, then k drafted tokens.
-        cost = d.draft_s(seq, ks, plain_s) + np.array([costs.verify(int(t)) for t in t_tree + ks])
+        # A chain drafted ahead (its premise held) is in hand: up to its length, drafting is free.
+        free = len(self._early[0].tokens) if self._early else 0
+        cost = np.where(ks <= free, 0.0, d.draft_s(seq, ks, plain_s)) \
+            + np.array([costs.verify(int(t)) for t in t_tree + ks])
         rates = gain / cost
         k = int(np.argmax(rates))
         probe = False
@@ -215,7 +246,22 @@ class AdaptiveDecoder:
             probe = True  # measure the drafter again, now and then (waits grow while it loses)
         else:
             return best
-        return Plan("tree", cands, int(ks[k]), float(rates[k]), probe, expected=float(gain[k] - others))
+        kk = int(ks[k])
+        ahead = self._ahead_pays(costs.verify(int(t_tree + kk)), kk, plain_s, kk < free)
+        return Plan("tree", cands, kk, float(rates[k]), probe, expected=float(gain[k] - others), ahead=ahead)
+
+    def _can_ahead(self) -> bool:
+        return self.overlap is not None and not self._in_batch()
+
+    def _ahead_pays(self, verify_s: float, k: int, plain_s: float, guess_free: bool) -> bool:
+        """Does drafting the next round (k + 1 tokens: k and the guess after them) during this
+        round's pass (verify_s alone) beat drafting it after (`Overlap.price`)? The premise
+        holds when the chain of k and the drafter's guess are all what the verifier draws."""
+        if not self._can_ahead():
+            return False
+        tok = self.drafter.cost.value(plain_s)
+        p = float(self.acc.path_probs("drafter", 0, k + 1)[k])
+        return self.overlap.choose(verify_s, (k + 1) * tok, 0.0 if guess_free else tok, p)
 
     # ------------------------------------------------------------------ steps
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
@@ -242,6 +288,16 @@ class AdaptiveDecoder:
         if self.jacobi is not None and "wctl" not in mem:
             mem["wctl"] = StepController(kinds=("full", "lean"))
         self.wctl = mem.get("wctl") if self.jacobi is not None else None
+        # Drafting ahead, with a drafter that can: every drafter call then runs on the drafter's
+        # worker thread; rounds draft ahead only while this row runs alone (`_can_ahead`).
+        self._early, self._overlapped = None, False
+        self._ahead_counts = [0, 0]  # rounds drafted ahead, premises held (this request)
+        d = self.drafter
+        if self.pipeline and d is not None and d.ahead_refused is None:
+            self.overlap = self._overlap_given or mem.setdefault("overlap", Overlap(placement(d.drafter)))
+            self._lane = Worker()
+        else:
+            self.overlap, self._lane = None, Direct()
         cache = model.make_cache()
         if self.drafter is not None:
             self.drafter.bind_verifier_cache(cache)  # for a drafter that reads it (Gemma 4's assistant)
@@ -261,6 +317,12 @@ class AdaptiveDecoder:
         try:
             yield from self._rounds(cache, seq, sampler, stats, greedy)
         finally:
+            self._lane.close()  # a draft still running ahead ends before the drafter is let go
+            self._early = None
+            if self._ahead_counts[0]:
+                o = self.overlap
+                stats.notes.append(f"drafted ahead: {self._ahead_counts[0]} rounds, premise held "
+                                   f"{self._ahead_counts[1]}; slowdown verify x{o.s_v:.2f}, draft x{o.s_d:.2f}")
             mem.update(acc=self.acc, probe_wait=self.probe_wait, host=self._host, since_probe=self._since_probe)
             if self._plain_measured:
                 mem["plain_s"] = self.plain_s
@@ -291,7 +353,7 @@ class AdaptiveDecoder:
                 self.wctl.record("full" if window else "lean", len(new), dt)
             # A window round's extra tokens are priced by the window controller; in a batch the
             # round's time is the whole step's, not this tree's cost alone.
-            if not window and alone:
+            if not window and alone and not self._overlapped:  # (an overlapped pass is not alone)
                 self.costs.observe(T, dt - (self._draft_time if plan.draft_k else 0.0))
             seq.extend(new)
             for t, lpv, src in zip(new, lps, srcs, strict=True):
@@ -368,19 +430,53 @@ class AdaptiveDecoder:
         for source, (m, tried, bucket) in deepest.items():
             self.acc.record(source, bucket, m, tried)
 
-    def _tree_round(self, cache, seq, plan: Plan, sampler, stats, window: bool = False):
-        cands = list(plan.cands)
+    def _chain(self, seq, plan: Plan, stats) -> tuple[list[Candidate], list[int]]:
+        """This round's drafter candidates (vetted) and the whole chain drafted (the guess
+        after the planned k included when drafting ahead): drafted ahead (its premise held),
+        else drafted now, on the drafter's worker when it has one."""
+        k_ask = plan.draft_k + (1 if plan.ahead else 0)
+        early, self._early = self._early, None
         self._draft_time = 0.0
-        if plan.draft_k:
+        if early is not None and len(early[0].tokens) >= min(k_ask, plan.draft_k + 1):
+            drafted = early  # drafted during the last round's pass: nothing to wait for
+        else:
+            self._draft_priced = self.drafter.draft_s(seq, k_ask, self.plain_s)
             td = self.clock()
+            if self.overlap is not None:
+                self.drafter.pin(seq)  # the verifier cache read here, on its own thread
             # Drafted greedily: its tokens are point-mass candidates like every other source's.
-            drafted = self.drafter.draft(seq, plan.draft_k, self._greedy)
+            drafted, _ = self._lane.call(self.drafter.draft, seq, k_ask, self._greedy)
             self._draft_time = self.clock() - td
             if not self._in_batch():
                 self.drafter.observe()  # seconds per drafted token, learnt
             stats.draft_s += self._draft_time
-            self._drafted(plan)
-            cands.extend(self._vet(seq, [c for c in drafted if c.tokens]))
+        self._drafted(plan)
+        whole = list(drafted[0].tokens)
+        return self._vet(seq, [c for c in (_cut(c, plan.draft_k) for c in drafted) if c is not None]), whole
+
+    def _premise(self, seq, nodes, kept: list[int], chain: list[int]) -> list[int] | None:
+        """What the next round drafts ahead from: seq, then the chain's tokens the tree keeps
+        (all accepted) and the chain's next token (what the drafter expects the verifier to
+        draw there); None when the chain has no token past the kept ones."""
+        inside = set(kept)
+        parent, j = -1, 0
+        while j < len(chain):
+            nxt = next((i for i in inside if nodes[i].parent == parent and nodes[i].token == chain[j]), None)
+            if nxt is None:
+                break
+            parent, j = nxt, j + 1
+        return list(seq) + chain[: j + 1] if j < len(chain) else None
+
+    def _tree_round(self, cache, seq, plan: Plan, sampler, stats, window: bool = False):
+        cands = list(plan.cands)
+        self._draft_time = 0.0
+        self._overlapped = False
+        chain: list[int] = []
+        if plan.draft_k:
+            drafted, chain = self._chain(seq, plan, stats)
+            cands.extend(drafted)
+        elif self._early is not None:
+            self._early = None  # drafted ahead for a round that does not draft: dropped
         nodes = merge_candidates([(c.tokens, self._probs(c)) for c in cands])
         costs, plain_s, others, cap = self._pricing(nodes)
         kept, _ = plan_tree(nodes, costs, 0.0, plain_s, cap, margin=0.0, others=others)
@@ -391,12 +487,41 @@ class AdaptiveDecoder:
         if window:
             tree.add_window(self.jacobi.levels)
         T = len(tree)
+        # Draft the next round from its premise while this pass runs (plan.ahead).
+        ahead = None
+        premise = self._premise(seq, nodes, kept, chain) if plan.ahead and chain and self._can_ahead() else None
+        if premise is not None:
+            d, k_next = self.drafter, plan.draft_k
+            alone_s = d.draft_s(premise, k_next + 1, self.plain_s)  # priced now: the worker is idle
+            d.pin(seq)
+            ahead = self._lane.submit(d.draft, premise, k_next + 1, self._greedy)
         tv = self.clock()
         path, nxt, lps, draws = verify_round(self.model, cache, tree, len(seq), sampler)
         if window:
             self.jacobi.harvest([draws[n] for n in tree.window[-1]])
         new = [tree.tokens[n] for n in path] + [nxt]
-        stats.verify_s += self.clock() - tv
+        verify_s = self.clock() - tv
+        if ahead is not None:
+            # The round ends when the early draft does: its premise held, or it is dropped.
+            self._overlapped = True
+            o = self.overlap
+            o.observe("v_over", verify_s, costs.verify(T))
+            early, dt_d = ahead.result()
+            o.observe("d_over", dt_d, alone_s)
+            o.rounds["ahead"] += 1
+            self._ahead_counts[0] += 1
+            stats.draft_s += dt_d
+            if list(seq) + new == premise:
+                self._early = early
+                o.hits += 1
+                self._ahead_counts[1] += 1
+                stats.hidden_draft_s += min(dt_d, verify_s)
+        elif plan.draft_k and self.overlap is not None and not self._in_batch():
+            self.overlap.rounds["sync"] += 1
+            self.overlap.observe("v_alone", verify_s, costs.verify(T))
+            if self._draft_time:
+                self.overlap.observe("d_alone", self._draft_time, self._draft_priced)
+        stats.verify_s += verify_s
         stats.verifier_passes += 1
         srcs = [tree.sources[n] for n in path] + ["verifier"]
         stats.record_draft(tree.depth(), len(path))
@@ -420,6 +545,7 @@ class AdaptiveDecoder:
             t = sampler.sample_at(lp[None], [position])[0]
             return t, lp[t]
 
+        self._early = None  # a chain drafted ahead was for the sequence before these steps
         pending = None  # the step after seq's end, when already queued
         steps = 0
         go_on = True
@@ -480,6 +606,17 @@ class AdaptiveDecoder:
             go_on = self._plan(seq).kind == "plain" and not self._window_now()
             if not go_on and pending is None:
                 return
+
+
+def _cut(c: Candidate, k: int) -> Candidate | None:
+    """A drafter candidate within the first k drafted positions (the chain's guess past the
+    planned k is not verified: it is the premise of the next round's early draft)."""
+    if c.own >= k:
+        return None
+    if len(c.tokens) <= k:
+        return c
+    return Candidate(c.tokens[:k], c.source, c.bucket, None if c.logprobs is None else c.logprobs[:k],
+                     None if c.token_buckets is None else c.token_buckets[:k], c.own)
 
 
 def draw_tokens(logits: mx.array, parents: list[int], position: int, sampler: Sampler):

@@ -41,6 +41,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from edgespec.adaptive.estimate import DraftCost
+from edgespec.adaptive.pipeline import can_draft_ahead
 from edgespec.lookahead.pool import JacobiWindow, NgramPool
 
 
@@ -225,6 +226,8 @@ class DrafterSource:
         self.last_s = 0.0  # seconds of the last draft call, the drafter's prefill of the prompt excluded
         self.last_unseen = 0  # committed tokens the last draft call fed before drafting
         self.last_k = 0  # tokens the last draft call drafted (a ranking drafter may stop early)
+        # Why it cannot draft while the verifier runs (None: it can; edgespec.adaptive.pipeline)
+        self.ahead_refused = can_draft_ahead(drafter)
 
     @property
     def caps(self) -> Capabilities:
@@ -289,6 +292,17 @@ class DrafterSource:
                 out.append(Candidate(list(d.tokens[:j]) + [int(ids[j, r])], self.name, 0, None,
                                      chain.token_buckets[:j] + (sure_bucket("r", p),), own=j))
         return out
+
+    def pin(self, seq: list[int]) -> None:
+        """Before the verifier's pass that a draft ahead overlaps: a drafter that reads the
+        verifier's cache reads its verified positions (those of `seq` but its last) now
+        (`DrafterCaps.ahead`); any other needs nothing."""
+        if self.drafter.caps.ahead:
+            if self._prompt is not None:
+                self.drafter.begin(self._prompt)
+                self._prompt = None
+            self.drafter.sync(list(seq))
+            self.drafter.pin()
 
     def observe(self) -> None:
         """Learn the costs from the last draft call (`last_k` tokens drafted after feeding

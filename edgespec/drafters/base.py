@@ -73,6 +73,10 @@ class DrafterCaps:
     ranks: `draft(k, sampler, ranks=A, floor=f)` also returns every drafted position's A most
         likely tokens and their probabilities (`Draft.ranked`), and stops drafting early once
         the product of its own top probabilities falls below f (at least one token).
+    ahead: a drafter that reads the verifier's cache can still draft while the verifier's next
+        pass runs (pipelined `auto`, edgespec.adaptive.pipeline): `pin()` reads the cache's
+        verified positions now, and its next draft feeds every committed token after them
+        from a scratch of its own, never looking at the cache the pass is changing.
     """
 
     reads: str = "nothing"
@@ -84,6 +88,7 @@ class DrafterCaps:
     modes: frozenset = ALL_MODES
     catches_up: bool = False
     ranks: bool = False
+    ahead: bool = False
 
     def __post_init__(self):
         if self.reads not in READS:

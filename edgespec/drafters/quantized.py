@@ -34,6 +34,7 @@ from edgespec.drafters.base import CHAIN_MODES, Draft, DrafterCaps, ReadsVerifie
 from edgespec.errors import ModelLoadError
 from edgespec.kernels import q8
 from edgespec.models.base import MLP, Attention, DecoderLayer, Model, RoPE, rope_table
+from edgespec.weights.numerics import runs_as_metal
 
 NAME = "int8"
 # New positions a draft call can hold: the tokens after the verifier's cache (one, in the
@@ -83,9 +84,10 @@ def unsupported(model) -> str | None:
     return None
 
 
-def available(model) -> str | None:
-    """Why the int8 drafter cannot draft for `model` here, or None when it can."""
-    if mx.default_device().type != mx.DeviceType.cpu:
+def available(model, as_metal: bool = False) -> str | None:
+    """Why the int8 drafter cannot draft for `model` here, or None when it can. `as_metal`: the
+    model runs in Metal's numerics (edgespec.weights.numerics), where it is refused as on a Mac."""
+    if as_metal or mx.default_device().type != mx.DeviceType.cpu:
         return "it drafts on the CPU device only (on Metal, MLX's quantized products are the tool)"
     why = unsupported(model)
     if why is not None:
@@ -123,7 +125,7 @@ def quantize_model(model) -> q8.Q8Model:
 class QuantizedDrafter(ReadsVerifierCache):
     """Drafts with the verifier's own weights in int8 over the verifier's cache (module notes)."""
 
-    caps = DrafterCaps(reads="verifier_cache", forks=True, runs_on="host", modes=CHAIN_MODES)
+    caps = DrafterCaps(reads="verifier_cache", forks=True, runs_on="host", modes=CHAIN_MODES, ahead=True)
     expected_acceptance = 0.9  # before any is measured (98% agreement teacher-forced, SmolLM2)
 
     def __init__(self, verifier, weights: q8.Q8Model, name: str = NAME):
@@ -135,6 +137,7 @@ class QuantizedDrafter(ReadsVerifierCache):
         self.seq: list[int] = []
         self._last_draft: list[int] = []
         self._scratch: tuple[np.ndarray, np.ndarray] | None = None
+        self._pinned = None  # the verified context `pin` read, for the next draft (drafting ahead)
 
     @property
     def host_bytes(self) -> int:
@@ -144,7 +147,7 @@ class QuantizedDrafter(ReadsVerifierCache):
         """This drafter for one request: the same int8 weights, a cache binding, committed
         sequence and scratch of its own."""
         twin = copy.copy(self)
-        twin.cache, twin.seq, twin._last_draft, twin._scratch = None, [], [], None
+        twin.cache, twin.seq, twin._last_draft, twin._scratch, twin._pinned = None, [], [], None, None
         return twin
 
     def _context(self):
@@ -176,9 +179,18 @@ class QuantizedDrafter(ReadsVerifierCache):
         table = rope_table(self.rope, start + n)
         return _numpy(table[0][start : start + n]), _numpy(table[1][start : start + n])
 
+    def pin(self) -> None:
+        """Read the verifier cache's verified positions now (the committed sequence synced
+        first), for the next draft, made while the verifier's next pass changes the cache
+        (drafting ahead, `DrafterCaps.ahead`): that draft feeds every token after them, its
+        premise included, into the scratch (SCRATCH positions in all). The pass writes only
+        positions after the pinned ones (its tree, then the accepted path packed in place)."""
+        self._pinned = self._context()
+
     # ------------------------------------------------------------- protocol
     def draft(self, k: int, sampler) -> Draft:
-        got = self._context() if k >= 1 else None
+        pinned, self._pinned = self._pinned, None
+        got = (pinned if pinned is not None else self._context()) if k >= 1 else None
         if got is None:
             return self._no_draft()
         ctx, n = got
@@ -203,7 +215,7 @@ class QuantizedDrafter(ReadsVerifierCache):
     def load(cls, verifier) -> QuantizedDrafter:
         """For `verifier` (an Engine or LoadedModel); ModelLoadError where `available` says no."""
         model = getattr(getattr(verifier, "loaded", verifier), "model", verifier)
-        why = available(model)
+        why = available(model, as_metal=runs_as_metal(verifier))
         if why is not None:
             raise ModelLoadError(f"drafter 'int8' cannot draft for this model: {why}")
         return cls(model, quantize_model(model))

@@ -65,6 +65,9 @@ OPTIONS = [
            "on a CPU they lose, see docs/adaptive.md)", 0, 4),
     Option("draft_floor", "float", SURE_FLOOR, "such a drafter stops its chain once the product of its own "
            "probabilities of the drafted tokens falls below this (0: it drafts what the planner asked; e.g. 0.4)", 0.0, 1.0),
+    Option("pipeline", "bool", True, "let the planner draft the next round while this one is verified, "
+           "when the drafter can (an MLX, Core ML or int8 drafter; priced each round from the measured "
+           "slowdown each side causes the other; 0: always draft between passes)"),
     Option("batch_aware", "bool", True, "inside a batch of concurrent requests, verify a tree only when it "
            "raises the whole batch's tokens/s (0: price it as if alone, for measurements)"),
 ]
@@ -139,6 +142,7 @@ def make_adaptive_mode(engine, options, use_drafter: bool = True) -> AdaptiveDec
         span=span,
         max_tree=min(o.get("max_tree", 32), MAX_TREE),
         batch_aware=o.get("batch_aware", True),
+        pipeline=o.get("pipeline", True),
         after_request=lambda: _after_request(engine, store),
         policy=policy_for(engine),
     )

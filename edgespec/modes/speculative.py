@@ -8,8 +8,9 @@ Pipelining: while the verifier checks round r, a worker thread already drafts
 round r+1 assuming every draft is kept and the bonus token equals the drafter's
 own next proposal (it drafts K+1 tokens; the last is that guess). A wrong guess
 throws the early work away (`drafter.sync` rolls its cache back). The drafter
-only ever runs on that worker, on the worker's own MLX stream, so no MLX graph
-is shared between threads; only evaluated arrays cross.
+only ever runs on that worker (edgespec.adaptive.pipeline.Worker, which mode `auto`
+drafts ahead on too), on the worker's own MLX stream, so no MLX graph is shared
+between threads; only evaluated arrays cross.
 
 Randomness is keyed by round: round r's drafter and verifier draws come from
 samplers seeded by (generation seed, r), so the work done ahead for round r+1
@@ -19,14 +20,14 @@ draws exactly what an unpipelined run would.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import mlx.core as mx
 
 from edgespec.adaptive.estimate import Costs, DraftCost, PlainTimer
+from edgespec.adaptive.pipeline import Direct as _Direct
+from edgespec.adaptive.pipeline import Worker as _Worker
 from edgespec.adaptive.policy import policy_for
 from edgespec.calibration import SIZES, cost_store, prior_curve
 from edgespec.controller import CostModel, KController
@@ -39,67 +40,6 @@ from edgespec.modes.registry import register_mode
 from edgespec.modes.schema import PIPELINE
 
 KMAX = 8  # largest K the controller considers
-
-
-class _Worker:
-    """One long-lived thread with its own MLX stream; runs drafter calls in submission order.
-
-    A single process-wide worker: a stream made with mx.new_stream per generation
-    left the process aborting at exit, so the thread (and with it its default
-    stream) lives as long as the process.
-    """
-
-    _pool: ThreadPoolExecutor | None = None
-    _guard = threading.Lock()
-
-    def __init__(self):
-        with _Worker._guard:
-            if _Worker._pool is None:
-                _Worker._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-drafter")
-                # Runs at interpreter shutdown before concurrent.futures joins its threads.
-                threading._register_atexit(_Worker._shutdown)
-
-    @staticmethod
-    def _shutdown():
-        # Drain the worker's MLX stream and stop the thread before the interpreter
-        # finalizes: an MLX stream thread that still holds Python-owned buffers would
-        # otherwise try to take the GIL during finalization, and the forced unwind of
-        # that thread through MLX's C++ frames aborts the process (seen as exit 134).
-        pool, _Worker._pool = _Worker._pool, None
-        if pool is not None:
-            pool.submit(mx.synchronize).result()
-            pool.shutdown(wait=True)
-        mx.synchronize()
-
-    @staticmethod
-    def _run(fn, args):
-        # MLX gives every thread its own default stream, so the drafter's graphs are
-        # scheduled apart from the verifier's; evaluated arrays are safe to share.
-        t0 = time.perf_counter()
-        out = fn(*args)
-        return out, time.perf_counter() - t0
-
-    def submit(self, fn, *args):
-        return _Worker._pool.submit(_Worker._run, fn, args)
-
-    def call(self, fn, *args):
-        return self.submit(fn, *args).result()
-
-    def close(self):
-        # Wait for work still queued (an early draft) so the drafter is idle afterwards.
-        self.submit(lambda: None).result()
-
-
-class _Direct:
-    """Same interface as _Worker, running on the caller's thread."""
-
-    def call(self, fn, *args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        return out, time.perf_counter() - t0
-
-    def close(self):
-        pass
 
 
 def _seed(base: int, *ids: int) -> int:

@@ -1,0 +1,189 @@
+"""Drafting while verifying: the drafter's worker thread, and what overlap is worth.
+
+A drafter whose work runs off the verifier's thread (an MLX drafter on its own stream, the
+int8 host drafter whose native pass releases the GIL, a Core ML drafter on the Neural
+Engine) can draft round r+1 while round r is verified: from the premise that round r
+commits the branch the drafter itself expects (its chain up to where the tree keeps it,
+then its own next token). When the verification commits exactly that, the next round's
+draft is already in hand; otherwise it is dropped. Modes `speculative` and `auto` both run
+their drafter on the one `Worker` below.
+
+`Overlap` prices the choice. Over two rounds, synchronous drafting costs v + d (this
+round's verify pass, the next round's draft); drafting ahead costs max(v * s_v, d * s_d)
+plus d again when the premise fails (probability 1 - p), plus the one extra token drafted
+as the guess. s_v and s_d are what each side slows the other by when both run at once
+(shared cores, shared memory bandwidth): measured from the overlapped rounds, as the
+ratio of their times to the same work's priced time alone; before that, a prior by where
+the two run (one CPU: they compete; different units: nearly free). Until a few overlapped
+rounds are measured, one drafting round in `PROBE_EVERY` overlaps anyway to measure them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+
+# Slowdown priors (time overlapped / time alone), before any overlapped round is measured.
+# "shared": drafter and verifier on the same CPU cores (a guess: two passes that each want
+# every core roughly halve each other's speed; measured values replace it at once).
+# "apart": the drafter on its own unit (Neural Engine, another GPU stream, another machine);
+# memory bandwidth is still shared (a guess, for a Mac's unified memory).
+PRIOR_SLOWDOWN = {"shared": (1.8, 1.8), "apart": (1.1, 1.1)}
+PROBE_EVERY = 16  # drafting rounds between overlap probes while fewer than MEASURED are in
+MEASURED = 3  # overlapped rounds measured before the prices alone decide
+EMA = 0.2  # weight of a new measurement
+
+
+class Worker:
+    """One long-lived thread with its own MLX stream; runs drafter calls in submission order.
+
+    A single process-wide worker: a stream made with mx.new_stream per generation
+    left the process aborting at exit, so the thread (and with it its default
+    stream) lives as long as the process.
+    """
+
+    _pool: ThreadPoolExecutor | None = None
+    _guard = threading.Lock()
+
+    def __init__(self):
+        with Worker._guard:
+            if Worker._pool is None:
+                Worker._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-drafter")
+                # Runs at interpreter shutdown before concurrent.futures joins its threads.
+                threading._register_atexit(Worker._shutdown)
+
+    @staticmethod
+    def _shutdown():
+        # Drain the worker's MLX stream and stop the thread before the interpreter
+        # finalizes: an MLX stream thread that still holds Python-owned buffers would
+        # otherwise try to take the GIL during finalization, and the forced unwind of
+        # that thread through MLX's C++ frames aborts the process (seen as exit 134).
+        pool, Worker._pool = Worker._pool, None
+        if pool is not None:
+            pool.submit(mx.synchronize).result()
+            pool.shutdown(wait=True)
+        mx.synchronize()
+
+    @staticmethod
+    def _run(fn, args):
+        # MLX gives every thread its own default stream, so the drafter's graphs are
+        # scheduled apart from the verifier's; evaluated arrays are safe to share.
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
+
+    def submit(self, fn, *args):
+        """A future of (fn(*args), seconds on the worker)."""
+        return Worker._pool.submit(Worker._run, fn, args)
+
+    def call(self, fn, *args):
+        return self.submit(fn, *args).result()
+
+    def close(self):
+        # Wait for work still queued (an early draft) so the drafter is idle afterwards.
+        self.submit(lambda: None).result()
+
+
+class Direct:
+    """Same interface as Worker, running on the caller's thread (nothing is ever ahead)."""
+
+    def call(self, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
+
+    def close(self):
+        pass
+
+
+def can_draft_ahead(drafter) -> str | None:
+    """Why `drafter` (a Drafter) cannot draft while the verifier runs, or None when it can.
+
+    It must roll back a wrong premise (`sync`) and read nothing the verifier has not computed
+    yet: a feature drafter never drafts ahead; a drafter that reads the verifier's cache only
+    when it declares `DrafterCaps.ahead` (it pins the cache's verified positions before the
+    verifier's pass and keeps the premise's own positions in a scratch: the int8 drafter)."""
+    caps = drafter.caps
+    if caps.needs_features:
+        return "it reads the verifier's features"
+    if not caps.syncs:
+        return "it cannot roll back a wrong guess"
+    if caps.reads_verifier and not getattr(caps, "ahead", False):
+        return "it reads the verifier's cache and cannot pin it"
+    return None
+
+
+def placement(drafter) -> str:
+    """"apart" when the drafter computes on another unit than the verifier, else "shared"."""
+    dev = getattr(drafter, "device", "cpu")
+    return "shared" if dev in ("cpu", "none", mx.default_device().type.name) else "apart"
+
+
+class Overlap:
+    """What drafting ahead costs and saves (module notes): measured slowdowns, priced.
+
+    fixed: (s_v, s_d) held fixed (tests, benchmarks: injected costs); else learnt."""
+
+    def __init__(self, where: str = "shared", fixed: tuple[float, float] | None = None):
+        s_v, s_d = fixed if fixed is not None else PRIOR_SLOWDOWN[where]
+        self.fixed = fixed is not None
+        # time / priced time of verify passes ("v") and drafts ("d"), alone and overlapped:
+        # the slowdown is their quotient, so a cost model that is off by a factor cancels out
+        self.ratio = {"v_alone": 1.0, "v_over": s_v, "d_alone": 1.0, "d_over": s_d}
+        self.n = dict.fromkeys(self.ratio, 0)
+        self.drafting_rounds = 0  # drafting rounds since the last probe
+        self.rounds = {"sync": 0, "ahead": 0}  # rounds run each way (counts, for reports)
+        self.hits = 0  # early drafts whose premise held
+
+    @property
+    def s_v(self) -> float:
+        """A verify pass's time beside a draft, over its time alone."""
+        return self.ratio["v_over"] / self.ratio["v_alone"]
+
+    @property
+    def s_d(self) -> float:
+        """A draft's time beside a verify pass, over its time alone."""
+        return self.ratio["d_over"] / self.ratio["d_alone"]
+
+    # ------------------------------------------------------------ measured
+    def observe(self, key: str, seconds: float, priced: float) -> None:
+        """A verify pass or a draft (`key`: "v_alone", "v_over", "d_alone", "d_over") took
+        `seconds` where its price alone was `priced`."""
+        if self.fixed or priced <= 0 or seconds <= 0:
+            return
+        r = seconds / priced
+        self.ratio[key] = r if self.n[key] == 0 else (1 - EMA) * self.ratio[key] + EMA * r
+        self.n[key] += 1
+
+    @property
+    def measured(self) -> bool:
+        return self.fixed or min(self.n["v_over"], self.n["d_over"]) >= MEASURED
+
+    # ------------------------------------------------------------ priced
+    def price(self, verify_s: float, draft_s: float, token_s: float, p: float) -> tuple[float, float]:
+        """(synchronous, ahead) seconds of this round's verify pass plus the next round's draft:
+        verify_s this round's pass alone, draft_s the next round's draft alone, token_s the
+        extra guess token, p the chance the premise holds."""
+        sync = verify_s + draft_s
+        ahead = max(verify_s * self.s_v, draft_s * self.s_d) + (1.0 - p) * draft_s + token_s
+        return sync, ahead
+
+    def choose(self, verify_s: float, draft_s: float, token_s: float, p: float) -> bool:
+        """Draft ahead this round? Priced (ahead must be cheaper), or a probe while unmeasured."""
+        sync, ahead = self.price(verify_s, draft_s, token_s, p)
+        if ahead < sync:
+            return True
+        if self.measured:
+            return False
+        self.drafting_rounds += 1
+        if self.drafting_rounds >= PROBE_EVERY:
+            self.drafting_rounds = 0
+            return True
+        return False
+
+    def describe(self) -> dict:
+        return {"s_verify": round(self.s_v, 3), "s_draft": round(self.s_d, 3), "measured": self.measured,
+                "rounds": dict(self.rounds), "hits": self.hits}
