@@ -53,9 +53,13 @@ def load(
 
         exact.set_enabled(bitwise)  # builds the CPU kernel now: fails before the model loads
 
-    from edgespec.hub.names import as_hub_name  # deferred: light import edgespec
+    from edgespec.hub.names import as_hub_name, local_path_error  # deferred: light import edgespec
 
     hub, paired, notes = as_hub_name(model), None, []
+    for spec, what in ((model, "model"), (drafter, "drafter")):
+        missing = local_path_error(spec)  # a mistyped local path: said so, never looked up on the hub
+        if missing:
+            raise ModelLoadError(f"{what} {missing}")
     if hub is not None or as_hub_name(drafter) is not None:  # names: resolved (fetched once) before loading
         from edgespec.hub.fetch import resolve  # deferred: light import edgespec
 

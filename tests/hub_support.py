@@ -1,7 +1,8 @@
 """A local stand-in for the Hugging Face hub's HTTP API, answering the calls huggingface_hub makes:
 model info with file sizes (GET /api/models/ORG/NAME[/revision/REV]), and file metadata and download
 (HEAD/GET /ORG/NAME/resolve/REV/PATH, with ETag / X-Linked-Etag / X-Repo-Commit, Range and 206).
-It can drop a connection mid-file, gate a repository (401 without the right token) and counts the
+It answers whatever commit and file list a test gives a repository (`Repo.sha`, `Repo.listing`), can
+drop a connection mid-file, gate a repository (401 without the right token) and counts the
 requests and bytes it served, so tests see exactly what a pull fetched."""
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ TOKEN = "hf_test_token"
 @dataclass
 class Repo:
     files: dict[str, Path]  # repository path -> file on disk served for it
-    sha: str = ""
+    sha: str = ""  # any text: the commit the hub answers (a test may give a hostile one)
     gated: bool = False
+    listing: dict[str, int] | None = None  # extra paths (-> size) listed but not served: any names a test gives
 
     def __post_init__(self):
         if not self.sha:
@@ -109,6 +111,7 @@ def _handler(hub: Hub):
                 siblings = [{"rfilename": k, "size": v.stat().st_size, "blobId": hub.etag(v)[:40],
                              "lfs": {"size": v.stat().st_size, "sha256": hub.etag(v), "pointerSize": 134}}
                             for k, v in sorted(repo.files.items())]
+                siblings += [{"rfilename": k, "size": int(n)} for k, n in sorted((repo.listing or {}).items())]
                 body = json.dumps({"id": m.group(1), "modelId": m.group(1), "sha": repo.sha,
                                    "siblings": siblings, "private": False, "gated": repo.gated}).encode()
                 return self._send(200, body, {"Content-Type": "application/json"})

@@ -103,7 +103,8 @@ def test_names_and_paths(tmp_path):
     os.chdir(tmp_path)
     try:
         assert as_hub_name("org/model") is None  # a local path that exists wins
-        assert as_hub_name("org/other") == parse("org/other")
+        assert as_hub_name("org/other") is None  # its first folder exists here: a (mistyped) path
+        assert as_hub_name("elsewhere/other") == parse("elsewhere/other")
     finally:
         os.chdir(cwd)
 

@@ -95,10 +95,14 @@ class ModelShelf:
                 pass  # the served model's app answers malformed or too deeply nested JSON
         if not isinstance(model, str) or model in self.served:
             return await self.primary(scope, replay, send)
-        from edgespec.hub.names import as_hub_name  # deferred: CLI start-up
+        from edgespec.hub import names  # deferred: CLI start-up
 
+        try:
+            names.check_spec(model)  # a name no file system could hold: refused before it reaches one
+        except names.BadNameError as e:
+            return await _json(send, 400, error_body(400, str(e), "model", "invalid_model"))
         if model not in stored_names():
-            if as_hub_name(model) is None:
+            if names.as_hub_name(model) is None:
                 return await self.primary(scope, replay, send)  # not a hub name: refused as before
             if not self.allow_pull:
                 hint = f"`edgespec pull {model}` fetches it (or start the server with --allow-pull)"

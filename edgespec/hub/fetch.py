@@ -84,7 +84,8 @@ def locate(name: HubName) -> Local | None:
     the last pull first, else the snapshot the cache's ref points to (fetched by any tool)."""
     cfg = store.settings()
     record = store.read_record(name)
-    if record and record.get("repo_id") == name.repo_id:
+    if record and record.get("repo_id") == name.repo_id and store.check_record(record, cfg.cache_dir) is None \
+            and record.get("kind") in ("bundle", "safetensors", "gguf"):
         folder = store.snapshot(name.repo_id, record["commit"], cfg.cache_dir)
         files = list(record.get("files") or [])
         if files and all((folder / f).is_file() for f in files):
@@ -117,9 +118,11 @@ def _missing_shards(folder: Path, sel: Selection) -> list[str]:
         if f.endswith(".safetensors.index.json"):
             try:
                 shards = set(json.loads((folder / f).read_text()).get("weight_map", {}).values())
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError, TypeError):
                 return [f]
-            missing += [s for s in sorted(shards) if not (folder / s).is_file()]
+            # a shard named outside the snapshot (absolute, '..', a link leading out) counts as missing
+            missing += [str(s)[:80] for s in sorted(shards, key=str) if not store.is_repo_path(s)
+                        or not (folder / s).is_file() or not store.inside(folder / s, folder.parent.parent)]
     return missing
 
 
@@ -270,8 +273,16 @@ def pull(name: HubName | str, progress: bool = True, report: Report | None = Non
         commit, sizes = _listing(name, cfg)
     except Exception as e:  # noqa: BLE001 - every hub/network failure becomes one line
         raise _hub_error(e, name, cfg.endpoint) from None
+    if not store.is_commit(commit):  # it becomes a folder name: ../ would lead out of the cache
+        raise HubError(f"the hub answered {name.repo_id}'s commit as {commit[:60]!r}, not 40 hex digits; "
+                       "refusing it (nothing fetched or recorded)")
+    sizes = {f: n for f, n in sizes.items() if store.is_repo_path(f)}  # never a path out of the snapshot
     sel = select(sorted(sizes), name.quant, name.repo_id)
     folder = store.snapshot(name.repo_id, commit, cfg.cache_dir)
+    unsafe = store.check_files(name.repo_id, commit, sel.files, cfg.cache_dir)
+    if unsafe is not None:
+        raise HubError(f"{name} in the cache: {unsafe}; refusing to use it (remove that entry of "
+                       f"{store.repo_folder(name.repo_id, cfg.cache_dir)} and pull again)")
     fetched = 0
     try:
         missing = [f for f in sel.files if f not in _cached(folder, sel.files)]
@@ -300,6 +311,8 @@ def pull(name: HubName | str, progress: bool = True, report: Report | None = Non
         raise HubError(f"{name}: its index names weights that are not in the repository: "
                        f"{', '.join(_missing_shards(folder, sel)[:3])}")
     record = store.read_record(name) or {}
+    if store.check_record(record) is not None:
+        record = {}  # an edited or damaged record: replaced whole
     record = {**record, "name": str(name), "repo_id": name.repo_id, "revision": name.revision, "quant": name.quant,
               "commit": commit, "kind": sel.kind, "files": sel.files, "pulled": time.time(),
               "size": sel.size(sizes)}
@@ -315,9 +328,9 @@ def pull(name: HubName | str, progress: bool = True, report: Report | None = Non
 
 def _what_is_missing(name: HubName) -> str:
     record = store.read_record(name)
-    if record:
+    if record and store.check_record(record) is None:
         folder = store.snapshot(name.repo_id, record["commit"])
-        gone = [f for f in record.get("files", []) if not (folder / f).is_file()]
+        gone = [f for f in record.get("files") or [] if not (folder / f).is_file()]
         return "missing: " + ", ".join(gone[:4]) if gone else "its files were removed"
     return "never fetched"
 
@@ -325,7 +338,7 @@ def _what_is_missing(name: HubName) -> str:
 def _pair(local: Local, progress: bool, say: Report, fetch: bool) -> list[str]:
     """Fetch (with `fetch`) and check the catalog's drafter for `local`; record the pairing."""
     pairing = paired_drafter(local.name.repo_id)
-    if pairing is None or local.record.get("drafter", {}).get("kind") == "shipped":
+    if pairing is None or _drafter_info(local.record).get("kind") == "shipped":
         return []
     if not pairing.fetches:
         info = {"kind": "mtp", "family": pairing.family}
@@ -351,6 +364,11 @@ def _pair(local: Local, progress: bool, say: Report, fetch: bool) -> list[str]:
     if local.record.get("repo_id"):
         store.write_record(local.name, local.record)
     return []
+
+
+def _drafter_info(record: dict) -> dict:
+    info = record.get("drafter")
+    return info if isinstance(info, dict) else {}
 
 
 def check_pairing_files(model: Local, drafter: Local) -> None:
@@ -397,7 +415,7 @@ def resolve(name: HubName | str, fetch: bool = True, progress: bool = True, repo
 
 
 def _run_drafter(local: Local) -> tuple[Path | None, list[str]]:
-    info = local.record.get("drafter") or {}
+    info = _drafter_info(local.record)
     if info.get("kind") in ("shipped", "mtp"):
         return None, []  # the loader finds a drafter/ folder or an MTP head itself
     if info.get("kind") == "model" and not info.get("verified"):

@@ -21,20 +21,31 @@ class Stored:
     drafter: str  # "mtp", "shipped", a hub name, or "" (none paired)
     last_used: float | None
     record: dict[str, Any]
+    problem: str | None = None  # why the record cannot be trusted (store.check_record): nothing of it is used
+    record_file: Path | None = None  # the record's own file under $EDGESPEC_HOME/hub
 
 
 def stored_models() -> list[Stored]:
     out = []
     cache = store.settings().cache_dir
-    for _path, r in store.all_records():
-        folder = store.snapshot(r["repo_id"], r["commit"], cache)
-        files = list(r.get("files") or [])
-        d = r.get("drafter") or {}
-        drafter = d.get("name") or d.get("kind") or ""
+    for path, r in store.all_records():
+        problem = store.check_record(r, cache)
+        name = r.get("name") if isinstance(r.get("name"), str) else r.get("repo_id")
+        name = name if isinstance(name, str) else path.stem
+        d = r.get("drafter") if isinstance(r.get("drafter"), dict) else {}
+        drafter = str(d.get("name") or d.get("kind") or "")
         if d.get("kind") == "model" and not d.get("verified"):
             drafter = f"{drafter} (refused: tokenizers differ)"
-        out.append(Stored(r.get("name") or r["repo_id"], r.get("kind", "?"), store.files_size(folder, files),
-                          all((folder / f).is_file() for f in files), drafter, r.get("last_used"), r))
+        kind = r.get("kind") if isinstance(r.get("kind"), str) else "?"
+        last = r.get("last_used") if isinstance(r.get("last_used"), (int, float)) else None
+        if problem is not None:
+            out.append(Stored(name, kind, 0, False, drafter, last, r, f"the record {path} is damaged: {problem}",
+                              path))
+            continue
+        folder = store.snapshot(r["repo_id"], r["commit"], cache)
+        files = list(r.get("files") or [])
+        out.append(Stored(name, kind, store.files_size(folder, files),
+                          all((folder / f).is_file() for f in files), drafter, last, r, None, path))
     return sorted(out, key=lambda s: s.name.lower())
 
 
@@ -57,10 +68,21 @@ class Removal:
     pointers: list[Path]
     blobs: list[Path]
     size: int
+    snapshot: Path | None = None
+
+
+class UnsafeRecordError(ValueError):
+    """A record names a path outside its snapshot (edited, or written from a hostile hub's answer)."""
 
 
 def plan_removal(stored: Stored) -> Removal:
+    """What removing `stored` deletes, every path checked first (UnsafeRecordError, nothing
+    deleted, when the record names one outside its snapshot or a link leading out of the cache)."""
     r = stored.record
+    problem = stored.problem or store.check_record(r)
+    if problem is not None:
+        raise UnsafeRecordError(f"{stored.name}: {problem}; nothing removed (remove that record yourself if "
+                                "it is not wanted)")
     name = parse(r["name"]) or HubName(r["repo_id"])
     repo = store.repo_folder(r["repo_id"])
     folder = repo / "snapshots" / r["commit"]
@@ -69,7 +91,8 @@ def plan_removal(stored: Stored) -> Removal:
         d for _p, d in store.all_records()
         if d.get("repo_id") == r["repo_id"] and d.get("name") != r.get("name")
     ]
-    kept = {(d["commit"], f) for d in other_records for f in d.get("files") or []}
+    kept = {(d.get("commit"), f) for d in other_records if isinstance(d.get("files"), list)
+            for f in d["files"] if isinstance(f, str)}
     pointers, blobs = [], []
     for f in r.get("files") or []:
         if (r["commit"], f) in kept:
@@ -95,7 +118,7 @@ def plan_removal(stored: Stored) -> Removal:
                 still_used.add(p.resolve())
     blobs = sorted({b for b in blobs if b not in still_used and b.is_file()})
     size = sum(b.stat().st_size for b in blobs) + sum(p.stat().st_size for p in pointers if not p.is_symlink())
-    return Removal(store.record_path(name), pointers, blobs, size)
+    return Removal(stored.record_file or store.record_path(name), pointers, blobs, size, folder)
 
 
 def remove(plan: Removal) -> None:
@@ -107,9 +130,8 @@ def remove(plan: Removal) -> None:
     plan.record.unlink(missing_ok=True)
     for p in plan.pointers:
         _prune(p.parent, stop=p.parents[len(p.parents) - 1])
-    if plan.pointers:
-        snap = next(p for p in plan.pointers[0].parents if p.parent.name == "snapshots")
-        _drop_empty_repo(snap)
+    if plan.pointers and plan.snapshot is not None:
+        _drop_empty_repo(plan.snapshot)
 
 
 def _drop_empty_repo(snap: Path) -> None:
@@ -121,7 +143,7 @@ def _drop_empty_repo(snap: Path) -> None:
     if refs.is_dir():
         for ref in refs.rglob("*"):
             try:
-                if ref.is_file() and ref.read_text().strip() == snap.name:
+                if ref.is_file() and store.inside(ref, repo) and ref.read_text().strip() == snap.name:
                     ref.unlink()
             except OSError:
                 pass

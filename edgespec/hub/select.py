@@ -48,6 +48,10 @@ def quant_of(filename: str) -> str | None:
     return m.group(1).upper() if m else None
 
 
+def _stem(filename: str) -> str:
+    return filename.rsplit("/", 1)[-1][: -len(".gguf")]
+
+
 def _gguf_files(paths: list[str]) -> list[str]:
     return sorted(p for p in paths if p.lower().endswith(".gguf") and "mmproj" not in p.lower())
 
@@ -76,13 +80,21 @@ def select(paths: list[str], quant: str | None = None, repo: str = "the reposito
         tags = {g: quant_of(g) for g in ggufs}
         offered = sorted({t for t in tags.values() if t})
         if quant is not None:
-            chosen = [g for g in ggufs if tags[g] == quant.upper()]
+            # a file's own name (its stem, or the whole name) picks it; else the quant tag
+            chosen = [g for g in ggufs if quant.lower() in (_stem(g).lower(), g.rsplit("/", 1)[-1].lower())]
+            chosen = chosen or [g for g in ggufs if tags[g] == quant.upper()]
             if not chosen:
                 raise NothingRunnableError(
                     f"{repo} has no GGUF file tagged {quant}; it offers {', '.join(offered) or ', '.join(ggufs[:5])}"
                 )
+            tag = quant
         else:
-            chosen = next(([g for g in ggufs if tags[g] == q] for q in DEFAULT_QUANTS if q in tags.values()), ggufs)
+            tag = next((q for q in DEFAULT_QUANTS if q in tags.values()), None)
+            chosen = [g for g in ggufs if tags[g] == tag] if tag else ggufs[:1]
+        if len(chosen) > 1:  # never the first by name without a word: the user picks
+            shown = ", ".join(chosen[:6]) + (", ..." if len(chosen) > 6 else "")
+            raise NothingRunnableError(f"{repo} has {len(chosen)} GGUF files tagged {tag.upper()}: {shown}; name one "
+                                       f"by its file name: " + " or ".join(f"{repo}:{_stem(g)}" for g in chosen[:2]))
         pick = chosen[0]
         if _SPLIT.search(pick):
             raise NothingRunnableError(f"{repo}: {pick} is one part of a split GGUF; edgespec reads single-file GGUFs "

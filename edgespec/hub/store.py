@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgespec.hub.names import HubName
+from edgespec.hub.names import HubName, parse
 from edgespec.paths import home
 
 RECORD_FORMAT = "edgespec-hub-record"
@@ -63,13 +63,72 @@ def snapshot(repo_id: str, commit: str, cache_dir: Path | None = None) -> Path:
     return repo_folder(repo_id, cache_dir) / "snapshots" / commit
 
 
+def is_commit(commit) -> bool:
+    """40 lower-case hex digits: the only commit edgespec puts into a path."""
+    return isinstance(commit, str) and _COMMIT.fullmatch(commit) is not None
+
+
+def is_repo_path(path) -> bool:
+    """A file path inside a repository as the hub names them: relative, '/'-separated, no '.', '..' or
+    empty parts, no backslash or control character."""
+    if not isinstance(path, str) or not path or len(path) > 4096 or path.startswith("/"):
+        return False
+    if "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return False
+    return all(part not in ("", ".", "..") and len(part.encode("utf-8", "surrogatepass")) <= 255
+               for part in path.split("/"))
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """`path`, every link followed, lies inside `folder` (links followed too)."""
+    try:
+        real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    except (OSError, ValueError):
+        return False
+    return real == root or root in real.parents
+
+
+def check_files(repo_id: str, commit, files, cache_dir: Path | None = None) -> str | None:
+    """Why the snapshot files `files` of `commit` cannot be used (a commit that is not 40 hex
+    digits, a path that leaves the snapshot, a link that leads out of the repository's cache folder),
+    or None when every one stays inside. Checked before anything is read or deleted."""
+    if not is_commit(commit):
+        return f"its commit {str(commit)[:60]!r} is not 40 hex digits"
+    if not isinstance(files, list):
+        return "its file list is not a list"
+    repo = repo_folder(repo_id, cache_dir)
+    folder = repo / "snapshots" / commit
+    if os.path.lexists(folder) and not inside(folder, repo):
+        return f"its snapshot folder {folder} leads outside {repo}"
+    for f in files:
+        if not is_repo_path(f):
+            return f"it names a file outside its snapshot ({str(f)[:80]!r})"
+        p = folder / f
+        if os.path.lexists(p.parent) and not inside(p.parent, folder):
+            return f"{f} lies in a folder that leads outside its snapshot ({os.path.realpath(p.parent)})"
+        if os.path.lexists(p) and not inside(p, repo):
+            return f"{f} in its snapshot leads outside {repo} (to {os.path.realpath(p)})"
+    return None
+
+
+def check_record(record: dict[str, Any], cache_dir: Path | None = None) -> str | None:
+    """Why a record cannot be trusted (check_files, or fields of the wrong shape), or None."""
+    repo_id, name = record.get("repo_id"), record.get("name")
+    if not isinstance(repo_id, str) or parse(repo_id) is None or parse(repo_id).repo_id != repo_id:
+        return f"its repository {str(repo_id)[:80]!r} is not ORG/NAME"
+    if name is not None and (not isinstance(name, str) or parse(name) is None):
+        return f"its name {str(name)[:80]!r} is not a hub name"
+    return check_files(repo_id, record.get("commit"), record.get("files") or [], cache_dir)
+
+
 def local_files(folder: Path) -> list[str]:
     """Relative paths of the complete files in a snapshot folder (links to blobs that exist)."""
     if not folder.is_dir():
         return []
     out = []
+    repo = folder.parent.parent
     for p in folder.rglob("*"):
-        if p.is_file():  # follows the link: a pointer whose blob is gone is not a file
+        if p.is_file() and inside(p, repo):  # follows the link: a pointer whose blob is gone is not a file
             out.append(p.relative_to(folder).as_posix())
     return sorted(out)
 
