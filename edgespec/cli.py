@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "pull": "edgespec.apps.pull",
     "list": "edgespec.apps.models",
     "rm": "edgespec.apps.rm",
+    "doctor": "edgespec.apps.doctor",
 }
 
 

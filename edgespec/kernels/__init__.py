@@ -20,6 +20,25 @@ from edgespec.kernels.tree import (
 
 KERNELS = (TREE_MASK, TREE_ACCEPT, KV_GATHER)
 
+# Every Metal kernel by the name its self-check verdict is kept under (edgespec.kernels.spec.usable;
+# a name ending in "_" is a family, one kernel per key head size), what it does, and the dtypes
+# the test suite runs it at through the C++ emulation (tests/test_kernels_dtypes.py): the dtypes
+# a Mac gives it. `edgespec doctor` lists them.
+METAL_KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "edgespec_tree_mask": ("tree and lookahead steps: attention mask and positions", ("int32",)),
+    "edgespec_tree_accept": ("greedy acceptance of a token tree", ("int32",)),
+    "edgespec_kv_gather": ("KV commit of an accepted tree path", ("float32", "float16", "bfloat16")),
+    "edgespec_exact_linear": ("bitwise mode: width-invariant products (given float32)",
+                              ("float32", "float16", "bfloat16")),
+    "edgespec_exact_attention": ("bitwise mode: width-invariant attention (given float32)",
+                                 ("float32", "float16", "bfloat16")),
+    "edgespec_gated_delta_": ("Gated DeltaNet recurrent passes (given float32)", ("float32", "float16")),
+    "edgespec_expert_gate_up": ("MoE experts, dense weights (with edgespec_expert_down)",
+                                ("float32", "float16", "bfloat16")),
+    "edgespec_expert_gate_up_q": ("MoE experts, 2/4/8-bit weights (with edgespec_expert_down_q)",
+                                  ("float32", "float16", "bfloat16")),
+}
+
 # Bumped whenever a kernel change moves what a verifier pass costs, so that learnt costs from
 # before are not reused (edgespec/calibration.py keys them on it). 2: the CPU device's base-2
 # softmax and activations (kernels/attention.py, kernels/activation.py).
@@ -29,6 +48,7 @@ __all__ = [
     "COSTS_REVISION",
     "KERNELS",
     "KV_GATHER",
+    "METAL_KERNELS",
     "TREE_ACCEPT",
     "TREE_MASK",
     "KernelSpec",

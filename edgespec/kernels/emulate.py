@@ -201,6 +201,7 @@ def standing_in(workdir: str | Path | None = None):
     """Within: `on_metal()` is true and every kernel runs through MetalStandIn (the tests'
     switch that makes this machine take a Mac's kernel paths). Yields {spec name: stand-in}."""
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="edgespec_emu_"))
+    folder.mkdir(parents=True, exist_ok=True)
     made: dict[str, MetalStandIn] = {}
 
     def build(spec: KernelSpec):
