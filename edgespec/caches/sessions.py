@@ -9,8 +9,12 @@ tokenizer or layout differ from the engine's, with the difference named: restori
 model's keys and values would silently change the output.
 
 The header carries a SHA-256 of the tensor data (every tensor's name, shape, dtype and
-bytes): a file whose values were overwritten, its header intact, is refused on load,
-naming the file, and left as it is.
+bytes) and a SHA-256 of itself (every other field: tokens, messages, system text, counts):
+a file whose values or header were changed is refused on load, naming the file, and left as
+it is. The counts a header gives (blocks, positions, messages) are also bounded by what its
+tensors and tokens hold, so even a header forged with a matching checksum cannot make a
+load or the next turn run away. Files of format 2 (no header checksum) are refused by
+version: save them again.
 
 Writes are atomic (a temp file beside the destination, then a rename): a save killed
 midway leaves the previous file whole. A file edgespec did not write is never replaced;
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 import time
@@ -44,7 +49,7 @@ from edgespec.safe_write import (
 )
 
 FORMAT = "edgespec-cache"
-VERSION = 2  # 2: the header carries the tensor data's checksum
+VERSION = 3  # 2: the header carries the tensor data's checksum; 3: and its own
 SUFFIX = ".safetensors"
 
 
@@ -75,8 +80,43 @@ def identity(engine) -> dict[str, Any]:
             "kv": engine.kv_settings()}
 
 
-def read_header(path: str | Path) -> dict[str, Any]:
-    """The file's edgespec header; SessionFileError when it is not a whole edgespec cache file."""
+def header_checksum(info: dict[str, Any]) -> str:
+    """SHA-256 of a header's fields (all but "header", the field that holds it), canonical JSON."""
+    rest = {k: v for k, v in info.items() if k != "header"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+_TENSOR = re.compile(r"^b(\d{1,9})\.l(\d{1,6})\.(\d{1,3})$")
+
+
+def _bounds_problem(info: dict[str, Any], tensors: list[str]) -> str | None:
+    """Why the header's counts cannot be what the file holds, or None."""
+    blocks, positions, tokens, kinds = info.get("blocks"), info.get("positions"), info.get("tokens"), info.get("kinds")
+    extra = info.get("extra")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 31 for t in tokens):
+        return "its tokens are not a list of token ids"
+    if not isinstance(kinds, list) or not isinstance(extra, dict):
+        return "its layer kinds or extra fields are malformed"
+    if not isinstance(blocks, int) or not 0 <= blocks <= len(tensors):
+        return f"it claims {blocks!r} blocks and holds {len(tensors)} tensors"
+    if not isinstance(positions, int) or not 0 <= positions <= len(tokens):
+        return f"it claims {positions!r} cached positions of {len(tokens)} tokens"
+    if isinstance(info.get("block"), int) and positions > blocks * info["block"]:
+        return f"it claims {positions} cached positions in {blocks} blocks of {info['block']}"
+    for name in tensors:
+        m = _TENSOR.match(name)
+        if m is None or int(m.group(1)) >= blocks or int(m.group(2)) >= len(kinds):
+            return f"it holds a tensor {name[:40]!r} outside its {blocks} blocks and {len(kinds)} layers"
+    messages = extra.get("messages")
+    if messages is not None and (not isinstance(messages, list) or len(messages) > len(tokens)):
+        return (f"it lists {len(messages)} messages in {len(tokens)} tokens" if isinstance(messages, list)
+                else "its messages are not a list")
+    return None
+
+
+def read_header(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """The file's edgespec header; SessionFileError when it is not a whole edgespec cache file, or
+    (`verify`) when the header does not match its own checksum or claims more than the file holds."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -97,23 +137,37 @@ def read_header(path: str | Path) -> dict[str, Any]:
     meta = head.get("__metadata__") if isinstance(head, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise SessionFileError(f"{path} is not an edgespec saved cache")
-    end = max((max(t["data_offsets"]) for k, t in head.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((max(int(o) for o in t["data_offsets"]) for k, t in head.items() if k != "__metadata__"),
+                  default=0)
+    except (KeyError, TypeError, ValueError):
+        raise SessionFileError(f"{path} is damaged (its tensor table does not read)") from None
     if 8 + n + end != size:
         raise SessionFileError(f"{path} is damaged (its tensors need {8 + n + end} bytes, the file has {size}): "
                                "it was cut short; save it again")
     try:
         info = json.loads(meta["info"])
-    except (KeyError, json.JSONDecodeError):
+    except (KeyError, TypeError, json.JSONDecodeError):
         raise SessionFileError(f"{path} is damaged (its edgespec header does not read)") from None
+    if not isinstance(info, dict):
+        raise SessionFileError(f"{path} is damaged (its edgespec header does not read)")
     if info.get("version") != VERSION:
         raise SessionFileError(f"{path} was written by another edgespec version (format {info.get('version')}, "
-                               f"this one reads {VERSION})")
+                               f"this one reads {VERSION}); save it again with this one")
+    if verify:
+        if info.get("header") != header_checksum(info):
+            raise SessionFileError(f"{path} is damaged: its header does not match the checksum it was saved with "
+                                   "(changed on disk since); it is left as it is: save it again")
+        problem = _bounds_problem(info, [k for k in head if k != "__metadata__"])
+        if problem is not None:
+            raise SessionFileError(f"{path} is damaged: {problem}; it is left as it is: save it again")
     return info
 
 
 def is_cache_file(path: str | Path) -> bool:
+    """A file edgespec saved (damaged or not: saving again may replace it)."""
     try:
-        read_header(path)
+        read_header(path, verify=False)
         return True
     except SessionFileError:
         return False
@@ -187,6 +241,7 @@ def save(engine, path: str | Path, tokens: list[int], extra: dict | None = None)
     info = {"version": VERSION, **identity(engine), "kinds": kinds, "blocks": len(nodes),
             "positions": positions, "tokens": [int(t) for t in tokens], "extra": extra or {},
             "checksum": data_checksum(arrays)}
+    info["header"] = header_checksum(info)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{temp_prefix(path)}{os.getpid()}-", suffix=SUFFIX)

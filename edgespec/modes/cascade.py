@@ -10,7 +10,6 @@ decoding from measured costs.
 
 from __future__ import annotations
 
-from edgespec.drafters import load_drafter, shipped_drafter_path
 from edgespec.drafters.base import request_drafter
 from edgespec.drafters.self_spec import SelfSpecDrafter, self_drafter
 from edgespec.errors import DrafterRequiredError
@@ -55,20 +54,16 @@ def cascade_drafter(engine, opts: dict) -> CascadeDrafter:
             "or 'prompt_lookup'); the mid level is built from the verifier's own layers"
         )
     if "cascade" not in tiny.caps.modes:
-        # A feature drafter drafts in mode 'speculative' only; the shipped distilled drafter takes its place.
-        student = shipped_drafter_path(engine)
-        if student is None:
-            raise DrafterRequiredError(
-                f"mode 'cascade' cannot use {tiny.name!r} as its tiny level: "
-                + ("it drafts from the verifier's cache, in modes 'speculative' and 'auto' only"
-                   if tiny.caps.reads_verifier else
-                   "a feature drafter reads the verifier's hidden states and drafts in mode 'speculative' only")
-                + "; load a distilled or MLX drafter"
-            )
-        students = engine.memory.cascade_students
-        if student not in students:
-            students[student] = load_drafter(engine, str(student))
-        tiny = students[student]
+        # Refused by name (its declared modes), before the mid level is searched or anything is loaded
+        # in its place: a drafter the user chose is never swapped for another without a word.
+        raise DrafterRequiredError(
+            f"mode 'cascade' cannot use the {tiny.name!r} drafter as its tiny level: "
+            + ("a feature drafter reads the verifier's hidden states and drafts in mode 'speculative' only"
+               if tiny.caps.reads == "features" else
+               f"it drafts from the verifier's cache, in modes {' and '.join(repr(m) for m in sorted(tiny.caps.modes))}"
+               " only")
+            + "; load a distilled or MLX drafter (--drafter FOLDER, or 'prompt_lookup') or use mode 'speculative'"
+        )
     inner_k = opts.get("inner_k", 3)
     if isinstance(inner_k, str) and inner_k.isdigit():
         inner_k = int(inner_k)
