@@ -17,7 +17,7 @@ DESCRIPTION = (
 
 def add_arguments(p) -> None:
     p.add_argument("name", help="hub name: ORG/NAME, ORG/NAME@REVISION, ORG/NAME:QUANT (a GGUF file of a GGUF "
-                   "repository, e.g. :Q4_K_M or :Q8_0)")
+                   "repository, e.g. :Q4_K_M or :Q8_0, or the file's own name without .gguf when two carry one tag)")
     p.add_argument("--no-drafter", action="store_true", help="do not fetch the drafter paired with the model")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no messages but errors")
 

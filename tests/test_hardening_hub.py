@@ -229,6 +229,11 @@ def test_a_local_looking_path_is_never_sent_to_the_hub(hub, files, env, monkeypa
     assert main(["generate", "--model", "drafters/dflsh", "--prompt", "hi", "--max-tokens", "1"]) == 1
     err = capsys.readouterr().err
     assert "no such file or folder" in err and len(err.strip().splitlines()) == 1
+    import edgespec
+    from edgespec.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="drafter drafters/dflsh: no such file or folder"):
+        edgespec.load(None, drafter="drafters/dflsh", progress=False)  # refused before any model loads
     assert hub.requests == []
 
 
