@@ -42,6 +42,7 @@ from edgespec.drafters.coreml_assistant import CoreMLAssistantDrafter
 from edgespec.drafters.coreml_runtime import CoreMLUnavailable, open_package, require_coreml
 from edgespec.drafters.dflash import DFLASH_PACKAGE, from_package, is_dflash_folder, load_dflash
 from edgespec.drafters.distilled import DistilledDrafter, is_distilled_folder
+from edgespec.drafters.eagle3 import is_eagle3_folder, load_eagle3
 from edgespec.drafters.feature import FeatureDrafter, is_feature_folder
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.mtp import MTP_PACKAGE, MTPDrafter, has_mtp
@@ -104,6 +105,7 @@ KINDS: tuple[DrafterKind, ...] = (
                 lambda c, e: CoreMLDrafter.from_info(c.path, c.info, c.compute_units)),
     # MLX folders, by their marker files
     DrafterKind("dflash", lambda c: is_dflash_folder(c.path), lambda c, e: load_dflash(c.path, e)),
+    DrafterKind("eagle3", lambda c: is_eagle3_folder(c.path), lambda c, e: load_eagle3(c.path, e)),
     DrafterKind("gemma4-assistant", lambda c: is_assistant_folder(c.path),  # reads the verifier's cache
                 lambda c, e: AssistantDrafter.load(c.path, e)),
     DrafterKind("feature", lambda c: is_feature_folder(c.path), lambda c, e: FeatureDrafter.load(c.path, e)),

@@ -1,0 +1,320 @@
+"""EAGLE-3 heads at run time: one head step per drafted token, from the verifier's own hidden states.
+
+A head folder is either published layout (models/eagle3.py): the EAGLE authors' (config.json with
+`draft_vocab_size`, weights `midlayer.*`, `d2t`, `t2d`) or the `speculators` one (config.json with
+`speculators_model_type: "eagle3"`, `transformer_layer_config` and `speculators_config`), weights
+in *.safetensors. `--drafter FOLDER` loads it; `edgespec convert MODEL OUT --drafter FOLDER` is not
+wired for it yet (the folder is read as is).
+
+Verifier states. Attaching the head makes the verifier record, on every pass it already makes with
+a cache (prefill, plain steps, verification), its hidden states at the head's aux layers (the
+input of layer i, HF hidden_states[i], is the output of layer i - 1: the recording of
+models.base.Model.record_hidden, the one DFlash drafters use), concatenated, in the cache of its
+first attention layer. With seq = x_0..x_{n-1}, the rows of positions 0..n-2 are the verifier's
+states on the committed path (its cache never holds the last committed token). No extra pass.
+
+State. The head's own KV cache holds entry j = (x_{j+1}, fc(states of j)) at RoPE position j + 1,
+for the `fed` entries built on the committed path. A draft call feeds entries fed..n-2 (at least
+the last one, whose output is where the chain starts), samples x_n from the head's logits, then
+feeds (x_n, the head's own output state) to draft x_{n+1}, and so on; the entries of drafted
+steps are trimmed at the next call, where the verifier's true states replace them, so a partially
+accepted chain rolls back exactly (entry j depends on x_0..x_{j+1} only: `sync` keeps j + 1 < the
+common prefix).
+
+Vocabulary. A head with a reduced draft vocabulary (draft_vocab_size < the verifier's) proposes
+draft id d as the verifier's token d + d2t[d]; its q puts no mass on the other tokens (their
+logits are -inf before the sampler's filters), which rejection sampling admits: every accepted
+token is still drawn from the verifier's law. Greedy acceptance is by match. The embedding of a
+drafted token is the folder's own table when it ships one (`embed_tokens.weight`), else the
+verifier's.
+
+Refused at load, by name: a head for another verifier (hidden size, aux layer ids past its layers
+or the embedding layer 0, vocabulary size, a d2t map pointing past the vocabulary or twice at one
+token, a t2d map that disagrees with d2t), malformed folders (config, weights that do not fit
+it, no safetensors), a verifier whose passes do not record layers (distributed, Gemma 4). Tree
+and cascade refuse it (it follows only the committed path: `reads_verifier`); pipelined drafting
+is off with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps, common_prefix
+from edgespec.drafters.compat import check_compatible
+from edgespec.errors import ModelLoadError
+from edgespec.models.base import Model as BaseModel
+from edgespec.models.eagle3 import Model, ModelArgs, default_layer_ids
+from edgespec.weights.formats.hf import read_safetensors
+
+CONFIG = "config.json"
+
+
+def _read_config(path: Path) -> dict | None:
+    p = Path(path) / CONFIG
+    if not p.is_file():
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def is_eagle3_folder(path: str | Path) -> bool:
+    """A published EAGLE-3 head folder: a speculators config of an eagle3 model, or the EAGLE
+    authors' (architectures LlamaForCausalLMEagle3, or a draft_vocab_size)."""
+    cfg = _read_config(Path(path))
+    if cfg is None:
+        return False
+    if cfg.get("speculators_model_type") is not None:
+        return cfg.get("speculators_model_type") == "eagle3"
+    archs = cfg.get("architectures") or []
+    return (isinstance(archs, list) and "LlamaForCausalLMEagle3" in archs) or "draft_vocab_size" in cfg
+
+
+def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Drafter:
+    """The drafter of an EAGLE-3 head folder for `verifier` (an Engine, a LoadedModel or a model)."""
+    path = Path(path).expanduser()
+    cfg = _read_config(path)
+    if cfg is None:
+        raise ModelLoadError(f"{path}: an EAGLE-3 head folder needs a readable {CONFIG}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" ({', '.join(bins)} is a PyTorch pickle: save it as safetensors first)" if bins else ""
+        raise ModelLoadError(f"{path}: an EAGLE-3 head folder needs its *.safetensors{hint}")
+    try:
+        args = ModelArgs.from_dict(cfg)
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{path}/{CONFIG}: {e}") from None
+    loaded = getattr(verifier, "loaded", verifier)
+    model_v = getattr(loaded, "model", loaded)
+    check_pairing(args, model_v, path)
+    model = Model(args)
+    weights, embed = Model.sanitize(read_safetensors(files))
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    dtype = mx.float32 if on_cpu else model_v.model.norm.weight.dtype
+    d2t = weights.pop("d2t", None)
+    if args.uses_draft_vocab:
+        if d2t is None:
+            raise ModelLoadError(f"{path}: a head with draft_vocab_size {args.draft_vocab_size} < vocab_size "
+                                 f"{args.vocab_size} needs its d2t map")
+        weights["d2t"] = d2t.astype(mx.int32)
+    try:
+        model.load_weights([(k, v if k == "d2t" else v.astype(dtype)) for k, v in weights.items()], strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: the safetensors do not fit {CONFIG}: {e}") from None
+    check_maps(model, read_t2d(files), path)
+    if embed is not None:
+        if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
+            raise ModelLoadError(f"{path}: embed_tokens.weight is {tuple(embed.shape)}, the head reads "
+                                 f"({args.vocab_size}, {args.hidden_size})")
+        embed = embed.astype(dtype)
+    mx.eval(model.parameters())
+    return Eagle3Drafter(model, model_v, name=name or f"eagle3:{path.name}", embed=embed)
+
+
+def read_t2d(files: list[Path]) -> mx.array | None:
+    for f in files:
+        try:
+            w = mx.load(str(f))
+        except Exception:  # already read once by read_safetensors
+            continue
+        if "t2d" in w:
+            return w["t2d"]
+    return None
+
+
+def check_maps(model: Model, t2d: mx.array | None, path: Path | str) -> None:
+    """The draft-vocabulary maps point inside the verifier's vocabulary, one draft id per token,
+    and t2d (when shipped) marks exactly the tokens d2t reaches."""
+    args = model.args
+    if not args.uses_draft_vocab:
+        return
+    tids = np.array(model.target_ids())
+    V = args.vocab_size
+    if tids.min() < 0 or tids.max() >= V:
+        raise ModelLoadError(f"{path}: the d2t map sends draft ids to tokens outside the verifier's vocabulary "
+                             f"(0..{V - 1}): it was built for another verifier")
+    if len(np.unique(tids)) != len(tids):
+        raise ModelLoadError(f"{path}: the d2t map sends two draft ids to one verifier token: a malformed map")
+    if t2d is not None:
+        mask = np.array(t2d).astype(bool).reshape(-1)
+        want = np.zeros(V, bool)
+        want[tids] = True
+        if mask.shape != want.shape or not (mask == want).all():
+            raise ModelLoadError(f"{path}: the t2d map ({mask.shape[0]} tokens, {int(mask.sum())} marked) does not "
+                                 f"mark the {len(tids)} tokens d2t reaches in the verifier's {V}: the maps disagree")
+
+
+def layer_ids(args, verifier_args) -> list[int]:
+    """The head's aux layer ids (HF hidden_states indices) for this verifier."""
+    return list(args.target_layer_ids) if args.target_layer_ids is not None else \
+        default_layer_ids(verifier_args.num_hidden_layers)
+
+
+def check_pairing(args, verifier, path: Path | str = "drafter") -> None:
+    """Refuse, by name, an EAGLE-3 head that cannot draft for `verifier`."""
+    if not isinstance(verifier, BaseModel) or not verifier.records_layers:
+        raise ModelLoadError(f"{path}: an EAGLE-3 head reads the verifier's aux-layer states on its own passes; "
+                             f"this verifier ({type(verifier).__name__}, {verifier.args.model_type}) does not record "
+                             "them (a distributed verifier, or an architecture with its own pass such as Gemma 4)")
+    check_args(args, verifier.args, path)
+
+
+def check_args(args, va, path: Path | str = "drafter") -> None:
+    """The shape and vocabulary checks of a head's config `args` against the verifier's ModelArgs `va`."""
+    if args.target_hidden_size != va.hidden_size:
+        raise ModelLoadError(f"{path}: the EAGLE-3 head reads verifier states of width {args.target_hidden_size}, "
+                             f"the verifier's hidden size is {va.hidden_size}: it was trained for another verifier")
+    if args.hidden_size != va.hidden_size:
+        raise ModelLoadError(f"{path}: the EAGLE-3 head's hidden size is {args.hidden_size}, the verifier's "
+                             f"{va.hidden_size}: it embeds with the verifier's table, so it must match")
+    check_compatible(args.vocab_size, va.vocab_size, error=ModelLoadError,
+                     size_message=f"{path}: the EAGLE-3 head was built for a vocabulary of {args.vocab_size} "
+                                  f"tokens, the verifier has {va.vocab_size}")
+    ids = layer_ids(args, va)
+    L = va.num_hidden_layers
+    bad = [i for i in ids if not 1 <= i <= L]
+    if bad:
+        raise ModelLoadError(f"{path}: eagle_aux_hidden_state_layer_ids {ids}: {bad} not among the verifier's layer "
+                             f"outputs 1..{L} (it has {L} layers)")
+    if len(ids) != args.num_aux:
+        raise ModelLoadError(f"{path}: the head fuses {args.num_aux} layers, its layer ids name {len(ids)}")
+
+
+class Eagle3Drafter(AcceptsDrafts):
+    """Drafter protocol (begin / draft / accept / sync / close / fork) over an EAGLE-3 head."""
+
+    # Drafts from the verifier's live cache (the recorded aux-layer states): no pipelining, not in
+    # tree/cascade; its states come through the cache, so speculative and auto both draft.
+    caps = DrafterCaps(reads="verifier_cache", forks=True, modes=CHAIN_MODES)
+    expected_acceptance = 0.6  # the controller's prior until acceptance is measured
+
+    def __init__(self, model: Model, verifier, name: str = "eagle3", embed: mx.array | None = None):
+        """model: a models.eagle3.Model; verifier: the engine's models.base.Model (check_pairing);
+        embed: the folder's own embedding table, or None for the verifier's."""
+        check_pairing(model.args, verifier)
+        self.model, self.verifier, self.name = model, verifier, name
+        self.args = model.args
+        self.layer_ids = layer_ids(self.args, verifier.args)
+        # HF hidden_states[i] is the output of layer i - 1
+        self.tap = verifier.record_hidden([i - 1 for i in self.layer_ids])
+        self._recording = verifier.record_layers
+        if self.tap is None:
+            raise ModelLoadError(f"{name}: the verifier ({verifier.args.model_type}) has no attention layer "
+                                 "whose cache can keep the EAGLE-3 head's states")
+        self.width = len(self.layer_ids) * verifier.args.hidden_size
+        self.embed_table = embed
+        self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        self.vocab_size = verifier.args.vocab_size
+        # verifier token -> column of [draft logits, -inf]: the head's logits over the verifier's vocabulary
+        cols = np.full(self.vocab_size, self.args.draft_vocab_size, np.int32)
+        cols[np.array(model.target_ids())] = np.arange(self.args.draft_vocab_size, dtype=np.int32)
+        self._columns = mx.array(cols)
+        self.vcache = None
+        self.owner = True  # the engine's drafter (not a request's fork): its close stops the recording
+        self.cache: list = []
+        self.seq: list[int] = []
+        self.fed = 0
+        self._last_draft: list[int] = []
+
+    # ------------------------------------------------------------- pieces
+    def fork(self) -> Eagle3Drafter:
+        """For one request: the same weights, a cache and committed sequence of its own."""
+        twin = copy.copy(self)
+        twin.vcache, twin.cache, twin.seq, twin.fed, twin._last_draft = None, [], [], 0, []
+        twin.owner = False
+        return twin
+
+    def bind_verifier_cache(self, cache) -> None:
+        self.vcache = cache
+
+    def _rows(self, start: int, stop: int) -> mx.array | None:
+        """(1, stop - start, n*E) recorded aux-layer states of positions start..stop-1, or None."""
+        if self.vcache is None:
+            return None
+        store = self.vcache[self.tap]
+        hidden = getattr(store, "hidden", None)
+        if hidden is None or store.offset < stop or hidden.shape[1] < stop or hidden.shape[2] != self.width:
+            return None
+        return hidden[:, start:stop]
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """(B, T) verifier token ids -> (B, T, E): the folder's table, else the verifier's raw rows."""
+        table = self.embed_table
+        h = table[ids] if table is not None else self.verifier.model.embed_tokens(ids)
+        return h.astype(self.model.fc.weight.dtype)
+
+    def full_logits(self, draft_logits: mx.array) -> mx.array:
+        """(..., draft_vocab_size) -> (..., V) over the verifier's vocabulary (-inf off the draft vocabulary)."""
+        if not self.args.uses_draft_vocab:
+            return draft_logits
+        pad = mx.full(draft_logits.shape[:-1] + (1,), -mx.inf, dtype=draft_logits.dtype)
+        return mx.take(mx.concatenate([draft_logits, pad], axis=-1), self._columns, axis=-1)
+
+    def feed(self, ids: list[int] | mx.array, states: mx.array, fused: bool) -> tuple[mx.array, mx.array]:
+        """Entries (ids[i], states[:, i]) appended to the head's cache -> (logits (V,) after the
+        last, the state the next step reads (1, 1, E)). fused=False: states are the verifier's
+        aux rows (fc applied here); True: the head's own."""
+        ids = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
+        emb = self.embed(ids.reshape(1, -1))
+        g = states.astype(emb.dtype) if fused else self.model.fuse(states.astype(emb.dtype))
+        h = self.model(emb, g, self.cache)[:, -1:]
+        return self.full_logits(self.model.logits(h))[0, -1], self.model.feedback(h)
+
+    def _trim_to(self, n: int) -> None:
+        for c in self.cache:
+            c.trim(c.offset - n)
+
+    # ------------------------------------------------------------- protocol
+    def begin(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the drafter needs a non-empty prompt")
+        self.cache = self.model.make_cache()
+        self.seq = list(prompt)
+        self.fed = 0
+        self._last_draft = []
+
+    def draft(self, k: int, sampler) -> Draft:
+        n = len(self.seq)
+        self._last_draft = []
+        if k < 1 or n < 2 or not self.cache:
+            return Draft([], None)
+        fed = min(self.fed, n - 2)  # re-feed at least the last entry: the chain starts at its output
+        rows = self._rows(fed, n - 1)
+        if rows is None:  # no recorded states (a pass that kept none): no draft, never a wrong one
+            return Draft([], None)
+        self._trim_to(fed)  # drop the entries of the last chain's guesses
+        logits, g = self.feed(self.seq[fed + 1 : n], rows, fused=False)  # (x_{j+1}, states of j), j = fed..n-2
+        self.fed = n - 1
+        toks, lps = [], []
+        for i in range(k):
+            lp = sampler.logprobs(logits)
+            t = sampler.sample(lp)
+            toks.append(t)
+            lps.append(lp)
+            if i + 1 < k:
+                logits, g = self.feed(t.reshape(1).astype(mx.int32), g, fused=True)
+        return self._finish(toks, lps)
+
+    def sync(self, committed: list[int]) -> None:
+        """Make `committed` the committed sequence; entries off that path are dropped."""
+        keep = common_prefix(self.seq, committed)
+        self.seq = list(committed)
+        self._last_draft = []
+        self.fed = min(self.fed, max(0, keep - 1))  # entry j reads x_0..x_{j+1}
+
+    def close(self) -> None:
+        """Called when the engine's drafter is replaced: the verifier's passes stop recording
+        the aux layers (a request's fork leaves them on)."""
+        self.vcache = None
+        self.cache = []
+        if self.owner and self.verifier.record_layers is self._recording:
+            self.verifier.stop_recording()
