@@ -29,10 +29,11 @@ import sys
 import time
 
 RATIOS = [
-    # name, verify base s, verify s per token, draft s per token, contention factor
-    ("mac-like (flat pass, drafter apart)", 0.020, 0.0001, 0.0015, 1.0),
-    ("one CPU shared (2x each)", 0.008, 0.0005, 0.002, 2.0),
-    ("slow drafter apart", 0.005, 0.0002, 0.003, 1.0),
+    # name, verify base s, verify s per token, draft s per token, contention factor (set well above
+    # the tiny model's own compute, so that the sleeps, not a busy host, set the times)
+    ("mac-like (flat pass, drafter apart)", 0.060, 0.0003, 0.0045, 1.0),
+    ("one CPU shared (2x each)", 0.030, 0.0015, 0.0075, 2.0),
+    ("slow drafter apart", 0.015, 0.0006, 0.009, 1.0),
 ]
 K = 4
 
@@ -148,7 +149,8 @@ def device_table(args) -> list[dict]:
               f"(sum {row['sum_ms']:.1f}, max {row['max_ms']:.1f}); per round sync {row['sync_ms_per_round']:.1f}, "
               f"ahead {row['ahead_ms_per_round']:.1f}, planner {row['planner_ms_per_round']:.1f} ms; tok/s "
               f"sync {row['sync_tok_s']:.0f}, ahead {row['ahead_tok_s']:.0f}, planner {row['planner_tok_s']:.0f}; "
-              f"planner drafted ahead in {'-' if pick is None else f'{100 * pick:.0f}%'} of its drafting rounds; "
+              f"planner drafted ahead in {'-' if pick is None else f'{100 * pick:.0f}%'} of its drafting rounds "
+              f"(measured {row['planner_measured']}); "
               f"equal to plain: {equal}", flush=True)
     return rows
 

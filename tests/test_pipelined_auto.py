@@ -152,7 +152,8 @@ def test_declared_capabilities_decide_who_drafts_ahead():
 
 
 def test_overlap_prices_the_choice():
-    """Ahead when max(v*s_v, d*s_d) + (1-p)*d + guess < v + d; unmeasured, it probes now and then."""
+    """Ahead when max(v*s_v, d'*s_d) + (1-p)*d' < v + d (d' = d + the guess token); unmeasured,
+    it probes now and then."""
     apart = Overlap(fixed=(1.05, 1.05))
     assert apart.choose(0.020, 0.008, 0.002, 0.8)  # a Mac-like ratio: the draft hides in the pass
     shared = Overlap(fixed=(2.0, 2.0))
@@ -182,7 +183,7 @@ def test_the_planner_drafts_ahead_when_the_injected_costs_favour_it(slowdown, wa
     dec.acc = AcceptanceStats({"drafter": 0.9})
     dec.overlap = dec._overlap_given
     dec._early = None
-    assert dec._ahead_pays(costs.verify(5), 4, 0.020, False) is want
+    assert dec._ahead_pays(costs.verify(5), 4, 0.020) is want
 
 
 def test_remote_drafter_keeps_its_tokens_and_sits_apart():

@@ -247,21 +247,21 @@ class AdaptiveDecoder:
         else:
             return best
         kk = int(ks[k])
-        ahead = self._ahead_pays(costs.verify(int(t_tree + kk)), kk, plain_s, kk < free)
+        ahead = self._ahead_pays(costs.verify(int(t_tree + kk)), kk, plain_s)
         return Plan("tree", cands, kk, float(rates[k]), probe, expected=float(gain[k] - others), ahead=ahead)
 
     def _can_ahead(self) -> bool:
         return self.overlap is not None and not self._in_batch()
 
-    def _ahead_pays(self, verify_s: float, k: int, plain_s: float, guess_free: bool) -> bool:
+    def _ahead_pays(self, verify_s: float, k: int, plain_s: float) -> bool:
         """Does drafting the next round (k + 1 tokens: k and the guess after them) during this
-        round's pass (verify_s alone) beat drafting it after (`Overlap.price`)? The premise
+        round's pass (verify_s alone) beat drafting k after it (`Overlap.price`)? The premise
         holds when the chain of k and the drafter's guess are all what the verifier draws."""
         if not self._can_ahead():
             return False
         tok = self.drafter.cost.value(plain_s)
         p = float(self.acc.path_probs("drafter", 0, k + 1)[k])
-        return self.overlap.choose(verify_s, (k + 1) * tok, 0.0 if guess_free else tok, p)
+        return self.overlap.choose(verify_s, k * tok, tok, p)
 
     # ------------------------------------------------------------------ steps
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
@@ -505,9 +505,12 @@ class AdaptiveDecoder:
             # The round ends when the early draft does: its premise held, or it is dropped.
             self._overlapped = True
             o = self.overlap
-            o.observe("v_over", verify_s, costs.verify(T))
+            # (against a price alone that was measured, not a prior's)
+            if self.costs.known(T):
+                o.observe("v_over", verify_s, costs.verify(T))
             early, dt_d = ahead.result()
-            o.observe("d_over", dt_d, alone_s)
+            if self.drafter.cost.per_token is not None:
+                o.observe("d_over", dt_d, alone_s)
             o.rounds["ahead"] += 1
             self._ahead_counts[0] += 1
             stats.draft_s += dt_d
@@ -518,8 +521,9 @@ class AdaptiveDecoder:
                 stats.hidden_draft_s += min(dt_d, verify_s)
         elif plan.draft_k and self.overlap is not None and not self._in_batch():
             self.overlap.rounds["sync"] += 1
-            self.overlap.observe("v_alone", verify_s, costs.verify(T))
-            if self._draft_time:
+            if self.costs.known(T):
+                self.overlap.observe("v_alone", verify_s, costs.verify(T))
+            if self._draft_time and self.drafter.cost.per_token is not None:
                 self.overlap.observe("d_alone", self._draft_time, self._draft_priced)
         stats.verify_s += verify_s
         stats.verifier_passes += 1

@@ -8,10 +8,10 @@ then its own next token). When the verification commits exactly that, the next r
 draft is already in hand; otherwise it is dropped. Modes `speculative` and `auto` both run
 their drafter on the one `Worker` below.
 
-`Overlap` prices the choice. Over two rounds, synchronous drafting costs v + d (this
-round's verify pass, the next round's draft); drafting ahead costs max(v * s_v, d * s_d)
-plus d again when the premise fails (probability 1 - p), plus the one extra token drafted
-as the guess. s_v and s_d are what each side slows the other by when both run at once
+`Overlap` prices the choice, in the steady state of each way. Synchronous drafting costs
+v + d a round (the verify pass, then the next round's draft of k tokens); drafting ahead
+drafts d' = d + one token (the guess the premise ends with) beside the pass, max(v * s_v,
+d' * s_d), and d' again after it when the premise fails (probability 1 - p). s_v and s_d are what each side slows the other by when both run at once
 (shared cores, shared memory bandwidth): measured from the overlapped rounds, as the
 ratio of their times to the same work's priced time alone; before that, a prior by where
 the two run (one CPU: they compete; different units: nearly free). Until a few overlapped
@@ -164,11 +164,12 @@ class Overlap:
 
     # ------------------------------------------------------------ priced
     def price(self, verify_s: float, draft_s: float, token_s: float, p: float) -> tuple[float, float]:
-        """(synchronous, ahead) seconds of this round's verify pass plus the next round's draft:
-        verify_s this round's pass alone, draft_s the next round's draft alone, token_s the
-        extra guess token, p the chance the premise holds."""
+        """(synchronous, ahead) seconds a round: verify_s the pass alone, draft_s the next
+        round's draft alone, token_s one more drafted token (the guess), p the chance the
+        premise holds."""
         sync = verify_s + draft_s
-        ahead = max(verify_s * self.s_v, draft_s * self.s_d) + (1.0 - p) * draft_s + token_s
+        ahead_d = draft_s + token_s
+        ahead = max(verify_s * self.s_v, ahead_d * self.s_d) + (1.0 - p) * ahead_d
         return sync, ahead
 
     def choose(self, verify_s: float, draft_s: float, token_s: float, p: float) -> bool:

@@ -21,42 +21,43 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-SLICE_S = 0.0005  # the wait's step: how often a wait looks at whether the other side is busy
-
 
 class Contention:
-    """Two sides (verifier, drafter) that slow each other down by `factor` while both are busy."""
+    """Two sides (verifier, drafter) that slow each other down by `factor` while both are busy.
+
+    A side's wait sleeps on a condition, woken only when the other side starts or ends a call
+    (its rate changes then): no polling, so the GIL is not fought over."""
 
     def __init__(self, factor: float = 1.0):
         self.factor = float(factor)
         self._busy = {"verify": 0, "draft": 0}
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
 
     def enter(self, side: str) -> float:
         """`side` starts a call (its own compute, then `wait`): the call's start time."""
-        with self._lock:
+        with self._cond:
             self._busy[side] += 1
+            self._cond.notify_all()
         return time.perf_counter()
 
-    def _other_busy(self, side: str) -> bool:
-        with self._lock:
-            return self._busy["draft" if side == "verify" else "verify"] > 0
+    def _slow(self, side: str) -> float:
+        return self.factor if self._busy["draft" if side == "verify" else "verify"] > 0 else 1.0
 
     def wait(self, side: str, seconds: float, started: float) -> None:
         """End `side`'s call (begun with `enter` at `started`) once `seconds` of its work are
         done: work done alone counts 1, beside the other side 1/factor (the call's own compute
         before the wait is counted at the rate of the moment the wait begins)."""
-        try:
-            slow = self.factor if self._other_busy(side) else 1.0
-            done = (time.perf_counter() - started) / slow
-            while done < seconds:
-                slow = self.factor if self._other_busy(side) else 1.0
-                t0 = time.perf_counter()
-                time.sleep(min(SLICE_S, (seconds - done) * slow))
-                done += (time.perf_counter() - t0) / slow
-        finally:
-            with self._lock:
+        with self._cond:
+            try:
+                done = (time.perf_counter() - started) / self._slow(side)
+                while done < seconds:
+                    slow = self._slow(side)
+                    t0 = time.perf_counter()
+                    self._cond.wait(timeout=(seconds - done) * slow)
+                    done += (time.perf_counter() - t0) / slow
+            finally:
                 self._busy[side] -= 1
+                self._cond.notify_all()
 
 
 class RemoteDrafter:
