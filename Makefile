@@ -48,6 +48,9 @@ $(VENV)/.installed: pyproject.toml
 	# The published DFlash reference the DFlash tests compare with (tests/test_dflash.py): its
 	# model code needs only torch and transformers; its own pins (datasets, tqdm) are not wanted.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "dflash==0.1.0"
+	# The `speculators` package's EAGLE-3 model code, the reference of tests/test_eagle3.py: it
+	# computes with torch and transformers; its training, data and serving pins are not wanted.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "speculators==0.9.0"
 	touch $@
 
 # MLX's CPU products on numpy's OpenBLAS (one OpenBLAS in the process, its few-row

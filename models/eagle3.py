@@ -56,7 +56,8 @@ EAGLE_FIELDS = ("draft_vocab_size", "norm_before_residual", "target_hidden_size"
                 "norm_before_fc", "fc_norm", "norm_output")
 # Bookkeeping of a speculators config (no effect on the head's math).
 SPECULATORS_HARMLESS = ("speculators_model_type", "speculators_config", "speculators_version", "architectures",
-                        "embed_requires_grad", "auto_map", "transformers_version", "torch_dtype", "dtype")
+                        "embed_requires_grad", "auto_map", "transformers_version", "torch_dtype", "dtype",
+                        "has_no_defaults_at_init")
 
 
 def default_layer_ids(num_target_layers: int) -> list[int]:

@@ -1,8 +1,8 @@
 """EAGLE-3 heads (models/eagle3.py, edgespec/drafters/eagle3.py).
 
 The reference is the `speculators` package (installed --no-deps by `make setup`; the modules it
-imports for training and data only, `datasets` and `hs_connectors`, are stood in for when
-absent): its Eagle3DraftModel on random weights, written by the test in both published layouts
+imports for training, data and serving only, such as `datasets` and `hs_connectors`, are stood
+in for when absent): its Eagle3DraftModel on random weights, written by the test in both published layouts
 (the speculators one, config with `speculators_config`; the EAGLE authors' one, `midlayer.*` and
 a Llama config with `draft_vocab_size`), and compared logit for logit over its training forward
 (three steps, each step's tokens the reference's shifted inputs) with edgespec's head fed the same
@@ -42,6 +42,11 @@ class _Stub(types.ModuleType):
         return type(name, (), {"__init__": lambda s, *a, **k: None})
 
 
+# What the reference's model code computes with; any other module it imports (training, data
+# generation, serving clients: datasets, hs_connectors, openai, ...) is stood in for when absent.
+NEEDED = ("torch", "transformers", "safetensors", "pydantic", "numpy", "speculators")
+
+
 def speculators_eagle3():
     """The reference's Eagle3DraftModel module (skipped without torch or speculators)."""
     pytest.importorskip("torch")
@@ -50,13 +55,13 @@ def speculators_eagle3():
 
     if importlib.util.find_spec("speculators") is None:
         pytest.skip("the speculators package is not installed (make setup installs it)")
-    for _ in range(10):
+    for _ in range(30):
         try:
             from speculators.models.eagle3 import core
 
             return core
         except ModuleNotFoundError as e:
-            if e.name is None or e.name.split(".")[0] not in ("datasets", "hs_connectors"):
+            if e.name is None or e.name.split(".")[0] in NEEDED:
                 raise
             parts = e.name.split(".")
             for i in range(1, len(parts) + 1):
@@ -321,6 +326,21 @@ def test_the_authors_default_layers_and_the_verifiers_embedding(tmp_path):
     engine = load(verifier, drafter=folder)
     assert isinstance(engine.drafter, Eagle3Drafter)
     assert engine.drafter.layer_ids == [2, 4, 5] and engine.model.record_layers == (1, 3, 4)
+
+
+def test_the_catalog_names_the_published_heads(tmp_path, monkeypatch):
+    """Names only: nothing is fetched. A catalog of your own comes first."""
+    from edgespec.hub.pairing import eagle3_heads
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "es"))
+    assert eagle3_heads("Qwen/Qwen3-8B") == ["RedHatAI/Qwen3-8B-speculator.eagle3", "Tengyunw/qwen3_8b_eagle3"]
+    assert eagle3_heads("meta-llama/Llama-3.1-8B-Instruct")[0] == "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"
+    assert eagle3_heads("Qwen/Qwen3-8B-Base") == [] and eagle3_heads("HuggingFaceTB/SmolLM2-360M") == []
+    (tmp_path / "es").mkdir()
+    (tmp_path / "es" / "hub_drafters.json").write_text(json.dumps({
+        "format": "edgespec-drafter-pairs", "version": 1, "pairs": [],
+        "eagle3": [{"family": "mine", "match": "Qwen/Qwen3-8B", "heads": ["me/my-head"]}]}))
+    assert eagle3_heads("Qwen/Qwen3-8B")[0] == "me/my-head"
 
 
 # ---------------------------------------------------------------- exact drafting

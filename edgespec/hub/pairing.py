@@ -53,3 +53,21 @@ def paired_drafter(repo_id: str) -> Pairing | None:
             return None
         return Pairing(family, drafter)
     return None
+
+
+@lru_cache(maxsize=4)
+def _eagle3_rules(path: str = str(CATALOG)) -> list[tuple[re.Pattern, tuple[str, ...]]]:
+    data = json.loads(Path(path).read_text())
+    return [(re.compile(r["match"], re.IGNORECASE), tuple(r["heads"])) for r in data.get("eagle3", [])]
+
+
+def eagle3_heads(repo_id: str) -> list[str]:
+    """The published EAGLE-3 heads the catalogs name for `repo_id` (ORG/NAME), first match per
+    catalog, yours first; [] when none. Names only: nothing is fetched."""
+    out: list[str] = []
+    for c in catalogs():
+        for pattern, heads in _eagle3_rules(str(c)):
+            if pattern.fullmatch(repo_id):
+                out.extend(h for h in heads if h not in out)
+                break
+    return out
