@@ -452,7 +452,8 @@ class AdaptiveDecoder:
             stats.draft_s += self._draft_time
         self._drafted(plan)
         whole = list(drafted[0].tokens)
-        return self._vet(seq, [c for c in (_cut(c, plan.draft_k) for c in drafted) if c is not None]), whole
+        cut = (_cut(c, plan.draft_k) for c in drafted)
+        return self._vet(seq, [c for c in cut if c is not None and c.tokens]), whole
 
     def _premise(self, seq, nodes, kept: list[int], chain: list[int]) -> list[int] | None:
         """What the next round drafts ahead from: seq, then the chain's tokens the tree keeps

@@ -185,12 +185,12 @@ class QuantizedDrafter(ReadsVerifierCache):
         (drafting ahead, `DrafterCaps.ahead`): that draft feeds every token after them, its
         premise included, into the scratch (SCRATCH positions in all). The pass writes only
         positions after the pinned ones (its tree, then the accepted path packed in place)."""
-        self._pinned = self._context()
+        self._pinned = (self._context(),)  # (None,): unreadable now, so no draft then either
 
     # ------------------------------------------------------------- protocol
     def draft(self, k: int, sampler) -> Draft:
         pinned, self._pinned = self._pinned, None
-        got = (pinned if pinned is not None else self._context()) if k >= 1 else None
+        got = (pinned[0] if pinned is not None else self._context()) if k >= 1 else None
         if got is None:
             return self._no_draft()
         ctx, n = got

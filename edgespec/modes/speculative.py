@@ -28,6 +28,7 @@ import mlx.core as mx
 from edgespec.adaptive.estimate import Costs, DraftCost, PlainTimer
 from edgespec.adaptive.pipeline import Direct as _Direct
 from edgespec.adaptive.pipeline import Worker as _Worker
+from edgespec.adaptive.pipeline import placement
 from edgespec.adaptive.policy import policy_for
 from edgespec.calibration import SIZES, cost_store, prior_curve
 from edgespec.controller import CostModel, KController
@@ -321,7 +322,7 @@ class SpeculativeMode:
 
 def default_pipeline(drafter) -> bool:
     """Pipeline when drafter and verifier sit on different devices; on one CPU they compete."""
-    return drafter.device not in ("cpu", "none", mx.default_device().type.name)
+    return placement(drafter) == "apart"
 
 
 def engine_memory(engine, drafter, name: str) -> dict:
