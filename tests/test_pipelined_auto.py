@@ -225,3 +225,23 @@ def test_device_model_planner_choice_is_recorded():
     assert r.tokens == eng.generate(p, max_tokens=30, mode="plain").tokens
     assert any(choices)
     assert _ahead_note(r)[0] > 0
+
+
+@pytest.mark.parametrize("drafter", [pytest.param("int8", marks=int8), "model"])
+def test_the_project_prompts_drafted_ahead_equal_plain(drafter):
+    """The built-in prompt set (one prompt a domain, through the tiny tokenizer, its last 40
+    tokens), greedy: drafted ahead in every drafting round, token for token plain's."""
+    from edgespec.benchmark import load_prompts, select_prompts
+    from edgespec.benchmark.runner import encode
+
+    eng = _engine(drafter)
+    ahead = 0
+    for bp in select_prompts(load_prompts(None), per_domain=1):
+        ids = encode(eng, bp, chat=False)[-40:]
+        plain = eng.generate(ids, max_tokens=16, mode="plain").tokens
+        eng.policy = Ahead(k=4)
+        got = eng.generate(ids, max_tokens=16, mode="auto")
+        eng.policy = None
+        assert got.tokens == plain, bp.id
+        ahead += (_ahead_note(got) or (0, 0))[0]
+    assert ahead > 0
