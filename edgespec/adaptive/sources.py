@@ -198,7 +198,12 @@ class DrafterSource:
     `draft_s` = catch-up x unseen + k x per token. Both are learnt from the drafting calls it
     makes (`observe`, into a `estimate.DraftCost` the engine keeps and persists); until
     measured the planner prices them from priors (a fraction of a plain step,
-    `estimate.DRAFT_PRIOR`; a fraction of a drafted token, `estimate.CATCH_UP_PRIOR`)."""
+    `estimate.DRAFT_PRIOR`; a fraction of a drafted token, `estimate.CATCH_UP_PRIOR`).
+
+    Drafting ahead (edgespec.adaptive.pipeline): the decoder may call `draft` on the drafter's
+    worker thread with a premise past the committed sequence while the verifier's pass runs;
+    `ahead_refused` says why a drafter cannot (None: it can), and `pin` comes first, on the
+    decoder's thread, for a drafter that reads the verifier's cache."""
 
     name = "drafter"
 
