@@ -24,7 +24,7 @@ import numpy as np
 from edgespec.adaptive.history import HistoryStore
 from edgespec.benchmark.prompts import BenchPrompt
 from edgespec.benchmark.specs import ModeSpec
-from edgespec.costs.clock import simulate
+from edgespec.costs.clock import simulate, wrap_methods
 from edgespec.drafters import load_drafter
 from edgespec.engine import make_options
 from edgespec.kernels import exact
@@ -308,7 +308,7 @@ def _logprobs(engine, ids: list[int]) -> np.ndarray:
 
 class _DraftCalls:
     """Counts the draft calls of the drafters watched (`n`, reset per generation): a drafter's
-    `draft` wrapped on the instance, unwrapped by `release`."""
+    `draft` wrapped (edgespec.costs.clock.wrap_methods), unwrapped by `release`."""
 
     def __init__(self):
         self.n = 0
@@ -319,20 +319,12 @@ class _DraftCalls:
         if drafter is None or id(drafter) in self._seen or not hasattr(drafter, "draft"):
             return
         self._seen.add(id(drafter))
-        had = drafter.__dict__.get("draft")
-        inner = drafter.draft
 
-        def draft(*a, **kw):
+        def draft(obj, original, *a, **kw):
             self.n += 1
-            return inner(*a, **kw)
+            return original(obj, *a, **kw)
 
-        drafter.draft = draft
-
-        def undo():
-            drafter.__dict__.pop("draft", None)
-            if had is not None:
-                drafter.draft = had
-        self._undo.append(undo)
+        self._undo.append(wrap_methods(drafter, "Counted", draft=draft))
 
     def release(self) -> None:
         for u in reversed(self._undo):

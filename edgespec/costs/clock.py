@@ -129,25 +129,38 @@ def _shape_of(model) -> Shape | None:
         return None
 
 
-def _price_model(model, sim: Simulation):
-    """Make `model`'s calls advance the clock: its class swapped for a subclass whose __call__
-    prices the pass first (identity, attributes and isinstance unchanged). -> undo."""
-    cls = type(model)
+def wrap_methods(obj, tag: str, **methods):
+    """Give `obj` (this instance alone) a subclass of its class whose methods named in `methods`
+    are `fn(self, original, *args, **kw)`: identity, attributes and isinstance unchanged, and a
+    copy of the object (a drafter forked for a pipelined round) keeps working on its own state.
+    -> undo (restores the class; undo in reverse order of wrapping)."""
+    cls = type(obj)
 
-    def __call__(self, inputs, cache=None, *args, **kw):
-        shape = getattr(inputs, "shape", (1, 1))
-        T = int(shape[0]) * int(shape[1]) if len(shape) >= 2 else int(shape[0])
-        L = 0
-        if cache:
-            L = int(getattr(cache[0], "offset", 0) or 0)
-        sim.verify_pass(T, L)
-        return cls.__call__(self, inputs, cache, *args, **kw)
+    def make(name, fn):
+        original = getattr(cls, name)
 
-    model.__class__ = type(f"Priced{cls.__name__}", (cls,), {"__call__": __call__})
+        def method(self, *a, **kw):
+            return fn(self, original, *a, **kw)
+        method.__name__ = name
+        return method
+
+    obj.__class__ = type(f"{tag}{cls.__name__}", (cls,), {n: make(n, f) for n, f in methods.items()})
 
     def undo():
-        model.__class__ = cls
+        obj.__class__ = cls
     return undo
+
+
+def _price_model(model, sim: Simulation):
+    """Make `model`'s calls advance the clock by the price of the pass. -> undo."""
+    def call(self, original, inputs, cache=None, *args, **kw):
+        shape = getattr(inputs, "shape", (1, 1))
+        T = int(shape[0]) * int(shape[1]) if len(shape) >= 2 else int(shape[0])
+        L = int(getattr(cache[0], "offset", 0) or 0) if cache else 0
+        sim.verify_pass(T, L)
+        return original(self, inputs, cache, *args, **kw)
+
+    return wrap_methods(model, "Priced", __call__=call)
 
 
 def _price_drafter(drafter, sim: Simulation, verifier_shape: Shape):
@@ -162,36 +175,28 @@ def _price_drafter(drafter, sim: Simulation, verifier_shape: Shape):
         shape, fmt = verifier_shape, "int8"
         free = not ("int8" in name or "quant" in name)  # prompt lookup and the like: host work only
     device = sim.draft_device or ("ane" if "coreml" in name else "gpu")
-    state = {"seen": None, "unseen": 0}
-    orig_sync, orig_draft = drafter.sync, drafter.draft
+    state: dict[int, list[int]] = {}  # per drafter object (a fork has its own): [seen, unseen]
 
-    def sync(seq, *a, **kw):
-        seen = state["seen"]
-        state["unseen"] = len(seq) if seen is None else max(len(seq) - seen, 0)
-        state["seen"] = len(seq)
-        return orig_sync(seq, *a, **kw)
+    def sync(self, original, seq, *a, **kw):
+        st = state.setdefault(id(self), [-1, 0])
+        st[1] = len(seq) if st[0] < 0 else max(len(seq) - st[0], 0)
+        st[0] = len(seq)
+        return original(self, seq, *a, **kw)
 
-    def draft(k, *a, **kw):
-        d = orig_draft(k, *a, **kw)
+    def draft(self, original, k, *a, **kw):
+        d = original(self, k, *a, **kw)
         if free:
             return d
+        st = state.setdefault(id(self), [0, 0])
         n = max(len(getattr(d, "tokens", []) or []), 1)
-        L = state["seen"] or 0
-        first = sim.costs.draft_step(shape, fmt, device, unseen=state["unseen"], L=L)
+        L = max(st[0], 0)
+        first = sim.costs.draft_step(shape, fmt, device, unseen=st[1], L=L)
         rest = sim.costs.draft_step(shape, fmt, device, L=L)
         sim.clock.advance(first + (n - 1) * rest, "draft")
-        state["seen"] = (state["seen"] or 0) + n
-        state["unseen"] = 0
+        st[0], st[1] = L + n, 0
         return d
 
-    had = {k: drafter.__dict__[k] for k in ("sync", "draft") if k in drafter.__dict__}
-    drafter.sync, drafter.draft = sync, draft
-
-    def undo():
-        for k in ("sync", "draft"):
-            drafter.__dict__.pop(k, None)
-        drafter.__dict__.update(had)
-    return undo
+    return wrap_methods(drafter, "Priced", sync=sync, draft=draft)
 
 
 @contextlib.contextmanager
