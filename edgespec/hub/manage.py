@@ -91,8 +91,8 @@ def plan_removal(stored: Stored) -> Removal:
         d for _p, d in store.all_records()
         if d.get("repo_id") == r["repo_id"] and d.get("name") != r.get("name")
     ]
-    kept = {(d.get("commit"), f) for d in other_records if isinstance(d.get("files"), list)
-            for f in d["files"] if isinstance(f, str)}
+    kept = {(d["commit"], f) for d in other_records if isinstance(d.get("commit"), str)
+            and isinstance(d.get("files"), list) for f in d["files"] if isinstance(f, str)}
     pointers, blobs = [], []
     for f in r.get("files") or []:
         if (r["commit"], f) in kept:
