@@ -75,9 +75,13 @@ log = logging.getLogger("edgespec.calibration")
 # timed under contention for good; their key (and so their file name) differs, so they are not read.
 FORMAT = 2
 # The curve's grid: every size up to 16 (a CPU BLAS can run 16 rows faster than 12), then coarser.
+# (Measured: CPU, 2-core x86 with OpenBLAS; on a GPU a guess.)
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
-PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (only ratios matter until then)
-PRIOR_SLOPE = {"cpu": 0.08, "gpu": 0.02}  # extra cost per extra token, in plain steps
+PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (a guess: only ratios matter until then)
+# Extra cost per extra token, in plain steps, before a pass is measured. "cpu": measured (2-core
+# x86, default model, the curve before the few-row kernel); "gpu": a guess, the roofline's slope
+# for the default model at q4_0 on the mid-range profile is in edgespec.costs.priors (METAL_PRIORS).
+PRIOR_SLOPE = {"cpu": 0.08, "gpu": 0.02}
 DRAFT_PRIOR_FACTOR = 1.5  # ... else this times the drafter's share of the verifier's weight bytes
 SAVE_EVERY_S = 30.0  # a long-running server writes at most this often (and at exit)
 SAVE_AFTER = 8  # new measurements before a write after a request

@@ -146,3 +146,19 @@ def test_cli_profile_list_and_bad_profile(capsys, monkeypatch):
     monkeypatch.setenv("EDGESPEC_COST_PROFILE", "m4-pro:q9")
     rc = main(["bench", "--quiet"])
     assert rc != 0 and "unknown weight format" in capsys.readouterr().err
+
+
+def test_metal_priors_table_names_real_constants_and_the_roofline_values():
+    from pathlib import Path
+
+    from edgespec.costs.priors import METAL_PRIORS, metal_priors
+
+    root = Path(__file__).resolve().parents[1]
+    for name, (where, cpu, metal) in METAL_PRIORS.items():
+        text = (root / where).read_text()
+        const = name.split("[")[0].split(" (")[0].split(" ")[0]
+        assert const in text, (name, where)
+        assert cpu and metal
+    v = metal_priors()
+    assert 0 < v["plain_step_s"] < 0.05 and 0 <= v["slope"] < 0.08 and 0 < v["draft_share"] < 1
+    assert v["batch8"] < 1.4  # on the GPU a pass of 8 costs about one (the CPU measured 1.4x)

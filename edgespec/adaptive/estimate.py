@@ -97,6 +97,8 @@ class AcceptanceStats:
         t.trials[:seen] += 1.0
 
 
+# The contention model (below to BUSY): guesses tuned on the 2-core x86 machine under other
+# processes' load (docs/adaptive.md); nothing of it was measured on a Mac.
 SCALE_MAX = 4.0  # how far a load change since a size was measured may move its price, either way
 LOAD_WEIGHT = 0.3  # a round's weight in Costs.load (as a sample's in a size's own average)
 LOAD_EASE = 0.98  # per timed plain step, log(load) shrinks by this factor (back to the curve)

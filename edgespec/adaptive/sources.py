@@ -172,7 +172,7 @@ SURE_PRIORS = {f"drafter:{kind}{i}": round(0.8 * m, 3) for kind in "qr" for i, m
 # Off by default: on the CPU (MLX, default model) they lost to the chain alone in every
 # side-by-side run (docs/adaptive.md, "How sure the drafter is"); options `runner_ups` (2 was
 # tried) and `draft_floor` (0.4 was best offline, 0.15 tried too) turn them on.
-RUNNER_UPS = 0  # runner-ups offered per drafted position
+RUNNER_UPS = 0  # runner-ups offered per drafted position (measured: CPU, 2-core x86; a guess for Metal)
 # A drafter that ranks (DrafterCaps.ranks) stops its chain once the product of its own
 # probabilities of the drafted tokens falls below this; 0: the planner's k.
 SURE_FLOOR = 0.0

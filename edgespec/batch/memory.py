@@ -28,7 +28,7 @@ from edgespec.lookahead.memory import available_memory, drafter_bytes, kv_bytes,
 TREE = 64  # a verified tree's tokens sit in the cache until the round commits
 FREE_SHARE = 0.75  # without --memory-budget: this share of the free memory goes to caches
 TYPICAL_TOKENS = 2048  # the request size the default --max-batch is sized for
-MAX_BATCH_CAP = 8  # the default never goes past this (a CPU pass of 8 rows already costs ~1.4x one)
+MAX_BATCH_CAP = 8  # the default never goes past this (measured: CPU, a pass of 8 rows ~1.4x one; a guess for Metal)
 
 
 class MemoryBudgetError(EdgespecError):

@@ -33,7 +33,7 @@ from edgespec.modes.schema import Option
 # the small tree won on copy and chat. GPU: wide passes are nearly free there, so the
 # paper's larger window (not measured here: no Mac).
 DEFAULTS = {"window": 2, "ngram": 3, "guesses": 2, "span": 8, "adaptive": True}
-DEFAULTS_GPU = {"window": 5, "ngram": 4, "guesses": 5, "span": 8, "adaptive": True}
+DEFAULTS_GPU = {"window": 5, "ngram": 4, "guesses": 5, "span": 8, "adaptive": True}  # a guess (never run on a Mac); edgespec.costs.priors
 OPTIONS = [
     Option("window", "int", None, "Jacobi window columns W (0 = pooled n-grams only)", 0, 32),
     Option("ngram", "int", None, "n-gram size N: Jacobi levels + 1", 2, 8),

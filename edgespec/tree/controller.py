@@ -23,7 +23,7 @@ import numpy as np
 
 from edgespec.kernels import tree_mask
 
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a guess: a grid dense where CPU costs bend, not measured
 
 
 @dataclass
