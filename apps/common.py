@@ -39,6 +39,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "default: $EDGESPEC_HISTORY, else memory. History only shapes drafts, never the output",
     )
     g.add_argument(
+        "--numerics",
+        default=None,
+        choices=["native", "metal"],
+        help="native: the device's own numerics (dense float32 on the CPU); metal: load and run the model "
+        "as a Mac's GPU would on any device (4-bit weights kept quantized, float16 activations and KV "
+        "caches, auto's drafter as on a Mac), to check the Mac's path here (docs/numerics.md); "
+        "default: $EDGESPEC_NUMERICS, else native",
+    )
+    g.add_argument(
         "--bitwise-verify",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -187,7 +196,7 @@ def load_engine(args, progress: bool = True):
         args.model, drafter=getattr(args, "drafter", None), progress=progress, history=getattr(args, "history", None),
         prompt_cache_bytes=cache_bytes, kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", 64), quantized_kv_start=getattr(args, "quantized_kv_start", 0),
-        bitwise=getattr(args, "bitwise_verify", None),
+        bitwise=getattr(args, "bitwise_verify", None), numerics=getattr(args, "numerics", None),
     )
     if budget:
         engine.limit_memory(budget)

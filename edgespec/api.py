@@ -19,6 +19,7 @@ def load(
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
     bitwise: bool | None = None,
+    numerics: str | None = None,
 ) -> Engine:
     """Load a bundle, HF folder or GGUF file (default: SmolLM2-135M-Instruct) into an Engine.
 
@@ -37,7 +38,16 @@ def load(
     `bitwise`: bitwise verification (docs/bitwise.md): every row of a verifier pass over many
     positions is bitwise what a one-token pass gives, so speculation cannot flip a near-tie.
     A process-wide setting; None = $EDGESPEC_BITWISE (off unless set to 1).
+    `numerics`: "native" (the device's own) or "metal": load and run the model as Metal would
+    on any device (quantized weights kept quantized, float16 activations and KV caches, `auto`'s
+    drafter as on a Mac; edgespec.weights.numerics, docs/numerics.md); None = $EDGESPEC_NUMERICS,
+    else "native".
     """
+    from edgespec.weights.numerics import (
+        resolve as resolve_numerics,  # deferred: light import edgespec
+    )
+
+    numerics = resolve_numerics(numerics)  # a bad value fails before anything loads
     from edgespec.caches.kv_quant import check_settings  # deferred: light import edgespec
 
     check_settings(kv_bits, kv_group_size, quantized_kv_start)  # before the model loads
@@ -72,9 +82,9 @@ def load(
     if model is None:
         from edgespec.weights.default_model import load_default  # deferred: light import edgespec
 
-        loaded = load_default(progress=progress, verify_hashes=verify_hashes)
+        loaded = load_default(progress=progress, verify_hashes=verify_hashes, numerics=numerics)
     else:
-        loaded = load_any(model, verify_hashes=verify_hashes)
+        loaded = load_any(model, verify_hashes=verify_hashes, numerics=numerics)
     if hub is not None:  # named by the hub name, not by the snapshot folder's commit hash
         loaded.manifest = {**loaded.manifest, "source": {**(loaded.manifest.get("source") or {}),
                                                          "name": hub.repo_id.split("/")[1], "hub": str(hub)}}

@@ -30,6 +30,7 @@ from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
 from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
 from edgespec.weights.formats.hf import read_config, read_safetensors
+from edgespec.weights.numerics import runs_as_metal
 
 MODEL_TYPE = "gemma4_assistant"
 
@@ -162,6 +163,6 @@ class AssistantDrafter(ReadsVerifierCache):
         """From a gemma4_assistant folder; `verifier` is the Engine (or LoadedModel) it drafts for."""
         loaded = getattr(verifier, "loaded", verifier)
         model = loaded.model
-        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        on_cpu = not runs_as_metal(verifier)  # the CPU device, in its own numerics
         dtype = mx.float32 if on_cpu else mx.float16
         return cls(load_assistant_model(path, dtype), model, name=f"gemma4-assistant:{Path(path).name}")

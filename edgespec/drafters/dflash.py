@@ -66,6 +66,7 @@ from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.dflash import KINDS, Model, ModelArgs
 from edgespec.weights.formats.hf import read_safetensors
+from edgespec.weights.numerics import runs_as_metal
 
 CONFIG = "config.json"
 
@@ -110,7 +111,7 @@ def load_dflash(path: str | Path, verifier, name: str | None = None) -> DFlashDr
     model = Model(args)
     weights = model.sanitize(read_safetensors(files))
     # fp32 on the CPU (it computes fp16 several times slower), the verifier's dtype elsewhere.
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    on_cpu = not runs_as_metal(verifier)  # the CPU device, in its own numerics
     dtype = mx.float32 if on_cpu else model_v.model.norm.weight.dtype
     try:
         model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)

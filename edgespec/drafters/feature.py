@@ -34,6 +34,7 @@ from edgespec.errors import ModelLoadError
 from edgespec.models.feature_drafter import FeatureDraftModel
 from edgespec.models.llama import ModelArgs
 from edgespec.weights.formats.hf import read_safetensors
+from edgespec.weights.numerics import runs_as_metal
 
 DRAFTER_JSON = "drafter.json"
 FORMAT = "edgespec-feature-drafter"
@@ -198,7 +199,7 @@ class FeatureDrafter(AcceptsDrafts):
         model = FeatureDraftModel(args)
         weights = read_safetensors([path / "model.safetensors"])
         # fp16 on disk (size); the CPU computes fp16 several times slower than fp32.
-        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        on_cpu = not runs_as_metal(verifier)  # the CPU device, in its own numerics
         dtype = mx.float32 if on_cpu else mx.float16
         try:
             model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)

@@ -51,6 +51,7 @@ from edgespec.drafters.quantized import QuantizedDrafter
 from edgespec.drafters.quantized import available as quantized_available
 from edgespec.drafters.self_spec import self_drafter
 from edgespec.errors import ModelLoadError
+from edgespec.weights.numerics import computes_as
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "drafters"
 
@@ -187,18 +188,79 @@ def load_drafter(engine, spec):
     return load_path(path, engine)
 
 
+# What mode `auto` drafts with when no drafter is named at load, per the numerics the verifier
+# computes in ("cpu" or "metal": edgespec.weights.numerics.computes_as; a Mac's GPU and
+# numerics="metal" on any device are "metal"): the candidates in order, the first that applies
+# is chosen.
+#   bundle   the bundle's own drafter (drafter.mlpackage on the Neural Engine, or drafter/)
+#   mtp      the model's multi-token-prediction head
+#   int8     the verifier's own weights in int8 (edgespec.drafters.quantized)
+#   shipped  the distilled drafter edgespec ships for this model (edgespec/data/drafters)
+AUTO_DRAFTERS: dict[str, tuple[str, ...]] = {
+    "cpu": ("bundle", "mtp", "int8", "shipped"),
+    "metal": ("bundle", "mtp", "shipped", "int8"),
+}
+# Candidates a numerics never takes, whatever the model, and the one line that says why.
+NEVER: dict[tuple[str, str], str] = {
+    ("metal", "int8"): "it drafts on the CPU device only (its native pass reads dense weights and float32 caches; "
+                       "on Metal the verifier is 4-bit with float16 caches, and MLX's quantized products are the tool)",
+}
+
+
+def _int8_off() -> bool:
+    return os.environ.get("EDGESPEC_INT8_DRAFTER", "on").strip().lower() in ("0", "off", "false", "no")
+
+
+def _why_not(name: str, engine) -> str | None:
+    """Why candidate `name` cannot draft for `engine` (None: it can). Cheap: loads nothing."""
+    model = engine.loaded.model
+    if name == "bundle":
+        return None if _bundle_has_drafter(engine) else "the model is not a bundle with a drafter of its own"
+    if name == "mtp":
+        return None if has_mtp(model) else "the model has no multi-token-prediction head"
+    if name == "int8":
+        if _int8_off():
+            return "turned off (EDGESPEC_INT8_DRAFTER=off)"
+        return quantized_available(model)
+    if name == "shipped":
+        return None if shipped_drafter_path(engine) is not None else "edgespec ships no distilled drafter for this model"
+    raise ValueError(f"unknown auto drafter candidate {name!r}")
+
+
+def auto_drafter_choice(engine) -> tuple[str | None, dict[str, str]]:
+    """What mode `auto` drafts with for `engine` when no drafter was named at load, and why it
+    passed over each other candidate, from the table AUTO_DRAFTERS for the numerics its
+    verifier computes in (a Mac's GPU or numerics="metal": "metal"; else "cpu").
+
+    auto_drafter_choice(engine) -> (chosen, passed)
+        chosen: "bundle", "mtp", "int8", "shipped" (see AUTO_DRAFTERS), or None when auto drafts
+                from weight-free sources only (context n-grams, history, the Jacobi window)
+        passed: {candidate: one-line reason} for every other candidate of the table's row
+
+    Loads nothing (a `doctor` report can call it). A drafter named at load
+    (`edgespec.load(drafter=...)`, `--drafter`) or a memory budget it does not fit overrides it.
+    """
+    numerics = "metal" if computes_as(getattr(engine.loaded, "numerics", "native")) == "metal" else "cpu"
+    chosen, passed = None, {}
+    for name in AUTO_DRAFTERS[numerics]:
+        why = NEVER.get((numerics, name)) or _why_not(name, engine)
+        if why is None and chosen is None:
+            chosen = name
+        elif why is None:
+            passed[name] = f"it would draft, but {chosen} comes first on {'Metal' if numerics == 'metal' else 'the CPU'}"
+        else:
+            passed[name] = why
+    return chosen, passed
+
+
 def auto_drafter(engine):
-    """The drafter mode auto drafts with when none was named at load: the verifier itself in int8
-    (edgespec.drafters.quantized) where it can run (the CPU device, a Llama-style verifier, the
-    kernel built), unless the bundle has a drafter of its own or the model an MTP head;
-    EDGESPEC_INT8_DRAFTER=off turns it off. None: auto drafts with the attached drafter."""
-    if os.environ.get("EDGESPEC_INT8_DRAFTER", "on").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    if _bundle_has_drafter(engine) or has_mtp(engine.loaded.model):
-        return None
-    if quantized_available(engine.loaded.model) is not None:
-        return None
-    return QuantizedDrafter.load(engine)
+    """The drafter mode auto drafts with when none was named at load, beside the attached one:
+    the verifier itself in int8 (edgespec.drafters.quantized) where auto_drafter_choice picks it
+    (the CPU's numerics, a Llama-style verifier, the kernel built, no drafter of the bundle's own
+    nor an MTP head); EDGESPEC_INT8_DRAFTER=off turns it off. None: auto drafts with the attached
+    drafter (the bundle's, the MTP head, the shipped one), which load_drafter(engine, None) loads."""
+    chosen, _ = auto_drafter_choice(engine)
+    return QuantizedDrafter.load(engine) if chosen == "int8" else None
 
 
 def _bundle_has_drafter(engine) -> bool:

