@@ -121,12 +121,16 @@ def write_reference(folder, kind: str = "llama", layout: str = "speculators", la
     if layout == "speculators":
         config.save_pretrained(str(folder))  # the reference's own config writer
         cfg = None
-    else:  # the EAGLE authors' layout: a Llama config with the EAGLE fields, layer 0 as `midlayer`
+    else:  # the EAGLE authors' layout: a Llama config with the EAGLE fields, layer 0 as `midlayer`,
+        # saved with torch.save as the authors publish it (pytorch_model.bin)
         tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
         cfg = dict(lcfg, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
                    eagle_config={"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
                    torch_dtype="float32", **flags)
-    save_file(tensors, str(folder / "model.safetensors"))
+    if layout == "speculators":
+        save_file(tensors, str(folder / "model.safetensors"))
+    else:
+        torch.save(tensors, str(folder / "pytorch_model.bin"))
     if cfg is not None:
         (folder / "config.json").write_text(json.dumps(cfg))
     return model
@@ -304,14 +308,39 @@ def test_heads_for_another_verifier_and_malformed_folders_are_refused_by_name(ve
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="mutually exclusive"):
         load(verifier_folder, drafter=folder)
-    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
-    with pytest.raises(ModelLoadError, match="pytorch_model.bin"):
+    del cfg["fc_norm"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")  # not a zip
+    with pytest.raises(ModelLoadError, match="not a PyTorch zip checkpoint"):
+        load(verifier_folder, drafter=folder)
+    (folder / "pytorch_model.bin").unlink()
+    with pytest.raises(ModelLoadError, match="needs its"):
         load(verifier_folder, drafter=folder)
     # tree and cascade refuse a head that follows only the committed path
     engine = load(verifier_folder, drafter=write_random(tmp_path / "ok"))
     for mode in ("tree", "cascade"):
         with pytest.raises(Exception, match="eagle3"):
             engine.generate(PROMPT[:5], max_tokens=4, mode=mode)
+
+
+def test_a_checkpoint_pickle_that_would_run_code_is_refused(tmp_path):
+    """pytorch_model.bin is read by an unpickler that knows only a state dict's globals."""
+    import pickle
+    import zipfile
+
+    from edgespec.weights.formats.torch_pickle import read_torch_checkpoint
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("echo never",))
+
+    path = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"fc.weight": Evil()}, protocol=2))
+    with pytest.raises(ModelLoadError, match="system.*refused"):
+        read_torch_checkpoint(path)
 
 
 def test_the_authors_default_layers_and_the_verifiers_embedding(tmp_path):

@@ -3,7 +3,8 @@
 A head folder is either published layout (models/eagle3.py): the EAGLE authors' (config.json with
 `draft_vocab_size`, weights `midlayer.*`, `d2t`, `t2d`) or the `speculators` one (config.json with
 `speculators_model_type: "eagle3"`, `transformer_layer_config` and `speculators_config`), weights
-in *.safetensors. `--drafter FOLDER` loads it; `edgespec convert MODEL OUT --drafter FOLDER` is not
+in *.safetensors (or the authors' pytorch_model.bin, read without torch and without running its
+pickle). `--drafter FOLDER` loads it; `edgespec convert MODEL OUT --drafter FOLDER` is not
 wired for it yet (the folder is read as is).
 
 Verifier states. Attaching the head makes the verifier record, on every pass it already makes with
@@ -31,7 +32,7 @@ verifier's.
 Refused at load, by name: a head for another verifier (hidden size, aux layer ids past its layers
 or the embedding layer 0, vocabulary size, a d2t map pointing past the vocabulary or twice at one
 token, a t2d map that disagrees with d2t), malformed folders (config, weights that do not fit
-it, no safetensors), a verifier whose passes do not record layers (distributed, Gemma 4). Tree
+it, no weights), a verifier whose passes do not record layers (distributed, Gemma 4). Tree
 and cascade refuse it (it follows only the committed path: `reads_verifier`); pipelined drafting
 is off with it.
 """
@@ -51,6 +52,7 @@ from edgespec.errors import ModelLoadError
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.eagle3 import Model, ModelArgs, default_layer_ids
 from edgespec.weights.formats.hf import read_safetensors
+from edgespec.weights.formats.torch_pickle import read_torch_checkpoint
 
 CONFIG = "config.json"
 
@@ -84,11 +86,6 @@ def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Dr
     cfg = _read_config(path)
     if cfg is None:
         raise ModelLoadError(f"{path}: an EAGLE-3 head folder needs a readable {CONFIG}")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        bins = sorted(p.name for p in path.glob("*.bin"))
-        hint = f" ({', '.join(bins)} is a PyTorch pickle: save it as safetensors first)" if bins else ""
-        raise ModelLoadError(f"{path}: an EAGLE-3 head folder needs its *.safetensors{hint}")
     try:
         args = ModelArgs.from_dict(cfg)
     except (ValueError, TypeError) as e:
@@ -97,7 +94,9 @@ def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Dr
     model_v = getattr(loaded, "model", loaded)
     check_pairing(args, model_v, path)
     model = Model(args)
-    weights, embed = Model.sanitize(read_safetensors(files))
+    raw = read_weights(path)
+    t2d = raw.get("t2d")
+    weights, embed = Model.sanitize(raw)
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     dtype = mx.float32 if on_cpu else model_v.model.norm.weight.dtype
     d2t = weights.pop("d2t", None)
@@ -109,8 +108,8 @@ def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Dr
     try:
         model.load_weights([(k, v if k == "d2t" else v.astype(dtype)) for k, v in weights.items()], strict=True)
     except ValueError as e:
-        raise ModelLoadError(f"{path}: the safetensors do not fit {CONFIG}: {e}") from None
-    check_maps(model, read_t2d(files), path)
+        raise ModelLoadError(f"{path}: the weights do not fit {CONFIG}: {e}") from None
+    check_maps(model, t2d, path)
     if embed is not None:
         if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
             raise ModelLoadError(f"{path}: embed_tokens.weight is {tuple(embed.shape)}, the head reads "
@@ -120,15 +119,19 @@ def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Dr
     return Eagle3Drafter(model, model_v, name=name or f"eagle3:{path.name}", embed=embed)
 
 
-def read_t2d(files: list[Path]) -> mx.array | None:
-    for f in files:
-        try:
-            w = mx.load(str(f))
-        except Exception:  # already read once by read_safetensors
-            continue
-        if "t2d" in w:
-            return w["t2d"]
-    return None
+def read_weights(path: Path) -> dict[str, mx.array]:
+    """The folder's tensors: its *.safetensors, else its pytorch_model.bin (the authors' heads ship
+    that; read without torch, see edgespec.weights.formats.torch_pickle)."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return read_safetensors(files)
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelLoadError(f"{path}: an EAGLE-3 head folder needs its *.safetensors (or pytorch_model.bin)")
+    out: dict[str, mx.array] = {}
+    for f in bins:
+        out.update(read_torch_checkpoint(f))
+    return out
 
 
 def check_maps(model: Model, t2d: mx.array | None, path: Path | str) -> None:
