@@ -19,6 +19,7 @@ from edgespec.converters.coreml_calibrate import calibration_sequences
 from edgespec.converters.coreml_export import COMPRESS_CHOICES, export_drafter
 from edgespec.converters.dense import _dense_params
 from edgespec.converters.dflash_export import write_dflash_drafter
+from edgespec.converters.eagle3_export import write_eagle3_drafter
 from edgespec.converters.hf import read_safetensors
 from edgespec.converters.mtp_export import write_mtp_drafter
 from mlx.utils import tree_flatten
@@ -27,6 +28,7 @@ from edgespec.drafters.assistant import check_fit, is_assistant_folder, load_ass
 from edgespec.drafters.compat import check_compatible
 from edgespec.drafters.dflash import is_dflash_folder
 from edgespec.drafters.distilled import VOCAB_MAP, VocabMap, is_distilled_folder
+from edgespec.drafters.eagle3 import is_eagle3_folder
 from edgespec.drafters.feature import DRAFTER_JSON, is_feature_folder
 from edgespec.errors import ModelLoadError
 from edgespec.progress import progress_bar
@@ -97,6 +99,8 @@ def write_drafter(
     if Path(src).is_dir() and is_dflash_folder(src):  # a DFlash block drafter (converters/dflash_export.py)
         return write_dflash_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, coreml, compress,
                                     context_length, prefill_chunk)
+    if Path(src).is_dir() and is_eagle3_folder(src):  # an EAGLE-3 head (converters/eagle3_export.py)
+        return write_eagle3_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, compress)
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):

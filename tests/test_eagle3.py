@@ -357,6 +357,32 @@ def test_the_authors_default_layers_and_the_verifiers_embedding(tmp_path):
     assert engine.drafter.layer_ids == [2, 4, 5] and engine.model.record_layers == (1, 3, 4)
 
 
+def test_convert_stores_the_head_in_the_bundle(tmp_path):
+    """`edgespec convert MODEL OUT --drafter HEAD`: the bundle's drafter/ loads as the folder does
+    (same proposals), checked against the verifier before it is written."""
+    from edgespec.converters.convert import convert
+
+    from edgespec.drafters.eagle3 import Eagle3Drafter
+
+    verifier = two_way_head(write_tiny_hf_folder(tmp_path / "v", seed=3, **VERIFIER))
+    head = write_random(tmp_path / "head")
+    convert(verifier, tmp_path / "bundle", quantize="none", dtype="float32", progress=False, drafter=head,
+            drafter_options={"coreml": False})
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert manifest["drafter"]["kind"] == "eagle3"
+    runs = []
+    for src, kw in ((verifier, {"drafter": head}), (tmp_path / "bundle", {})):
+        engine = load(src, **kw)
+        assert isinstance(engine.drafter, Eagle3Drafter)
+        spec = engine.generate(PROMPT[:9], max_tokens=20, mode="speculative", draft_tokens=4)
+        assert spec.tokens == engine.generate(PROMPT[:9], max_tokens=20, mode="plain").tokens
+        runs.append(spec.stats.accepted_by_position)
+    assert runs[0] == runs[1]
+    with pytest.raises(ModelLoadError, match="hidden size"):
+        convert(verifier, tmp_path / "b2", quantize="none", dtype="float32", progress=False,
+                drafter=write_random(tmp_path / "small", E=32), drafter_options={"coreml": False})
+
+
 def test_the_catalog_names_the_published_heads(tmp_path, monkeypatch):
     """Names only: nothing is fetched. A catalog of your own comes first."""
     from edgespec.hub.pairing import eagle3_heads

@@ -4,8 +4,8 @@ A head folder is either published layout (models/eagle3.py): the EAGLE authors' 
 `draft_vocab_size`, weights `midlayer.*`, `d2t`, `t2d`) or the `speculators` one (config.json with
 `speculators_model_type: "eagle3"`, `transformer_layer_config` and `speculators_config`), weights
 in *.safetensors (or the authors' pytorch_model.bin, read without torch and without running its
-pickle). `--drafter FOLDER` loads it; `edgespec convert MODEL OUT --drafter FOLDER` is not
-wired for it yet (the folder is read as is).
+pickle). `--drafter FOLDER` loads it; `edgespec convert MODEL OUT --drafter FOLDER` stores it as
+the bundle's drafter/ (converters/eagle3_export.py), which loads the same way.
 
 Verifier states. Attaching the head makes the verifier record, on every pass it already makes with
 a cache (prefill, plain steps, verification), its hidden states at the head's aux layers (the
