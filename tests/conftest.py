@@ -134,6 +134,35 @@ def real_engine(real_bundle) -> Engine:
     return edgespec.load(real_bundle, drafter="none", progress=False)
 
 
+def pytest_configure(config):
+    """The device the suite assumes: the CPU (a Mac's default is its GPU). Tests marked `metal`
+    or `macos` run on the default device instead (`_device_of_mac_tests`)."""
+    mx.set_default_device(mx.cpu)
+
+
+@pytest.fixture(autouse=True)
+def _device_of_mac_tests(request):
+    if request.node.get_closest_marker("metal") is None and request.node.get_closest_marker("macos") is None:
+        yield
+        return
+    mx.set_default_device(mx.gpu if mx.metal.is_available() else mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(mx.cpu)
+
+
+@pytest.fixture
+def cpu_device():
+    """For a test that needs the CPU device whatever the suite's pin says (the int8 drafter's)."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(before)
+
+
 def pytest_collection_modifyitems(config, items):
     import sys
 

@@ -14,7 +14,9 @@ from edgespec.generate import prefill
 from edgespec.kernels import q8
 from edgespec.logits.sampling import Sampler, SamplingParams
 
-pytestmark = pytest.mark.skipif(q8.library() is None, reason="no C compiler for the native kernel")
+# It drafts on the CPU device only: pinned there (a Mac's default device is its GPU).
+pytestmark = [pytest.mark.skipif(q8.library() is None, reason="no C compiler for the native kernel"),
+              pytest.mark.usefixtures("cpu_device")]
 
 
 @pytest.mark.parametrize("traditional,rot", [(False, None), (True, None), (False, 4)])

@@ -104,10 +104,13 @@ def _match_rate(model, seqs, layer_ids, starts=None, vocab_subsets=None) -> floa
 
 
 def _head_rows(model, ids: mx.array) -> mx.array:
-    """Output-projection rows for token ids (..., S) -> (..., S, E) (tied or separate head)."""
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.weight[ids]
-    return model.lm_head.weight[ids]
+    """Output-projection rows for token ids (..., S) -> (..., S, E) (tied or separate head;
+    a quantized one's rows dequantized, as on a Mac's 4-bit default model)."""
+    head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    if "scales" in head:
+        return mx.dequantize(head["weight"][ids], head["scales"][ids], head.get("biases")[ids],
+                             group_size=head.group_size, bits=head.bits)
+    return head.weight[ids]
 
 
 def _verifier_top(model, seqs, n: int = 32) -> list[mx.array]:
