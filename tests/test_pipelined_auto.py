@@ -160,8 +160,12 @@ def test_overlap_prices_the_choice():
     assert not shared.choose(0.010, 0.008, 0.002, 0.8)  # on one CPU each halves the other
     assert not Overlap(fixed=(1.0, 1.0)).choose(0.010, 0.008, 0.002, 0.0)  # a premise that never holds
     learnt = Overlap("shared")
-    picks = [learnt.choose(0.010, 0.008, 0.002, 0.8) for _ in range(2 * PROBE_EVERY)]
-    assert sum(picks) == 2  # a probe every PROBE_EVERY drafting rounds while unmeasured
+    picks = []
+    for _ in range(2 * PROBE_EVERY + 2):  # each choice carried out
+        picks.append(learnt.choose(0.010, 0.008, 0.002, 0.8))
+        learnt.ran(picks[-1])
+    assert picks.count(True) == 2 and picks[PROBE_EVERY]  # a probe after PROBE_EVERY synchronous rounds
+    assert not learnt.choose(0.010, 0.008, 0.002, 0.8)  # the probe ran: the clock starts again
     for _ in range(3):  # measured: each side as fast beside the other as alone
         learnt.observe("v_alone", 0.010, 0.010)
         learnt.observe("v_over", 0.010, 0.010)

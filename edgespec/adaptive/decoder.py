@@ -207,6 +207,7 @@ class AdaptiveDecoder:
         return plan
 
     def _timed_plan(self, seq: list[int]) -> Plan:
+        self.costs.context = None if self._in_batch() else len(seq)  # priced at it (Costs.ctx_term)
         allowed = getattr(self.model, "speculation_allowed", None) if self._batch_ctx is not None else None
         if allowed is not None and not allowed():
             # The batch measured plain steps doing better at its size (edgespec.batch.guard).
@@ -512,7 +513,7 @@ class AdaptiveDecoder:
             early, dt_d = ahead.result()
             if self.drafter.cost.per_token is not None:
                 o.observe("d_over", dt_d, alone_s)
-            o.rounds["ahead"] += 1
+            o.ran(True)
             self._ahead_counts[0] += 1
             stats.draft_s += dt_d
             if list(seq) + new == premise:
@@ -521,7 +522,7 @@ class AdaptiveDecoder:
                 self._ahead_counts[1] += 1
                 stats.hidden_draft_s += min(dt_d, verify_s)
         elif plan.draft_k and self.overlap is not None and not self._in_batch():
-            self.overlap.rounds["sync"] += 1
+            self.overlap.ran(False)
             if self.costs.known(T):
                 self.overlap.observe("v_alone", verify_s, costs.verify(T))
             if self._draft_time and self.drafter.cost.per_token is not None:

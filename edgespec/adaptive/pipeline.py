@@ -173,17 +173,17 @@ class Overlap:
         return sync, ahead
 
     def choose(self, verify_s: float, draft_s: float, token_s: float, p: float) -> bool:
-        """Draft ahead this round? Priced (ahead must be cheaper), or a probe while unmeasured."""
+        """Draft ahead this round? Priced (ahead must be cheaper), or a probe while unmeasured
+        (after PROBE_EVERY drafting rounds run synchronously: `ran`)."""
         sync, ahead = self.price(verify_s, draft_s, token_s, p)
         if ahead < sync:
             return True
-        if self.measured:
-            return False
-        self.drafting_rounds += 1
-        if self.drafting_rounds >= PROBE_EVERY:
-            self.drafting_rounds = 0
-            return True
-        return False
+        return not self.measured and self.drafting_rounds >= PROBE_EVERY
+
+    def ran(self, ahead: bool) -> None:
+        """A drafting round ran, drafted ahead or not (counts; the probe's clock)."""
+        self.rounds["ahead" if ahead else "sync"] += 1
+        self.drafting_rounds = 0 if ahead else self.drafting_rounds + 1
 
     def describe(self) -> dict:
         return {"s_verify": round(self.s_v, 3), "s_draft": round(self.s_d, 3), "measured": self.measured,
