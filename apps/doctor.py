@@ -20,7 +20,7 @@ DESCRIPTION = (
     "Mac-only tests (pytest -m 'macos or metal'), --json prints one object for a bug report."
 )
 
-PROBE_PROMPT = "Explain in a few sentences why the sky is blue, then list three everyday uses of prisms."
+PROBE_PROMPT = "Explain in a few sentences why the sky is blue, then list three everyday uses of prisms."  # a chat turn
 PROBE_TOKENS = 64  # a reply's length in the probe (greedy): long enough for auto's drafts to pay
 
 
@@ -160,20 +160,22 @@ def probe(engine, seconds: float) -> dict:
 
     out: dict = {"seconds": seconds, "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS}
     first: dict[str, list[int]] = {}
+    messages = [{"role": "user", "content": PROBE_PROMPT}]
     for mode in ("plain", "auto"):
-        r = engine.generate(PROBE_PROMPT, max_tokens=PROBE_TOKENS, mode=mode, temperature=0.0)  # warm-up
+        r = engine.chat(messages, max_tokens=PROBE_TOKENS, mode=mode, temperature=0.0)  # warm-up
         first[mode] = r.tokens
-        tokens = passes = 0
+        tokens = passes = replies = 0
         spent = 0.0
-        while spent < seconds / 2 or tokens == 0:
+        while spent < seconds / 2 or replies == 0:  # (a reply may end at once: count replies, not tokens)
             t0 = time.perf_counter()
-            r = engine.generate(PROBE_PROMPT, max_tokens=PROBE_TOKENS, mode=mode, temperature=0.0)
+            r = engine.chat(messages, max_tokens=PROBE_TOKENS, mode=mode, temperature=0.0)
             spent += time.perf_counter() - t0
-            tokens += len(r.tokens)
-            passes += r.stats.verifier_passes
-        out[mode] = {"tokens": tokens, "seconds": round(spent, 3), "tokens_per_s": round(tokens / spent, 2),
+            tokens, passes, replies = tokens + len(r.tokens), passes + r.stats.verifier_passes, replies + 1
+        out[mode] = {"replies": replies, "tokens": tokens, "seconds": round(spent, 3),
+                     "tokens_per_s": round(tokens / spent, 2) if spent > 0 else None,
                      "tokens_per_pass": round(tokens / passes, 3) if passes else None}
-    out["speedup"] = round(out["auto"]["tokens_per_s"] / out["plain"]["tokens_per_s"], 3)
+    plain_rate, auto_rate = out["plain"]["tokens_per_s"], out["auto"]["tokens_per_s"]
+    out["speedup"] = round(auto_rate / plain_rate, 3) if plain_rate and auto_rate else None
     out["same_output"] = first["auto"] == first["plain"]
     return out
 
