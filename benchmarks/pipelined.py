@@ -1,6 +1,6 @@
 """Drafting while verifying in `auto`: the device model's table, and this host's side by side.
 
-    python benchmarks/pipelined.py [--rounds 60] [--json out.json]
+    python benchmarks/pipelined.py [--rounds 60] [--scale 1] [--json out.json]
     python benchmarks/pipelined.py --host [--model PATH] [--per-domain 2] [--max-tokens 96] [--repeats 2]
 
 Device model (the default). A tiny random verifier and its int8 drafter (the MLX one where the
@@ -105,6 +105,7 @@ def device_table(args) -> list[dict]:
 
     rows = []
     for ratio in RATIOS:
+        ratio = (ratio[0], *(x * args.scale for x in ratio[1:4]), ratio[4])
         r = random.Random(1)
         prompts = [[r.randrange(1, 64) for _ in range(r.randrange(3, 9))] * 2 for _ in range(3)]
         row = {"ratio": ratio[0], "verify_ms": 1000 * (ratio[1] + ratio[2] * (K + 1)),
@@ -185,6 +186,8 @@ def host_side_by_side(args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=60, help="tokens generated per prompt (device model)")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="multiply the device model's latencies (a busy host: larger, so the sleeps still dominate)")
     ap.add_argument("--host", action="store_true", help="this host's model on the mixed set instead")
     ap.add_argument("--model", default=None, help="with --host: bundle, HF folder or GGUF (default model)")
     ap.add_argument("--prompts", default=None, help="with --host: a JSONL prompt set (default: the built-in one)")
@@ -193,8 +196,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="with --host: measured repeats per prompt and mode")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args()
-    if args.rounds < 1 or args.per_domain < 1 or args.max_tokens < 1 or args.repeats < 1:
-        ap.error("--rounds, --per-domain, --max-tokens and --repeats must be >= 1")
+    if args.rounds < 1 or args.per_domain < 1 or args.max_tokens < 1 or args.repeats < 1 or args.scale <= 0:
+        ap.error("--rounds, --per-domain, --max-tokens and --repeats must be >= 1, --scale > 0")
     out = host_side_by_side(args) if args.host else device_table(args)
     if args.json:  # atomic: a temporary file beside it, then renamed
         tmp = f"{args.json}.tmp-{os.getpid()}"
