@@ -73,7 +73,9 @@ log = logging.getLogger("edgespec.calibration")
 
 # 2: the verify curve is persisted at quiet prices (Costs.quiet). Format-1 files priced sizes
 # timed under contention for good; their key (and so their file name) differs, so they are not read.
-FORMAT = 2
+# 3: the curve is kept at an empty context and the context's price beside it ("ctx_s",
+# Costs.ctx_term): format-2 curves hold each size at whatever context it was timed at.
+FORMAT = 3
 # The curve's grid: every size up to 16 (a CPU BLAS can run 16 rows faster than 12), then coarser.
 # (Measured: CPU, 2-core x86 with OpenBLAS; on a GPU a guess.)
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
@@ -82,6 +84,10 @@ PRIOR_STEP_S = 0.05  # seconds of a plain step before one is measured (a guess: 
 # x86, default model, the curve before the few-row kernel); "gpu": a guess, the roofline's slope
 # for the default model at q4_0 on the mid-range profile is in edgespec.costs.priors (METAL_PRIORS).
 PRIOR_SLOPE = {"cpu": 0.08, "gpu": 0.02}
+# How much of the context's price grows with a pass's width (Costs.ctx_share). "cpu": attention
+# over L for each of T positions is compute there (a guess from its flops); "gpu": the cache is
+# read once for every position (the roofline, edgespec.costs.model).
+CTX_SHARE = {"cpu": 1.0, "gpu": 0.1}
 DRAFT_PRIOR_FACTOR = 1.5  # ... else this times the drafter's share of the verifier's weight bytes
 SAVE_EVERY_S = 30.0  # a long-running server writes at most this often (and at exit)
 SAVE_AFTER = 8  # new measurements before a write after a request
@@ -260,13 +266,15 @@ class CostStore:
         self.loaded_counts: dict[int, int] = {}
         self.loaded_drafts: dict[str, float] = {}
         self.loaded_catch: dict[str, float | None] = {}  # per drafter: its catch-up (None: unmeasured)
+        self.loaded_ctx = 0.0  # the context's price per position (Costs.ctx_s)
         if path is not None:
             self._load()
         prior = Costs(list(SIZES), prior_curve(SIZES, self.kind))
         for T, v in self.loaded_verify.items():
             prior.observe(T, v)
         sizes = sorted(set(SIZES) | {T for T in self.loaded_verify if T <= SIZES[-1]})
-        self.costs = Costs(sizes, [prior.verify(T) for T in sizes], anchored=set(self.loaded_verify))
+        self.costs = Costs(sizes, [prior.verify(T) for T in sizes], anchored=set(self.loaded_verify),
+                           ctx_s=self.loaded_ctx, ctx_share=CTX_SHARE.get(self.kind, 1.0))
         # A drafter's per-token figure loads only with its catch-up entry beside it: one written
         # before the catch-up was priced apart (no such entry) holds catch-up time, so it is not
         # used (the weight-share prior applies until a call is timed), and kept in the file.
@@ -317,6 +325,9 @@ class CostStore:
                 if v is not None and not _nonnegative(v):
                     raise ValueError(f"bad catch_up entry {k!r}: {v!r}")
             loaded_counts = {int(k): int(v) for k, v in counts.items() if isinstance(v, int)}
+            ctx = data.get("ctx_s", 0.0)
+            if not _nonnegative(ctx):
+                raise ValueError(f"bad ctx_s: {ctx!r}")
         except (ValueError, TypeError) as e:
             aside = aside_name(p)
             try:
@@ -334,6 +345,7 @@ class CostStore:
         self.loaded_counts = loaded_counts
         self.loaded_drafts = {str(k): float(v) for k, v in drafts.items()}
         self.loaded_catch = {str(k): None if v is None else float(v) for k, v in catch.items()}
+        self.loaded_ctx = float(ctx)
 
     def _refuse(self, why: str) -> None:
         log.warning("edgespec: ignoring the calibration file %s (%s); leaving it as it is, costs are learnt "
@@ -398,7 +410,7 @@ class CostStore:
             data = {"format": FORMAT, "key": self.key, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "verify": {str(T): verify[T] for T in sorted(verify)},
                     "counts": {str(T): all_counts[T] for T in sorted(all_counts)},
-                    "draft": drafts, "catch_up": catch}
+                    "draft": drafts, "catch_up": catch, "ctx_s": self.costs.ctx_s}
             tmp = None
             try:
                 if os.path.lexists(self.path) and current is None:
@@ -448,7 +460,7 @@ class CostStore:
         `memory.tree_costs`), when it is new or has moved by PUBLISH_CHANGE somewhere
         (each new object makes the batcher rebuild its step costs)."""
         sizes = list(self.costs.sizes)
-        now = [self.costs.verify(T) for T in sizes]
+        now = [self.costs.verify_at(T, 0) for T in sizes]
         old = self._published
         if old is not None and engine.memory.tree_costs is old and all(
                 abs(a - b) <= PUBLISH_CHANGE * b for a, b in zip(now, old.verify_s, strict=True)):
@@ -478,7 +490,7 @@ def cost_store(engine) -> CostStore:
         # Under a cost profile (edgespec.costs.clock.simulate): the profile's curve at a typical
         # context, learnt further from the simulated passes, never written to the host's file.
         store = engine.memory.cost_store = CostStore(None, None, kind="gpu")
-        store.costs = Costs(list(SIZES), sim.curve(SIZES))
+        store.costs = Costs(list(SIZES), sim.curve(SIZES, L=0), ctx_s=sim.context_s(), ctx_share=CTX_SHARE["gpu"])
         store.verifier_bytes = weight_bytes(engine.model)
         return store
     if store is None:

@@ -162,3 +162,41 @@ def test_metal_priors_table_names_real_constants_and_the_roofline_values():
     v = metal_priors()
     assert 0 < v["plain_step_s"] < 0.05 and 0 <= v["slope"] < 0.08 and 0 < v["draft_share"] < 1
     assert v["batch8"] < 1.4  # on the GPU a pass of 8 costs about one (the CPU measured 1.4x)
+
+
+# ---------------------------------------------------------------- the host's curve and the context
+def test_measured_curve_learns_the_price_of_the_context_from_plain_steps():
+    from edgespec.adaptive.estimate import Costs
+
+    c = Costs([1, 8, 16], [0.05, 0.07, 0.09], ctx_share=1.0)
+    assert c.ctx_term(8, 2000) == 0.0  # nothing learnt yet: priced as before
+    for L in (100, 400, 1600, 2000, 150, 1900) * 3:  # plain steps: 40 ms + 10 us a position
+        c.context = L
+        c.observe(1, 0.040 + 1e-5 * L)
+    assert c.ctx_s == pytest.approx(1e-5, rel=0.05)
+    short, long = c.verify_at(8, 200), c.verify_at(8, 2000)
+    assert long - short == pytest.approx(1e-5 * 1800 * 8, rel=0.05)  # attention over L for 8 positions
+    c.context = 2000
+    assert c.verify(1) == pytest.approx(0.060, rel=0.05) and c.verify(8) == pytest.approx(long)
+    c.context = None
+    assert c.verify(1) == pytest.approx(0.040, rel=0.05)  # the curve itself: at an empty context
+    # a size timed at a long context teaches the curve its empty-context price
+    c.context = 2000
+    c.observe(8, long * 1.0)
+    assert c.verify_at(8, 0) == pytest.approx(long - 1e-5 * 2000 * 8, rel=0.1)
+
+
+def test_the_context_price_persists_under_a_new_format(tmp_path):
+    import edgespec.calibration as cal
+
+    assert cal.FORMAT == 3
+    key = {"k": 1}
+    store = cal.CostStore(key, tmp_path / "c.json", kind="cpu")
+    for L in (100, 2000) * 10:
+        store.costs.context = L
+        store.costs.observe(1, 0.04 + 2e-5 * L)
+    assert store.save()
+    data = __import__("json").loads((tmp_path / "c.json").read_text())
+    assert data["format"] == 3 and data["ctx_s"] == pytest.approx(2e-5, rel=0.05)
+    again = cal.CostStore(key, tmp_path / "c.json", kind="cpu")
+    assert again.costs.ctx_s == pytest.approx(2e-5, rel=0.05) and again.costs.ctx_share == 1.0

@@ -108,6 +108,10 @@ LOAD_EASE = 0.98  # per timed plain step, log(load) shrinks by this factor (back
 # for the machine's own speed; a machine that did get slower is, within ~1/FLOOR_UP steps.
 FLOOR_DOWN, FLOOR_UP = 0.1, 0.002
 BUSY = 1.5  # plain steps averaging this much over the quiet one: the cores are shared (Costs.busy)
+# The context's price (Costs.ctx_s): fitted from plain steps at different context lengths once
+# their lengths spread by CTX_SPREAD positions (standard deviation), forgotten by CTX_DECAY a step.
+CTX_SPREAD = 128.0
+CTX_DECAY = 0.995
 
 
 @dataclass
@@ -173,8 +177,19 @@ class Costs:
     plain_floor: float | None = None
     contended: set[int] = field(default_factory=set)
 
+    # The context: a pass after L cached positions costs the curve's price (at an empty context)
+    # plus ctx_s x L x (1 + ctx_share x (T - 1)). ctx_s is fitted from the plain steps' seconds
+    # against the context they ran at (a least-squares slope, never below 0); ctx_share is how
+    # much of it grows with the pass's width (attention over L for each of the T positions: 1.0
+    # on a CPU, where it is compute; a guess). `context` is the L of the request being priced,
+    # set by the decoder before it plans (None: passes priced and learnt as before, context-free).
+    ctx_s: float = 0.0
+    ctx_share: float = 1.0
+    context: int | None = None
+
     def __post_init__(self):
         self._table: list[float] | None = None  # verify(T) for T = 0..max_tokens, rebuilt after observe
+        self._ctx_sums = [0.0] * 5  # decayed sums over plain steps: n, L, s, L*L, L*s
 
     @property
     def load(self) -> float:
@@ -209,7 +224,31 @@ class Costs:
             return s
         return s * min(max(one / r, 1 / SCALE_MAX), SCALE_MAX)
 
+    def ctx_term(self, T: int, L: int | None = None) -> float:
+        """Seconds a pass over T tokens costs for its context (L; default `context`)."""
+        L = self.context if L is None else L
+        if not L or not self.ctx_s:
+            return 0.0
+        return self.ctx_s * L * (1.0 + self.ctx_share * (max(int(T), 1) - 1))
+
     def verify(self, T: int) -> float:
+        return self._verify(T) + self.ctx_term(T)
+
+    def verify_at(self, T: int, L: int) -> float:
+        """A pass over T tokens after L cached positions, whatever `context` is."""
+        return self._verify(T) + self.ctx_term(T, L)
+
+    def _learn_context(self, seconds: float, L: int) -> None:
+        """A plain step at context L took `seconds`: the least-squares slope of seconds over L."""
+        sums, d = self._ctx_sums, CTX_DECAY
+        for i, v in enumerate((1.0, L, seconds, L * L, L * seconds)):
+            sums[i] = d * sums[i] + v
+        n, sl, ss, sll, sls = sums
+        var = sll / n - (sl / n) ** 2
+        if var >= CTX_SPREAD ** 2:
+            self.ctx_s = max((sls / n - (sl / n) * (ss / n)) / var, 0.0)
+
+    def _verify(self, T: int) -> float:
         T = int(T)
         if T in self.seen:
             return self._now(T)
@@ -246,19 +285,27 @@ class Costs:
         self.observe(T, seconds)
 
     def observe(self, T: int, seconds: float) -> None:
-        """A pass over T tokens, run alone, took `seconds` (all the round's work but drafting)."""
+        """A pass over T tokens, run alone, took `seconds` (all the round's work but drafting),
+        at the context `context` (the curve keeps it at an empty context: `ctx_term` taken off)."""
         if not seconds > 0 or not np.isfinite(seconds):
             return
         T, seconds = int(T), float(seconds)
+        if self.context is not None:
+            if T == 1 and not self.busy():
+                self._learn_context(seconds, self.context)
+            if T > 1:  # the load compares like with like: the price at this context
+                r = math.log(seconds / max(self.verify(T), 1e-12))
+            seconds = max(seconds - self.ctx_term(T), 0.25 * seconds)
         busy = False
         if T == 1:
             self.log_load *= LOAD_EASE
             floor = self.plain_floor
             if floor is None:  # a persisted plain step is a quiet one (`quiet`)
-                floor = self.verify(1) if 1 in self.anchored else seconds
+                floor = self._verify(1) if 1 in self.anchored else seconds
             self.plain_floor = floor + (FLOOR_DOWN if seconds < floor else FLOOR_UP) * (seconds - floor)
         else:  # before the curve learns from it: how far the price was off
-            r = math.log(seconds / max(self.verify(T), 1e-12))
+            if self.context is None:
+                r = math.log(seconds / max(self.verify(T), 1e-12))
             lim = math.log(SCALE_MAX)
             self.log_load = min(max((1 - LOAD_WEIGHT) * self.log_load + LOAD_WEIGHT * r, -lim), lim)
             busy = self.busy()
@@ -274,7 +321,7 @@ class Costs:
             self.ref.pop(T, None)
             old = None
         if old is None and T in self.anchored:
-            old = self.verify(T)
+            old = self._verify(T)
         one = self.seen.get(1)  # the plain step's seconds as this sample is taken
         if T != 1 and one is not None:
             r = self.ref.get(T)

@@ -117,6 +117,10 @@ class Simulation:
         kind = "prefill" if L + T <= self.prompt_len else "verify"
         self.clock.advance(self.costs.verify(T, L), kind)
 
+    def context_s(self) -> float:
+        """The profile's price of one cached position for a one-token pass (Costs.ctx_s)."""
+        return (self.costs.verify(1, 4096) - self.costs.verify(1, 0)) / 4096
+
     def curve(self, sizes, L: int = 256) -> list[float]:
         """The profile's verify curve over `sizes` at context L (the planner's starting prices)."""
         return [self.costs.verify(T, L) for T in sizes]
