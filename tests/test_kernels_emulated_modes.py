@@ -64,7 +64,7 @@ MODES = {
     "speculative": (),
     "prompt_lookup": (),
     "lookahead": ("edgespec_tree_mask", "edgespec_tree_accept"),
-    "tree": ("edgespec_tree_mask", "edgespec_tree_accept", "edgespec_kv_gather"),
+    "tree": ("edgespec_tree_mask", "edgespec_tree_accept"),  # (the gather: the test below)
     "cascade": (),
     "auto": ("edgespec_tree_accept",),
 }
@@ -77,3 +77,21 @@ def test_mode_with_every_kernel_emulated_equals_plain(engine, plain, mac, mode):
     for name in MODES[mode]:
         assert name in mac and mac[name].calls > 1, f"{mode} did not run {name}"
     assert all(v.used for v in verdicts.all_verdicts())  # every kernel that ran passed its check
+
+
+def test_half_model_tree_and_lookahead_gather_half_caches(mac):
+    """A float16 model, as a Mac runs one: its KV caches are half, so the tree's commits go
+    through the half gather (kv_gather at float16); greedy output still equals plain's."""
+    e = make_tiny_engine(0)
+    d = make_tiny_model(0)
+    for m in (e.model, d):
+        m.set_dtype(mx.float16)
+        mx.eval(m.parameters())
+    e.drafter = MLXDrafter(Perturbed(d))
+    prompt = [8, 32, 49, 29, 31, 42, 25, 51, 14]
+    plain = e.generate(prompt, max_tokens=N, mode="plain").tokens
+    for mode in ("tree", "lookahead"):
+        assert e.generate(prompt, max_tokens=N, mode=mode).tokens == plain
+    gather = mac["edgespec_kv_gather"]
+    assert gather.calls > 1 and {k[0][0] for k in gather.built} == {mx.float16}
+    assert verdicts.get("edgespec_kv_gather", "float16").used
