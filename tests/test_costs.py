@@ -131,6 +131,7 @@ def test_bench_without_a_profile_still_reports_transferable_counts():
 
 def test_cli_profile_list_and_bad_profile(capsys, monkeypatch):
     import edgespec.apps.common as common
+
     from edgespec.cli import main
 
     def no_load(*a, **k):
