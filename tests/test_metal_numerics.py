@@ -27,6 +27,9 @@ from edgespec.weights import numerics
 from edgespec.weights.loader import LoadedModel, gguf_device_defaults, quantize_dense
 
 MODES = ("auto", "speculative", "lookahead", "prompt_lookup", "tree", "cascade")
+# The default model: cascade first searches the verifier layers it skips (once per model, minutes
+# here), so the tiny tier covers it.
+REAL_MODES = tuple(m for m in MODES if m != "cascade")
 FUZZ_CASES = int(os.environ.get("EDGESPEC_METAL_FUZZ_CASES", "10"))
 
 
@@ -221,7 +224,7 @@ def test_every_mode_of_the_default_model_equals_plain_in_metal_numerics(metal_en
     prompts = [tok.encode("The capital of France is"), tok.encode("def fib(n):\n    if n < 2:\n        return n\n")]
     for prompt in prompts:
         plain = metal_engine.generate(prompt, max_tokens=24, mode="plain").tokens
-        for mode in MODES:
+        for mode in REAL_MODES:
             assert metal_engine.generate(prompt, max_tokens=24, mode=mode).tokens == plain, mode
     sampled = dict(max_tokens=16, temperature=0.8, seed=3)
     assert metal_engine.generate(prompts[0], mode="auto", **sampled).tokens == \

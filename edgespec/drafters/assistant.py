@@ -30,7 +30,7 @@ from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
 from edgespec.models.gemma4_assistant import AssistantArgs, AssistantModel
 from edgespec.weights.formats.hf import read_config, read_safetensors
-from edgespec.weights.numerics import runs_as_metal
+from edgespec.weights.numerics import emulate_half_products, runs_as_metal
 
 MODEL_TYPE = "gemma4_assistant"
 
@@ -165,4 +165,7 @@ class AssistantDrafter(ReadsVerifierCache):
         model = loaded.model
         on_cpu = not runs_as_metal(verifier)  # the CPU device, in its own numerics
         dtype = mx.float32 if on_cpu else mx.float16
-        return cls(load_assistant_model(path, dtype), model, name=f"gemma4-assistant:{Path(path).name}")
+        drafter_model = load_assistant_model(path, dtype)
+        if not on_cpu:  # as Metal computes float16, also on the CPU device (numerics="metal")
+            emulate_half_products(drafter_model)
+        return cls(drafter_model, model, name=f"gemma4-assistant:{Path(path).name}")

@@ -66,7 +66,7 @@ from edgespec.logits.sampling import Sampler, SamplingParams
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.dflash import KINDS, Model, ModelArgs
 from edgespec.weights.formats.hf import read_safetensors
-from edgespec.weights.numerics import runs_as_metal
+from edgespec.weights.numerics import emulate_half_products, runs_as_metal
 
 CONFIG = "config.json"
 
@@ -118,6 +118,8 @@ def load_dflash(path: str | Path, verifier, name: str | None = None) -> DFlashDr
     except ValueError as e:
         raise ModelLoadError(f"{path}: the safetensors do not fit {CONFIG}: {e}") from None
     mx.eval(model.parameters())
+    if not on_cpu:  # as Metal computes float16, also on the CPU device (numerics="metal")
+        emulate_half_products(model)
     return DFlashDrafter(model, model_v, name=name or f"dflash:{path.name}")
 
 

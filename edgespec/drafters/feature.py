@@ -34,7 +34,7 @@ from edgespec.errors import ModelLoadError
 from edgespec.models.feature_drafter import FeatureDraftModel
 from edgespec.models.llama import ModelArgs
 from edgespec.weights.formats.hf import read_safetensors
-from edgespec.weights.numerics import runs_as_metal
+from edgespec.weights.numerics import emulate_half_products, runs_as_metal
 
 DRAFTER_JSON = "drafter.json"
 FORMAT = "edgespec-feature-drafter"
@@ -206,4 +206,6 @@ class FeatureDrafter(AcceptsDrafts):
         except ValueError as e:
             raise ModelLoadError(f"{path}/model.safetensors does not fit config.json: {e}") from None
         mx.eval(model.parameters())
+        if not on_cpu:  # as Metal computes float16, also on the CPU device (numerics="metal")
+            emulate_half_products(model)
         return cls(model, loaded.model, vmap, name=f"feature:{path.name}")
