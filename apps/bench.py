@@ -108,6 +108,7 @@ def reproduce_command(args) -> str:
         ("--model", args.model, None),
         ("--drafter", args.drafter, None),
         ("--memory-budget", getattr(args, "memory_budget", None), None),
+        ("--numerics", getattr(args, "numerics", None), None),
         ("--prompts", args.prompts, None),
         ("--modes", args.modes, None),
         ("--domains", args.domains, None),
