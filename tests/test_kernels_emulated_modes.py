@@ -79,9 +79,13 @@ def test_mode_with_every_kernel_emulated_equals_plain(engine, plain, mac, mode):
     assert all(v.used for v in verdicts.all_verdicts())  # every kernel that ran passed its check
 
 
-def test_half_model_tree_and_lookahead_gather_half_caches(mac):
-    """A float16 model, as a Mac runs one: its KV caches are half, so the tree's commits go
-    through the half gather (kv_gather at float16); greedy output still equals plain's."""
+def test_half_model_tree_and_lookahead_equal_plain_and_commit_through_the_half_gather(mac):
+    """A float16 model, as a Mac runs one: its KV caches are half. Tree and lookahead decoding
+    with the kernels emulated equal plain; a tree step's commit of a half cache (commit_kv) goes
+    through the half gather, bit for bit what KVCache.keep does."""
+    from edgespec.caches.kv import KVCache
+    from edgespec.kernels import commit_kv
+
     e = make_tiny_engine(0)
     d = make_tiny_model(0)
     for m in (e.model, d):
@@ -92,6 +96,17 @@ def test_half_model_tree_and_lookahead_gather_half_caches(mac):
     plain = e.generate(prompt, max_tokens=N, mode="plain").tokens
     for mode in ("tree", "lookahead"):
         assert e.generate(prompt, max_tokens=N, mode=mode).tokens == plain
+    caches, want = [KVCache() for _ in range(2)], [KVCache() for _ in range(2)]
+    k = (mx.arange(2 * 3 * 9 * 8).reshape(2, 3, 9, 8) * 0.37 - 50).astype(mx.float16)
+    for c in caches + want:
+        c.update_and_fetch(k, -k)
+    commit_kv(caches, 2, [0, 3, 5, 6])  # a step at 2..8 whose kept path skips entries: they move
+    for c in want:
+        c.keep(2, [0, 3, 5, 6])
+    for c, w in zip(caches, want, strict=True):
+        assert c.offset == w.offset == 6
+        for a, b in zip(c.state, w.state, strict=True):
+            assert a.dtype == mx.float16 and mx.array_equal(a, b).item()
     gather = mac["edgespec_kv_gather"]
-    assert gather.calls > 1 and {k[0][0] for k in gather.built} == {mx.float16}
+    assert gather.calls > 1 and {key[0][0] for key in gather.built} == {mx.float16}
     assert verdicts.get("edgespec_kv_gather", "float16").used
