@@ -459,6 +459,32 @@ def test_speculative_and_auto_equal_plain_on_a_hybrid_verifier(tmp_path, monkeyp
     check_greedy_exact(engine, monkeypatch, [PROMPT[:9], PROMPT[3:20]], max_tokens=20)
 
 
+def test_the_heads_own_confidence_and_runner_ups(tmp_path, monkeypatch):
+    """DrafterCaps.ranks: each drafted token first with the head's probability, then its next
+    guesses (inside the draft vocabulary); a floor stops the chain where the head is unsure; auto
+    branching on them (runner_ups, draft_floor) still equals plain."""
+    from edgespec.logits.sampling import Sampler, SamplingParams
+
+    verifier = two_way_head(write_tiny_hf_folder(tmp_path / "v", seed=3, **VERIFIER))
+    targets = (5, 9, 1, 2, 17, 30)
+    engine = load(verifier, drafter=write_random(tmp_path / "head", targets=targets))
+    d, _ = recorded_states(engine, PROMPT[:10])
+    d.begin(PROMPT[:10])
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    draft = d.draft(4, greedy, ranks=3)
+    ids, probs = draft.ranked
+    assert ids.shape == (4, 3) and list(ids[:, 0]) == draft.tokens and set(ids.ravel()) <= set(targets)
+    assert (probs[:, 1] >= probs[:, 2]).all() and ((probs > 0) & (probs <= 1)).all()
+    assert (probs[:, 0] >= probs[:, 1]).all()  # greedy: the drafted token is the head's likeliest
+    d.sync(PROMPT[:10])
+    assert len(d.draft(4, greedy, ranks=3, floor=0.999).tokens) < 4
+    calls = count_drafts(engine.drafter, monkeypatch)
+    for p in (PROMPT[:9], PROMPT[3:20]):
+        ref = engine.generate(p, max_tokens=24, mode="plain").tokens
+        assert engine.generate(p, max_tokens=24, runner_ups=2, draft_floor=0.3).tokens == ref
+    assert calls
+
+
 def test_four_requests_at_once_draft_with_forks_of_their_own(verifier_folder, tmp_path, monkeypatch):
     engine = load(two_way_head(write_tiny_hf_folder(tmp_path / "v", seed=3, **VERIFIER)),
                   drafter=write_random(tmp_path / "head"))

@@ -46,7 +46,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps, common_prefix
+from edgespec.drafters.base import (
+    CHAIN_MODES,
+    AcceptsDrafts,
+    Draft,
+    DrafterCaps,
+    common_prefix,
+    ranked_tokens,
+)
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
 from edgespec.models.base import Model as BaseModel
@@ -197,7 +204,10 @@ class Eagle3Drafter(AcceptsDrafts):
 
     # Drafts from the verifier's live cache (the recorded aux-layer states): no pipelining, not in
     # tree/cascade; its states come through the cache, so speculative and auto both draft.
-    caps = DrafterCaps(reads="verifier_cache", forks=True, modes=CHAIN_MODES)
+    # ranks: its own confidence in each drafted token and its runner-ups (Draft.ranked), so auto's
+    # planner stops the chain where the head is unsure and branches on its next guesses
+    # (`runner_ups`, `draft_floor`): EAGLE-2's dynamic drafting, priced like every source.
+    caps = DrafterCaps(reads="verifier_cache", forks=True, modes=CHAIN_MODES, ranks=True)
     expected_acceptance = 0.6  # the controller's prior until acceptance is measured
 
     def __init__(self, model: Model, verifier, name: str = "eagle3", embed: mx.array | None = None):
@@ -221,6 +231,7 @@ class Eagle3Drafter(AcceptsDrafts):
         cols = np.full(self.vocab_size, self.args.draft_vocab_size, np.int32)
         cols[np.array(model.target_ids())] = np.arange(self.args.draft_vocab_size, dtype=np.int32)
         self._columns = mx.array(cols)
+        self._targets = model.target_ids()
         self.vcache = None
         self.owner = True  # the engine's drafter (not a request's fork): its close stops the recording
         self.cache: list = []
@@ -263,14 +274,21 @@ class Eagle3Drafter(AcceptsDrafts):
         return mx.take(mx.concatenate([draft_logits, pad], axis=-1), self._columns, axis=-1)
 
     def feed(self, ids: list[int] | mx.array, states: mx.array, fused: bool) -> tuple[mx.array, mx.array]:
-        """Entries (ids[i], states[:, i]) appended to the head's cache -> (logits (V,) after the
-        last, the state the next step reads (1, 1, E)). fused=False: states are the verifier's
-        aux rows (fc applied here); True: the head's own."""
+        """Entries (ids[i], states[:, i]) appended to the head's cache -> (logits over the draft
+        vocabulary (draft_vocab_size,) after the last, the state the next step reads (1, 1, E)).
+        fused=False: states are the verifier's aux rows (fc applied here); True: the head's own."""
         ids = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
         emb = self.embed(ids.reshape(1, -1))
         g = states.astype(emb.dtype) if fused else self.model.fuse(states.astype(emb.dtype))
         h = self.model(emb, g, self.cache)[:, -1:]
-        return self.full_logits(self.model.logits(h))[0, -1], self.model.feedback(h)
+        return self.model.logits(h)[0, -1], self.model.feedback(h)
+
+    def _rank(self, logits: mx.array, token: mx.array, n: int) -> tuple[mx.array, mx.array]:
+        """The n most likely verifier tokens under the head's own softmax (over its draft
+        vocabulary, where all its mass is), `token` first: (ids (n,), probs (n,))."""
+        slot = mx.minimum(self._columns[token.astype(mx.int32)], self.args.draft_vocab_size - 1)
+        ids, probs = ranked_tokens(logits, slot, n)
+        return self._targets[ids], probs
 
     def _trim_to(self, n: int) -> None:
         for c in self.cache:
@@ -285,7 +303,10 @@ class Eagle3Drafter(AcceptsDrafts):
         self.fed = 0
         self._last_draft = []
 
-    def draft(self, k: int, sampler) -> Draft:
+    def draft(self, k: int, sampler, ranks: int = 0, floor: float = 0.0) -> Draft:
+        """k tokens continuing `seq` (q (k, V) filtered by the sampler's params). ranks > 0: also
+        every drafted position's `ranks` most likely tokens and probabilities (Draft.ranked), and
+        the chain stops, after one token, once the product of its tokens' probabilities < floor."""
         n = len(self.seq)
         self._last_draft = []
         if k < 1 or n < 2 or not self.cache:
@@ -297,15 +318,28 @@ class Eagle3Drafter(AcceptsDrafts):
         self._trim_to(fed)  # drop the entries of the last chain's guesses
         logits, g = self.feed(self.seq[fed + 1 : n], rows, fused=False)  # (x_{j+1}, states of j), j = fed..n-2
         self.fed = n - 1
-        toks, lps = [], []
+        toks, lps, tops = [], [], []
+        sure = 1.0
         for i in range(k):
-            lp = sampler.logprobs(logits)
+            lp = sampler.logprobs(self.full_logits(logits))
             t = sampler.sample(lp)
             toks.append(t)
             lps.append(lp)
+            if ranks:
+                tops.append(self._rank(logits, t, ranks))
+                if floor > 0.0:
+                    mx.eval(tops[-1])
+                    sure *= float(tops[-1][1][0].item())
+                    if sure < floor:
+                        break
             if i + 1 < k:
                 logits, g = self.feed(t.reshape(1).astype(mx.int32), g, fused=True)
-        return self._finish(toks, lps)
+        d = self._finish(toks, lps)
+        if ranks:
+            ids, probs = mx.stack([x[0] for x in tops]), mx.stack([x[1] for x in tops])
+            mx.eval(ids, probs)
+            d.ranked = (np.array(ids).astype(np.int64), np.array(probs).astype(np.float64))
+        return d
 
     def sync(self, committed: list[int]) -> None:
         """Make `committed` the committed sequence; entries off that path are dropped."""
