@@ -46,6 +46,7 @@ def device_info() -> dict:
 
     import mlx.core as mx
 
+    from edgespec.kernels import verdicts
     from edgespec.kernels.spec import on_metal
 
     try:
@@ -53,7 +54,7 @@ def device_info() -> dict:
     except Exception:  # noqa: BLE001 - builds without the metal module
         metal = False
     info = {"default": str(mx.default_device()), "metal_available": metal, "on_metal": on_metal(),
-            "machine": platform.machine(), "system": platform.system(), "cpu": platform.processor() or None}
+            "machine": platform.machine(), "system": platform.system(), "cpu": verdicts.scope()["cpu"] or None}
     if metal:
         try:
             d = mx.metal.device_info()
@@ -217,7 +218,7 @@ def report(args) -> dict:
 
 def _print(r: dict) -> None:
     d, v = r["device"], r["versions"]
-    print(f"device     {d['default']} ({d['system']} {d['machine']}"
+    print(f"device     {d['default']} ({d['system']} {d['machine']}{', ' + d['cpu'] if d.get('cpu') else ''}"
           f"{', Metal available' if d['metal_available'] else ', no Metal'}"
           f"{', GPU ' + d['gpu'] if d.get('gpu') else ''})")
     print("versions   " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in
