@@ -448,6 +448,14 @@ def test_speculative_and_auto_equal_plain(tmp_path, monkeypatch, kind):
     check_greedy_exact(engine, monkeypatch, [PROMPT[:9], PROMPT[3:20], PROMPT[:2]])
 
 
+def test_in_metals_numerics_the_head_computes_in_float16_and_stays_exact(tmp_path, monkeypatch):
+    """numerics="metal": the head loads in the verifier's float16, its products as Metal's."""
+    verifier = two_way_head(write_tiny_hf_folder(tmp_path / "v", seed=3, **VERIFIER))
+    engine = load(verifier, drafter=write_random(tmp_path / "head"), numerics="metal")
+    assert engine.drafter.model.fc.weight.dtype == mx.float16
+    check_greedy_exact(engine, monkeypatch, [PROMPT[:9], PROMPT[3:20]], max_tokens=20)
+
+
 def test_speculative_and_auto_equal_plain_on_a_hybrid_verifier(tmp_path, monkeypatch):
     from test_mtp import mtp_checkpoint
 

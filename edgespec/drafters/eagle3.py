@@ -60,6 +60,7 @@ from edgespec.models.base import Model as BaseModel
 from edgespec.models.eagle3 import Model, ModelArgs, default_layer_ids
 from edgespec.weights.formats.hf import read_safetensors
 from edgespec.weights.formats.torch_pickle import read_torch_checkpoint
+from edgespec.weights.numerics import emulate_half_products, runs_as_metal
 
 CONFIG = "config.json"
 
@@ -104,7 +105,7 @@ def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Dr
     raw = read_weights(path)
     t2d = raw.get("t2d")
     weights, embed = Model.sanitize(raw)
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    on_cpu = not runs_as_metal(verifier)  # the CPU device, in its own numerics
     dtype = mx.float32 if on_cpu else model_v.model.norm.weight.dtype
     d2t = weights.pop("d2t", None)
     if args.uses_draft_vocab:
@@ -123,6 +124,8 @@ def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Dr
                                  f"({args.vocab_size}, {args.hidden_size})")
         embed = embed.astype(dtype)
     mx.eval(model.parameters())
+    if not on_cpu:  # as Metal computes float16, also on the CPU device (numerics="metal")
+        emulate_half_products(model)
     return Eagle3Drafter(model, model_v, name=name or f"eagle3:{path.name}", embed=embed)
 
 
