@@ -183,6 +183,7 @@ def probe(engine, seconds: float) -> dict:
 
 def mac_tests() -> dict:
     """Run the Mac-only tests of a source checkout (pytest -m "macos or metal")."""
+    import shlex
     import subprocess
     from pathlib import Path
 
@@ -193,7 +194,7 @@ def mac_tests() -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "macos or metal", str(tests)]
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     last = [ln for ln in r.stdout.strip().splitlines() if ln.strip()][-1:] or [r.stderr.strip()[-300:]]
-    return {"ran": True, "command": " ".join(cmd[1:]), "exit_code": r.returncode, "summary": last[0]}
+    return {"ran": True, "command": shlex.join(["python", *cmd[1:]]), "exit_code": r.returncode, "summary": last[0]}
 
 
 # ---------------------------------------------------------------- the report
