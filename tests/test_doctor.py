@@ -83,3 +83,21 @@ def test_probe_on_the_default_model(capsys):
     for mode in ("plain", "auto"):
         assert p[mode]["tokens"] > 0 and p[mode]["tokens_per_s"] > 0 and p[mode]["tokens_per_pass"] >= 1
     assert p["speedup"] > 0
+
+
+def test_full_runs_the_mac_only_tests_and_reports_their_summary(monkeypatch):
+    import subprocess
+
+    from edgespec.apps import doctor as app
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, stdout="...\n2 failed, 10 passed, 8 skipped in 3.1s\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    r = app.mac_tests()
+    assert seen and seen[0][-3:-1] == ["-m", "macos or metal"] and seen[0][-1].endswith("tests")
+    assert r == {"ran": True, "command": r["command"], "exit_code": 1, "summary": "2 failed, 10 passed, 8 skipped in 3.1s"}
+    assert "'macos or metal'" in r["command"]
