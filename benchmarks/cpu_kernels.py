@@ -62,7 +62,7 @@ import edgespec
 import edgespec.kernels.activation as act
 import edgespec.kernels.linear as lin
 from edgespec.generate import prefill
-from edgespec.kernels import native
+from edgespec.kernels import cpu_blas, native
 from edgespec.kernels.attention import numpy_attention
 
 
@@ -103,8 +103,8 @@ def _numpy_linear(self, x: mx.array) -> mx.array:
 
 def linear(model, reps: int) -> None:
     rng = random.Random(1)
-    saved, own_call, native = lin.CPU_SWAP_MAX_ROWS, lin.Linear.__call__, lin.NATIVE_FEW_ROWS
-    lin.NATIVE_FEW_ROWS = 0  # the forms as named, whether or not the shim's kernel would take x @ W.T
+    saved, own_call, native = lin.CPU_SWAP_MAX_ROWS, lin.Linear.__call__, cpu_blas._TAKEN
+    cpu_blas._TAKEN = 0  # the forms as named, whether or not the shim's kernel would take x @ W.T
     forms = (("(W@x.T).T", saved, own_call), ("x@W.T", 0, own_call), ("numpy W@x", saved, _numpy_linear))
     try:
         for B in (1, 4, 8):
@@ -122,7 +122,7 @@ def linear(model, reps: int) -> None:
             print(f"linear, decoding pass of {B} rows, median ms: " + ", ".join(
                 f"{k} {statistics.median(v) * 1000:.1f}" for k, v in times.items()))
     finally:
-        lin.CPU_SWAP_MAX_ROWS, lin.Linear.__call__, lin.NATIVE_FEW_ROWS = saved, own_call, native
+        lin.CPU_SWAP_MAX_ROWS, lin.Linear.__call__, cpu_blas._TAKEN = saved, own_call, native
 
 
 def _attention_layer(reps: int, H: int = 9, Hk: int = 3, D: int = 64, S: int = 8190, chunk: int = 512) -> list[float]:

@@ -7,6 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import edgespec.kernels.linear as lin
+from edgespec.kernels import cpu_blas
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 48), (3, 48), (2, 5, 48), (1, lin.CPU_SWAP_MAX_ROWS, 48), (2, 40, 48)])
@@ -24,9 +25,9 @@ def test_matches_the_definition(shape, bias):
 @pytest.mark.parametrize("native", [0, 16])
 def test_few_rows_take_the_swapped_product_on_the_cpu(monkeypatch, native):
     """The few-row form is what runs for decoding-sized calls on the CPU, and only there; with
-    the CBLAS shim's few-row kernel in the process (NATIVE_FEW_ROWS rows), calls it takes keep
+    the CBLAS shim's few-row kernel in the process (taking 1..`native` rows), calls it takes keep
     MLX's `x @ W.T` (both forms reach the kernel, with the same bits: tests/test_cpu_blas.py)."""
-    monkeypatch.setattr(lin, "NATIVE_FEW_ROWS", native)
+    monkeypatch.setattr(cpu_blas, "_TAKEN", (1 << native) - 1)
     layer = lin.Linear(16, 8)
     calls = []
     real = nn.Linear.__call__
@@ -58,7 +59,7 @@ def test_a_kept_transposed_view_gives_the_same_bits_and_follows_the_weight(monke
     """keep_transposed (models loaded for inference): the products read a kept view of W.T,
     bit for bit what nn.Linear computes; the view is no parameter, and a weight replaced
     afterwards (training, `update`) is what the next product uses, not the old view."""
-    monkeypatch.setattr(lin, "NATIVE_FEW_ROWS", 32)  # decoding-sized calls take MLX's form
+    monkeypatch.setattr(cpu_blas, "_TAKEN", 0xFFFFFFFF)  # decoding-sized calls take MLX's form
     mx.random.seed(2)
     holder = nn.Sequential(lin.Linear(48, 80, bias=bias), nn.ReLU(), lin.Linear(80, 8))
     ref = nn.Sequential(nn.Linear(48, 80, bias=bias), nn.ReLU(), nn.Linear(80, 8))

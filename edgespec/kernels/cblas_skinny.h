@@ -46,7 +46,9 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define SK_PAUSE() __builtin_ia32_pause()
-#define SK_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+/* x86-64-v3 (AVX2, FMA, ...) is chosen by the CPU's features: "arch=haswell" would be chosen by the
+ * CPU's model, i.e. never on an AMD CPU, which then ran the plain SSE2 clone. */
+#define SK_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #elif defined(__aarch64__)
 #define SK_PAUSE() __asm__ __volatile__("yield")
 #define SK_CLONES
@@ -166,6 +168,9 @@ static sk_job sk_cur;
 static long sk_r0, sk_r1;
 static int sk_started, sk_atfork;
 static atomic_int sk_on = 1;
+/* Bit m-1 set: products of m activation rows are taken here (m <= SK_MAX_ROWS); the others go to
+ * OpenBLAS. Set from the host's verdicts (cpu_blas.py: apply_verdicts): only where it wins. */
+static atomic_uint sk_rows_mask = 0xffffffffu;
 static atomic_int sk_align = 1; /* copy misaligned activation rows (sk_aligned_rows) */
 static atomic_long sk_calls; /* products taken here (for the build's check) */
 
@@ -286,6 +291,7 @@ static int sk_gemm(int order, int ta, int tb, long m, long n, long k, float alph
     } else {
         return 0;
     }
+    if (!((atomic_load_explicit(&sk_rows_mask, memory_order_relaxed) >> (j.n - 1)) & 1u)) return 0;
     /* One row: the loads of x are not the limit (as many as the weight's). */
     if (transposed || (j.n > 1 && sk_misaligned(x, ldx) && atomic_load_explicit(&sk_align, memory_order_relaxed))) {
         x = sk_aligned_rows(x, ldx, j.n, k, transposed, &ldx);
@@ -299,7 +305,17 @@ static int sk_gemm(int order, int ta, int tb, long m, long n, long k, float alph
 __attribute__((visibility("default"))) void edgespec_cblas_skinny(int on) { atomic_store(&sk_on, on != 0); }
 
 /* The most activation rows a product taken here has, 0 while off (cpu_blas.py: few_row_kernel). */
-__attribute__((visibility("default"))) int edgespec_cblas_skinny_rows(void) { return atomic_load(&sk_on) ? SK_MAX_ROWS : 0; }
+__attribute__((visibility("default"))) int edgespec_cblas_skinny_rows(void) {
+    unsigned mask = atomic_load(&sk_rows_mask);
+    int most = 0;
+    for (int m = 1; m <= SK_MAX_ROWS; m++)
+        if ((mask >> (m - 1)) & 1u) most = m;
+    return atomic_load(&sk_on) ? most : 0;
+}
+
+/* Which row counts are taken here: bit m-1 for m rows (cpu_blas.py: apply_verdicts). */
+__attribute__((visibility("default"))) void edgespec_cblas_skinny_mask(unsigned mask) { atomic_store(&sk_rows_mask, mask); }
+__attribute__((visibility("default"))) unsigned edgespec_cblas_skinny_get_mask(void) { return atomic_load(&sk_rows_mask); }
 
 /* For comparisons in one process (benchmarks/cpu_kernels.py --only align): 0 leaves
  * misaligned activation rows where they are. */

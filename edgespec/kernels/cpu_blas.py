@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +216,13 @@ def write_library(out: Path, make) -> bool:
             os.unlink(tmp)
 
 
+def _initial_mask() -> int:
+    calls = _mask_calls()
+    if calls is not None:
+        return calls[1]() if few_row_kernel() else 0
+    return (1 << few_row_kernel()) - 1  # a shim built before the mask: every row up to its most
+
+
 def few_row_kernel() -> int:
     """The most rows of an MLX product this process's shim answers with its own kernel (its
     SK_MAX_ROWS); 0 with no shim preloaded, its kernel off (EDGESPEC_SKINNY=0), or a shim built
@@ -225,6 +233,92 @@ def few_row_kernel() -> int:
         return 0
     rows.restype = ctypes.c_int
     return int(rows())
+
+
+# ------------------------------------------------------------------ the host's verdicts
+# Row classes of a few-row product, each timed on this host against OpenBLAS at its first row
+# count: the kernel takes a class only where it wins (kernels/verdicts.py keeps the verdict).
+ROW_CLASSES = ((1, 1), (2, 2), (3, 3), (4, 5), (6, 7), (8, 11), (12, 15), (16, 23), (24, 32))
+# Weights timed (out x in): SmolLM2-135M's MLP and attention shapes and a larger MLP's, 30 MB in
+# all: more than a last-level cache, so the weight stream is timed as a pass meets it.
+CHECK_SHAPES = ((1536, 576), (576, 1536), (576, 576), (4096, 1024), (1024, 4096))
+CHECK_REPS = 5
+KERNEL = "blas_few_rows"
+
+
+def _mask_calls():
+    """(set, get) of the preloaded shim's row mask; None without a shim that has one."""
+    try:
+        lib = ctypes.CDLL(None)
+        set_mask, get_mask = lib.edgespec_cblas_skinny_mask, lib.edgespec_cblas_skinny_get_mask
+    except (AttributeError, OSError):
+        return None
+    set_mask.argtypes, set_mask.restype = [ctypes.c_uint], None
+    get_mask.restype = ctypes.c_uint
+    return set_mask, get_mask
+
+
+def takes(rows: int) -> bool:
+    """Whether this process's shim answers a product of `rows` activation rows with its own kernel."""
+    return 0 < rows <= 32 and bool((_TAKEN >> (rows - 1)) & 1)
+
+
+def _time_class(rows: int, set_mask, reps: int = CHECK_REPS) -> tuple[float, float]:
+    """Median seconds of one sweep over CHECK_SHAPES at `rows` rows: the kernel's, OpenBLAS's
+    (alternating rep by rep, so both meet the same load)."""
+    import time
+
+    import mlx.core as mx
+
+    weights = [mx.random.normal((n, k), key=mx.random.key(i)) for i, (n, k) in enumerate(CHECK_SHAPES)]
+    xs = [mx.random.normal((rows, w.shape[1]), key=mx.random.key(100 + i)) for i, w in enumerate(weights)]
+    mx.eval(weights, xs)
+    times = {True: [], False: []}
+    for rep in range(reps + 1):
+        for on in ((True, False) if rep % 2 else (False, True)):
+            set_mask(0xFFFFFFFF if on else 0)
+            t0 = time.perf_counter()
+            # each in the form kernels/linear.py gives it: x @ W.T to the kernel, W @ x.T to OpenBLAS
+            mx.eval([x @ w.T if on else w @ x.T for x, w in zip(xs, weights, strict=True)])
+            if rep:  # the first is a warm-up
+                times[on].append(time.perf_counter() - t0)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return med(times[True]), med(times[False])
+
+
+def apply_verdicts() -> int:
+    """Set the shim's row mask from this host's verdicts (timing each row class once per machine,
+    kept in kernels/verdicts.py's store): the few-row kernel takes the classes where it is at least
+    as fast as OpenBLAS. Off the CPU device, without the shim, with its kernel off
+    (EDGESPEC_SKINNY=0) or with EDGESPEC_KERNEL_CHECKS=off (the kernel then takes every class, as
+    built): nothing timed. -> the mask in force."""
+    global _TAKEN
+    import mlx.core as mx
+
+    from edgespec.kernels import verdicts
+
+    calls = _mask_calls()
+    if calls is None or few_row_kernel() == 0:
+        return _TAKEN
+    set_mask, get_mask = calls
+    if os.environ.get("EDGESPEC_KERNEL_CHECKS", "on").strip().lower() in ("0", "off", "false", "no") \
+            or mx.default_device() != mx.cpu:
+        return get_mask()
+    with _LOCK:
+        mask = 0
+        for lo, hi in ROW_CLASSES:
+            def check(lo=lo, hi=hi):
+                kernel_s, blas_s = _time_class(lo, set_mask)
+                won = kernel_s <= blas_s
+                return verdicts.Verdict(
+                    KERNEL, f"rows={lo}-{hi}", "native" if won else "slower",
+                    f"{lo} rows: {kernel_s * 1e3:.2f} ms against OpenBLAS's {blas_s * 1e3:.2f} ms",
+                    {"rows": lo, "kernel_ms": round(kernel_s * 1e3, 3), "openblas_ms": round(blas_s * 1e3, 3)})
+            if verdicts.decide(KERNEL, f"rows={lo}-{hi}", check).used:
+                mask |= ((1 << hi) - 1) ^ ((1 << (lo - 1)) - 1)
+        set_mask(mask)
+        _TAKEN = get_mask()
+        return _TAKEN
 
 
 def describe(preload: str | None = None) -> str | None:
@@ -239,6 +333,10 @@ def describe(preload: str | None = None) -> str | None:
         if "openblas" in os.path.basename(item).lower():
             return f"OpenBLAS (preloaded: {item})"
     return None
+
+
+_LOCK = threading.Lock()
+_TAKEN = _initial_mask()  # bit m-1: products of m rows go to the shim's kernel in this process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,8 @@ benchmarks/results/batching.md). So on the CPU, calls of up to CPU_SWAP_MAX_ROWS
 chunks, and every call on Metal, keep MLX's. Both forms are differentiable.
 
 Where the CBLAS shim's few-row kernel answers MLX's products (Linux, `make`; cpu_blas.py),
-both forms reach that kernel and give the same bits, so calls of as many rows as it takes
-(NATIVE_FEW_ROWS, 32) keep `x @ W.T`: three ops fewer a product (the transposes and the
+both forms reach that kernel and give the same bits, so calls of a row count it takes
+(`cpu_blas.takes`: those where it beats OpenBLAS on this host) keep `x @ W.T`: three ops fewer a product (the transposes and the
 reshape), which a verifier pass pays when its graph is built and run. Passes of SmolLM2 at 150 keys, the two forms in pairs
 (one-off script, 80 pairs): -0.29 / -1.01 / -1.28 / -0.98 ms for 1 / 2 / 4 / 8 tokens, the
 graph's building -0.35 to -0.45 ms of them (benchmarks/results/adaptive.md).
@@ -34,9 +34,6 @@ from edgespec.kernels import cpu_blas, exact
 from edgespec.kernels.spec import on_metal
 
 CPU_SWAP_MAX_ROWS = 64
-# Rows up to which the shim's few-row kernel answers this process's products (0: no shim); read
-# once, as the shim stays for the process.
-NATIVE_FEW_ROWS = cpu_blas.few_row_kernel()
 
 
 class Linear(nn.Linear):
@@ -46,7 +43,7 @@ class Linear(nn.Linear):
         if exact.enabled():  # bitwise verification: rows independent of the pass width (kernels/exact.py)
             return exact.exact_linear(x, self["weight"], self["bias"] if "bias" in self else None)
         rows = x.size // x.shape[-1] if x.ndim >= 2 else 0
-        if not rows or rows > CPU_SWAP_MAX_ROWS or rows <= NATIVE_FEW_ROWS \
+        if not rows or rows > CPU_SWAP_MAX_ROWS or cpu_blas.takes(rows) \
                 or mx.default_device() != mx.cpu:
             kept = self.__dict__.get("_transposed")
             if kept is None:
@@ -69,7 +66,10 @@ class Linear(nn.Linear):
 
 def keep_transposed(model: nn.Module) -> int:
     """Each `Linear` of `model` keeps its weight's transposed view for its products (evaluated
-    here; it shares the weight's memory). For models loaded for inference. -> how many."""
+    here; it shares the weight's memory). For models loaded for inference. -> how many.
+    Also settles, once per process, which few-row products the BLAS shim's kernel takes on this
+    host (cpu_blas.apply_verdicts: only the row counts where it beats OpenBLAS here)."""
+    cpu_blas.apply_verdicts()
     kept = []
     for _, mod in model.named_modules():
         if type(mod) is Linear:  # not a QuantizedLinear (no "weight" to transpose as such)
