@@ -219,7 +219,7 @@ def test_the_default_model_in_metal_numerics_is_the_mac_s(metal_engine):
 
 
 @pytest.mark.real_model
-def test_every_mode_of_the_default_model_equals_plain_in_metal_numerics(metal_engine, tmp_path):
+def test_every_mode_of_the_default_model_equals_plain_in_metal_numerics(metal_engine):
     tok = metal_engine.tokenizer
     prompts = [tok.encode("The capital of France is"), tok.encode("def fib(n):\n    if n < 2:\n        return n\n")]
     for prompt in prompts:
@@ -229,13 +229,20 @@ def test_every_mode_of_the_default_model_equals_plain_in_metal_numerics(metal_en
     sampled = dict(max_tokens=16, temperature=0.8, seed=3)
     assert metal_engine.generate(prompts[0], mode="auto", **sampled).tokens == \
         metal_engine.generate(prompts[0], mode="plain", **sampled).tokens
-    # prefix cache and sessions: the conversation goes on from a saved half-precision cache
-    first = metal_engine.generate(prompts[1], max_tokens=8, mode="plain").tokens  # 40 tokens: a block
+
+
+@pytest.mark.real_model
+def test_the_default_model_s_half_caches_round_trip_in_metal_numerics(metal_engine, tmp_path):
+    """Prefix cache and sessions: the conversation goes on from a saved half-precision cache."""
+    prompt = metal_engine.tokenizer.encode("A list of the planets, from the Sun outwards: Mercury, Venus, Earth, "
+                                           "Mars, Jupiter, Saturn, Uranus and Neptune. The largest of them, by far, is")
+    assert len(prompt) > 32  # more than a prefix cache block
+    first = metal_engine.generate(prompt, max_tokens=8, mode="plain").tokens
     path = tmp_path / "talk.session"
-    assert sessions.save(metal_engine, path, prompts[1] + first) > 0
+    assert sessions.save(metal_engine, path, prompt + first) > 0
     metal_engine.prefix_cache.clear()
     sessions.load(metal_engine, path)
-    cont = metal_engine.generate(prompts[1] + first, max_tokens=8, mode="auto")
+    cont = metal_engine.generate(prompt + first, max_tokens=8, mode="auto")
     assert metal_engine.last_stats.cached_tokens > 0
     metal_engine.prefix_cache.clear()
-    assert metal_engine.generate(prompts[1] + first, max_tokens=8, mode="plain").tokens == cont.tokens
+    assert metal_engine.generate(prompt + first, max_tokens=8, mode="plain").tokens == cont.tokens
