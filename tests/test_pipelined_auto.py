@@ -89,7 +89,9 @@ def test_greedy_drafted_ahead_equals_plain(drafter):
         got = _ahead_note(r)
         assert got is not None
         rounds, held = rounds + got[0], held + got[1]
-    assert rounds > 0 and held > 0
+    assert rounds > 0
+    if drafter == "int8":  # it agrees with the verifier nearly always: premises hold (the MLX one's seldom)
+        assert held > 0
 
 
 @pytest.mark.parametrize("drafter", [pytest.param("int8", marks=int8), "model"])
@@ -166,6 +168,9 @@ def test_overlap_prices_the_choice():
         learnt.ran(picks[-1])
     assert picks.count(True) == 2 and picks[PROBE_EVERY]  # a probe after PROBE_EVERY synchronous rounds
     assert not learnt.choose(0.010, 0.008, 0.002, 0.8)  # the probe ran: the clock starts again
+    for _ in range(PROBE_EVERY):
+        learnt.ran(False)
+    assert not learnt.choose(0.010, 0.008, 0.002, 0.1)  # no probe where the premise seldom holds
     for _ in range(3):  # measured: each side as fast beside the other as alone
         learnt.observe("v_alone", 0.010, 0.010)
         learnt.observe("v_over", 0.010, 0.010)

@@ -15,7 +15,8 @@ d' * s_d), and d' again after it when the premise fails (probability 1 - p). s_v
 (shared cores, shared memory bandwidth): measured from the overlapped rounds, as the
 ratio of their times to the same work's priced time alone; before that, a prior by where
 the two run (one CPU: they compete; different units: nearly free). Until a few overlapped
-rounds are measured, one drafting round in `PROBE_EVERY` overlaps anyway to measure them.
+rounds are measured, one drafting round in `PROBE_EVERY` overlaps anyway to measure them
+(where its premise is likely to hold).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import mlx.core as mx
 PRIOR_SLOWDOWN = {"shared": (1.8, 1.8), "apart": (1.1, 1.1)}
 PROBE_EVERY = 16  # drafting rounds between overlap probes while fewer than MEASURED are in
 MEASURED = 3  # overlapped rounds measured before the prices alone decide
+PROBE_P = 0.5  # a probe only where the premise is at least this likely to hold (else it measures a waste)
 EMA = 0.2  # weight of a new measurement
 
 
@@ -174,11 +176,11 @@ class Overlap:
 
     def choose(self, verify_s: float, draft_s: float, token_s: float, p: float) -> bool:
         """Draft ahead this round? Priced (ahead must be cheaper), or a probe while unmeasured
-        (after PROBE_EVERY drafting rounds run synchronously: `ran`)."""
+        (after PROBE_EVERY drafting rounds run synchronously, `ran`, where the premise is likely)."""
         sync, ahead = self.price(verify_s, draft_s, token_s, p)
         if ahead < sync:
             return True
-        return not self.measured and self.drafting_rounds >= PROBE_EVERY
+        return not self.measured and self.drafting_rounds >= PROBE_EVERY and p >= PROBE_P
 
     def ran(self, ahead: bool) -> None:
         """A drafting round ran, drafted ahead or not (counts; the probe's clock)."""
