@@ -38,6 +38,8 @@
 #define SK_CHUNK 16               /* activation rows a weight row meets at once (accumulators in registers) */
 #define SK_WBLOCK 4               /* weight rows that stay in L1 while every chunk of rows passes them */
 #define SK_PAIR_MAX 8             /* up to this many activation rows, two weight rows at a time */
+#define SK_CHUNK_NARROW 4         /* the same two where a clone has 16 vector registers (AVX2) */
+#define SK_PAIR_MAX_NARROW 2
 #define SK_LANES 16               /* floats a vector: one AVX-512 register, two AVX2 ones */
 #define SK_MIN_WEIGHT_ROWS 64     /* a smaller "weight" (attention's blocks) stays with OpenBLAS */
 #define SK_PREFETCH 2048          /* floats ahead of the weight rows read (8 KiB) */
@@ -139,22 +141,117 @@ static inline __attribute__((always_inline)) void sk_rows_any(const sk_job *j, l
     }
 }
 
+/* The same sums where a vector register holds 8 floats (AVX2): each SK_LANES accumulator kept as
+ * two 8-lane halves. GCC keeps arrays of 64-byte vectors in memory on such a target (every step a
+ * load and a store per accumulator), halves in registers. Lane by lane the same products are added
+ * in the same order, and sk_sum adds the halves first: the same bits as the 16-lane form. With 16
+ * registers a chunk is 4 rows, and two weight rows share a load up to 2 rows. */
+typedef float skh __attribute__((vector_size(8 * sizeof(float))));
+
+static inline __attribute__((always_inline)) skh sk_loadh(const float *p) {
+    skh v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) float sk_sum_halves(skh lo, skh hi) {
+    typedef float v4 __attribute__((vector_size(16)));
+    skh a = lo + hi;
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline __attribute__((always_inline)) void sk_rows_h(const sk_job *j, long r0, long r1, const int N) {
+    const int k16 = j->k & ~(SK_LANES - 1);
+    const float *x = j->x;
+    const long ldx = j->ldx;
+    long r = r0;
+    for (; N <= SK_PAIR_MAX_NARROW && r + 1 < r1; r += 2) {
+        const float *w0 = j->w + r * j->ldw, *w1 = w0 + j->ldw;
+        skh a0l[SK_PAIR_MAX_NARROW], a0h[SK_PAIR_MAX_NARROW], a1l[SK_PAIR_MAX_NARROW], a1h[SK_PAIR_MAX_NARROW];
+        for (int i = 0; i < N; i++) a0l[i] = a0h[i] = a1l[i] = a1h[i] = (skh){0};
+        for (int t = 0; t < k16; t += SK_LANES) {
+            skh v0l = sk_loadh(w0 + t), v0h = sk_loadh(w0 + t + 8), v1l = sk_loadh(w1 + t), v1h = sk_loadh(w1 + t + 8);
+            __builtin_prefetch(w0 + t + SK_PREFETCH, 0, 2);
+            __builtin_prefetch(w1 + t + SK_PREFETCH, 0, 2);
+            for (int i = 0; i < N; i++) {
+                skh xl = sk_loadh(x + i * ldx + t), xh = sk_loadh(x + i * ldx + t + 8);
+                a0l[i] += v0l * xl;
+                a0h[i] += v0h * xh;
+                a1l[i] += v1l * xl;
+                a1h[i] += v1h * xh;
+            }
+        }
+        for (int i = 0; i < N; i++) {
+            sk_store(j, r, i, sk_sum_halves(a0l[i], a0h[i]));
+            sk_store(j, r + 1, i, sk_sum_halves(a1l[i], a1h[i]));
+        }
+    }
+    for (; r < r1; r++) {
+        const float *w0 = j->w + r * j->ldw;
+        skh al[SK_CHUNK_NARROW], ah[SK_CHUNK_NARROW];
+        for (int i = 0; i < N; i++) al[i] = ah[i] = (skh){0};
+        for (int t = 0; t < k16; t += SK_LANES) {
+            skh vl = sk_loadh(w0 + t), vh = sk_loadh(w0 + t + 8);
+            __builtin_prefetch(w0 + t + SK_PREFETCH, 0, 2);
+            for (int i = 0; i < N; i++) {
+                al[i] += vl * sk_loadh(x + i * ldx + t);
+                ah[i] += vh * sk_loadh(x + i * ldx + t + 8);
+            }
+        }
+        for (int i = 0; i < N; i++) sk_store(j, r, i, sk_sum_halves(al[i], ah[i]));
+    }
+}
+
+static inline __attribute__((always_inline)) void sk_rows_any_h(const sk_job *j, long r0, long r1) {
+    switch (j->n) {
+    case 1: sk_rows_h(j, r0, r1, 1); break;
+    case 2: sk_rows_h(j, r0, r1, 2); break;
+    case 3: sk_rows_h(j, r0, r1, 3); break;
+    default: sk_rows_h(j, r0, r1, SK_CHUNK_NARROW); break;
+    }
+}
+
+/* Which form a clone runs: the 16-lane one with 32 vector registers (AVX-512; NEON's 32 of 4
+ * floats), the halves with AVX2's 16. Which rows meet a weight row together never changes an
+ * output's sum (each is its own), so the chunking may differ too. */
+static int sk_narrow = -1;
+static inline int sk_is_narrow(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (sk_narrow < 0) {
+        __builtin_cpu_init();
+        sk_narrow = !__builtin_cpu_supports("avx512f");
+    }
+    return sk_narrow;
+#else
+    return 0;
+#endif
+}
+
 /* More than SK_CHUNK activation rows: a few weight rows at a time, each block met by every
  * chunk of SK_CHUNK rows while it is still in L1, so the weights are streamed from memory once.
  * Every output is the sum sk_rows_n computes for it alone, so the bits do not depend on n. */
 SK_CLONES static void sk_rows(const sk_job *j, long r0, long r1) {
-    if (j->n <= SK_CHUNK) {
-        sk_rows_any(j, r0, r1);
+    const int narrow = sk_is_narrow();
+    const int chunk = narrow ? SK_CHUNK_NARROW : SK_CHUNK;
+    if (j->n <= chunk) {
+        if (narrow)
+            sk_rows_any_h(j, r0, r1);
+        else
+            sk_rows_any(j, r0, r1);
         return;
     }
     for (long rb = r0; rb < r1; rb += SK_WBLOCK) {
         long re = rb + SK_WBLOCK < r1 ? rb + SK_WBLOCK : r1;
-        for (int i0 = 0; i0 < j->n; i0 += SK_CHUNK) {
+        for (int i0 = 0; i0 < j->n; i0 += chunk) {
             sk_job c = *j;
             c.x = j->x + i0 * j->ldx;
             c.c = j->c + i0 * j->is;
-            c.n = j->n - i0 < SK_CHUNK ? j->n - i0 : SK_CHUNK;
-            sk_rows_any(&c, rb, re);
+            c.n = j->n - i0 < chunk ? j->n - i0 : chunk;
+            if (narrow)
+                sk_rows_any_h(&c, rb, re);
+            else
+                sk_rows_any(&c, rb, re);
         }
     }
 }

@@ -11,9 +11,9 @@ the check runs once per (kernel, variant, machine), not once per process:
 - ``fallback``: it failed to build or disagreed with its reference: the reference runs instead;
 - ``slower``: it is right but loses to what it replaces on this machine: that runs instead.
 
-The machine is the scope: the CPU's model and SIMD flags, the device, MLX's version and the
-kernels' revision. A file written under another scope is ignored (not deleted) and the checks
-run again; its entries are replaced on the next write. The file carries a checksum of its
+The machine is the scope: the CPU's model and SIMD flags, the device, MLX's version, the
+kernels' revision and the preloaded libraries' contents (a rebuilt BLAS shim is checked afresh).
+A file written under another scope is ignored (not deleted) and the checks run again; its entries are replaced on the next write. The file carries a checksum of its
 entries: an edited or damaged file is ignored the same way. `edgespec doctor` lists the verdicts.
 
 `decide(kernel, variant, check)` is the one entry point: the stored verdict, or `check()`'s,
@@ -23,10 +23,12 @@ callers pass the one-line note on (a warning) where a user should see it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import platform
+import re
 import tempfile
 import threading
 from collections.abc import Callable
@@ -87,7 +89,22 @@ def scope() -> dict:
     if forced is not None:
         flags = sorted(set(forced.split()))
     return {"machine": platform.machine(), "system": platform.system(), "cpu": model, "flags": flags,
-            "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", ""), "revision": REVISION}
+            "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", ""), "revision": REVISION,
+            "preload": _preloaded(os.environ.get("LD_PRELOAD", ""))}
+
+
+@functools.lru_cache(maxsize=8)
+def _preloaded(preload: str) -> list[str]:
+    """Each preloaded library by name and a hash of its contents: a rebuilt BLAS shim (the same
+    name, another kernel) is checked afresh."""
+    out = []
+    for item in sorted(i for i in re.split(r"[:\s]+", preload) if i):
+        try:
+            digest = hashlib.sha256(Path(item).read_bytes()).hexdigest()[:16]
+        except OSError:
+            digest = "unreadable"
+        out.append(f"{Path(item).name}:{digest}")
+    return out
 
 
 def path() -> Path:
