@@ -41,7 +41,6 @@ the curve's arithmetic is adaptive/estimate.py.
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
 import json
 import logging
@@ -61,6 +60,7 @@ from mlx.utils import tree_flatten
 from edgespec.adaptive.estimate import DRAFT_PRIOR, Costs, DraftCost
 from edgespec.costs.clock import active as simulation
 from edgespec.kernels import COSTS_REVISION
+from edgespec.kernels.verdicts import preloaded_libraries
 from edgespec.paths import home as edgespec_home
 from edgespec.safe_write import aside_name, clean_stale_temps, temp_prefix
 from edgespec.tree import (
@@ -153,20 +153,6 @@ def _cpu_model() -> str:
     return platform.processor() or ""
 
 
-@functools.lru_cache(maxsize=8)
-def _preloaded(preload: str) -> list[str]:
-    """The preloaded libraries, each by name and a hash of its contents: a rebuilt BLAS shim
-    (the same file name, another kernel: edgespec/kernels/cpu_blas.py) prices passes afresh."""
-    out = []
-    for p in sorted(p for p in re.split(r"[:\s]+", preload) if p):
-        try:
-            digest = hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16]
-        except OSError:
-            digest = "unreadable"
-        out.append(f"{Path(p).name}:{digest}")
-    return out
-
-
 def machine_identity() -> dict:
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -179,7 +165,7 @@ def machine_identity() -> dict:
         "cpu": _cpu_model(),
         "cpus": cpus,
         "device": str(device),
-        "preload": _preloaded(os.environ.get("LD_PRELOAD", "")),
+        "preload": preloaded_libraries(os.environ.get("LD_PRELOAD", "")),  # a rebuilt shim prices afresh
         "threads": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                                                "EDGESPEC_SKINNY", "EDGESPEC_NATIVE", "EDGESPEC_BASE2") if k in os.environ},
         "mlx": getattr(mx, "__version__", ""),

@@ -186,10 +186,10 @@ def test_different_models_devices_and_machines_do_not_collide(home, monkeypatch)
     # A preloaded library rebuilt under the same name (another BLAS kernel) is another machine
     lib = home / "libedgespec_cblas.so"
     lib.write_bytes(b"one kernel")
-    first = cal._preloaded(str(lib))
+    first = cal.preloaded_libraries(str(lib))
     lib.write_bytes(b"another kernel")
-    cal._preloaded.cache_clear()
-    assert cal._preloaded(str(lib)) != first and first[0].startswith("libedgespec_cblas.so:")
+    cal.preloaded_libraries.cache_clear()
+    assert cal.preloaded_libraries(str(lib)) != first and first[0].startswith("libedgespec_cblas.so:")
     # A model read from a file (no weight hashes): its name, size and modification time.
     model = make_tiny_model(0)
     f = home / "m.gguf"

@@ -20,7 +20,9 @@ committed tokens it has not seen (`unseen`, priced apart).
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -434,3 +436,16 @@ class DrafterReuse(Reuse):
         upto = common_prefix(d.fed, tokens)
         if upto:
             self.store.store(tokens, d.stored_caches(), upto)
+
+
+def read_folder_config(path: str | Path, name: str = "config.json") -> dict | None:
+    """A drafter folder's JSON config as a dict; None when missing, unreadable or not an object
+    (the folder is then not of the kind asking)."""
+    p = Path(path) / name
+    if not p.is_file():
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return cfg if isinstance(cfg, dict) else None

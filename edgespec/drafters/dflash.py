@@ -51,14 +51,20 @@ drafting (off), a distributed verifier or an architecture whose pass does not re
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from edgespec.drafters.base import CHAIN_MODES, AcceptsDrafts, Draft, DrafterCaps, common_prefix
+from edgespec.drafters.base import (
+    CHAIN_MODES,
+    AcceptsDrafts,
+    Draft,
+    DrafterCaps,
+    common_prefix,
+    read_folder_config,
+)
 from edgespec.drafters.compat import check_compatible
 from edgespec.drafters.coreml_runtime import CoreMLBlockBackend, PackageCursor, package_features  # noqa: F401
 from edgespec.errors import ModelLoadError
@@ -71,21 +77,10 @@ from edgespec.weights.numerics import emulate_half_products, runs_as_metal
 CONFIG = "config.json"
 
 
-def _read_config(path: Path) -> dict | None:
-    p = Path(path) / CONFIG
-    if not p.is_file():
-        return None
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
 def is_dflash_folder(path: str | Path) -> bool:
     """A published DFlash drafter folder (or a bundle's drafter/ holding one): the architecture
     names a DFlash draft model, or the config carries `dflash_config`."""
-    cfg = _read_config(Path(path))
+    cfg = read_folder_config(Path(path))
     if cfg is None:
         return False
     archs = cfg.get("architectures") or []
@@ -95,7 +90,7 @@ def is_dflash_folder(path: str | Path) -> bool:
 def load_dflash(path: str | Path, verifier, name: str | None = None) -> DFlashDrafter:
     """The drafter of a DFlash folder for `verifier` (an Engine, a LoadedModel or a model)."""
     path = Path(path).expanduser()
-    cfg = _read_config(path)
+    cfg = read_folder_config(path)
     if cfg is None:
         raise ModelLoadError(f"{path}: a DFlash drafter folder needs a readable {CONFIG}")
     files = sorted(path.glob("*.safetensors"))

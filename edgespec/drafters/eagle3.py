@@ -40,7 +40,6 @@ is off with it.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,6 +52,7 @@ from edgespec.drafters.base import (
     DrafterCaps,
     common_prefix,
     ranked_tokens,
+    read_folder_config,
 )
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
@@ -65,21 +65,10 @@ from edgespec.weights.numerics import emulate_half_products, runs_as_metal
 CONFIG = "config.json"
 
 
-def _read_config(path: Path) -> dict | None:
-    p = Path(path) / CONFIG
-    if not p.is_file():
-        return None
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
 def is_eagle3_folder(path: str | Path) -> bool:
     """A published EAGLE-3 head folder: a speculators config of an eagle3 model, or the EAGLE
     authors' (architectures LlamaForCausalLMEagle3, or a draft_vocab_size)."""
-    cfg = _read_config(Path(path))
+    cfg = read_folder_config(Path(path))
     if cfg is None:
         return False
     if cfg.get("speculators_model_type") is not None:
@@ -91,7 +80,7 @@ def is_eagle3_folder(path: str | Path) -> bool:
 def load_eagle3(path: str | Path, verifier, name: str | None = None) -> Eagle3Drafter:
     """The drafter of an EAGLE-3 head folder for `verifier` (an Engine, a LoadedModel or a model)."""
     path = Path(path).expanduser()
-    cfg = _read_config(path)
+    cfg = read_folder_config(path)
     if cfg is None:
         raise ModelLoadError(f"{path}: an EAGLE-3 head folder needs a readable {CONFIG}")
     try:

@@ -90,11 +90,11 @@ def scope() -> dict:
         flags = sorted(set(forced.split()))
     return {"machine": platform.machine(), "system": platform.system(), "cpu": model, "flags": flags,
             "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", ""), "revision": REVISION,
-            "preload": _preloaded(os.environ.get("LD_PRELOAD", ""))}
+            "preload": preloaded_libraries(os.environ.get("LD_PRELOAD", ""))}
 
 
 @functools.lru_cache(maxsize=8)
-def _preloaded(preload: str) -> list[str]:
+def preloaded_libraries(preload: str) -> list[str]:
     """Each preloaded library by name and a hash of its contents: a rebuilt BLAS shim (the same
     name, another kernel) is checked afresh."""
     out = []
