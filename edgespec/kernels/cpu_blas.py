@@ -32,6 +32,11 @@ activation rows (MLX's arrays are 8-byte aligned) are copied to an aligned buffe
 8 tokens about 4% faster (`--only align`, docs/batching.md). `EDGESPEC_SKINNY=0` (or
 `edgespec_cblas_skinny(0)` through ctypes) sends them to OpenBLAS, for comparisons.
 
+Which row counts the kernel takes is this host's verdict (`apply_verdicts`, at the first model
+loaded for inference): each row class timed through the kernel and through OpenBLAS once per
+machine, kept in kernels/verdicts.py's store; a class the kernel loses goes to OpenBLAS. On an
+AVX2 host without AVX-512 it loses nothing up to 15 rows (docs/batching.md).
+
 `make setup` builds it into .cache/lib (`python -m edgespec.kernels.cpu_blas OUT`),
 checks it in a fresh process, and the Makefile preloads it; where it cannot be built
 (no C compiler, a numpy without a bundled OpenBLAS) the Makefile falls back to Debian's
