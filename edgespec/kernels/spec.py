@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from edgespec.kernels import verdicts
+from edgespec.kernels.verdicts import Verdict, decide
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def usable(spec: KernelSpec, variant: str, check: Callable[..., None], *args) ->
     with _check_lock:
         ok = _checked.get(key)
         if ok is None:
-            v = verdicts.decide(spec.name, variant, functools.partial(_run_check, spec, variant, check, args))
+            v = decide(spec.name, variant, functools.partial(_run_check, spec, variant, check, args))
             ok = v.used
             if not ok:
                 warnings.warn(f"edgespec: Metal kernel {spec.name} ({variant or 'any dtype'}) is not used on this "
@@ -152,9 +152,9 @@ def usable(spec: KernelSpec, variant: str, check: Callable[..., None], *args) ->
     return ok
 
 
-def _run_check(spec: KernelSpec, variant: str, check: Callable[..., None], args) -> verdicts.Verdict:
+def _run_check(spec: KernelSpec, variant: str, check: Callable[..., None], args) -> Verdict:
     check(*args)
-    return verdicts.Verdict(spec.name, variant, "native", "agrees with its reference on the self-check's inputs")
+    return Verdict(spec.name, variant, "native", "agrees with its reference on the self-check's inputs")
 
 
 def dtype_name(dtype) -> str:
