@@ -46,6 +46,7 @@ OpenBLAS. Only the CPU backend reads it: Metal never calls a CBLAS product.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import subprocess
@@ -268,6 +269,16 @@ def takes(rows: int) -> bool:
     return 0 < rows <= 32 and bool((_TAKEN >> (rows - 1)) & 1)
 
 
+@functools.cache
+def _check_weights() -> list:
+    """The weights every row class is timed on (made once for a call of apply_verdicts)."""
+    import mlx.core as mx
+
+    weights = [mx.random.normal((n, k), key=mx.random.key(i)) for i, (n, k) in enumerate(CHECK_SHAPES)]
+    mx.eval(weights)
+    return weights
+
+
 def _time_class(rows: int, set_mask, reps: int = CHECK_REPS) -> tuple[float, float]:
     """Median seconds of one sweep over CHECK_SHAPES at `rows` rows: the kernel's, OpenBLAS's
     (alternating rep by rep, so both meet the same load)."""
@@ -275,7 +286,7 @@ def _time_class(rows: int, set_mask, reps: int = CHECK_REPS) -> tuple[float, flo
 
     import mlx.core as mx
 
-    weights = [mx.random.normal((n, k), key=mx.random.key(i)) for i, (n, k) in enumerate(CHECK_SHAPES)]
+    weights = _check_weights()
     xs = [mx.random.normal((rows, w.shape[1]), key=mx.random.key(100 + i)) for i, w in enumerate(weights)]
     mx.eval(weights, xs)
     times = {True: [], False: []}
@@ -321,6 +332,7 @@ def apply_verdicts() -> int:
                     {"rows": lo, "kernel_ms": round(kernel_s * 1e3, 3), "openblas_ms": round(blas_s * 1e3, 3)})
             if verdicts.decide(KERNEL, f"rows={lo}-{hi}", check).used:
                 mask |= ((1 << hi) - 1) ^ ((1 << (lo - 1)) - 1)
+        _check_weights.cache_clear()  # 30 MB not kept past the timing
         set_mask(mask)
         _TAKEN = get_mask()
         return _TAKEN
