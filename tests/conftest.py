@@ -215,22 +215,42 @@ def pytest_sessionfinish(session, exitstatus):
     _Worker._shutdown()
 
 
+class PacedClock:
+    """Time that passes only while a paced model runs (`PacedModel`): what `auto` measures on it
+    is the pacing alone, whatever else loads the host, so a paced test decides the same on any
+    host and under any load."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 class PacedModel:
-    """A model whose every forward call also takes `seconds` of wall time, whatever its width.
+    """A model whose every forward call takes `seconds`, whatever its width.
 
     Stands in for an accelerator where a verifier pass costs about the same for 1 or 32
     tokens and dwarfs the host's bookkeeping (a tiny model on a CPU is the opposite), so
     tests of cost-driven choices see the regime the choices are made for.
+
+    clock: a PacedClock the call advances by `seconds` (deterministic: the decoder times by it,
+    make_paced_engine); None sleeps `seconds` of wall time instead (tests of what the host's own
+    timer makes of a slow pass).
     """
 
-    def __init__(self, model, seconds: float = 0.005):
+    def __init__(self, model, seconds: float = 0.005, clock: PacedClock | None = None):
         self._model = model
         self._seconds = seconds
+        self._clock = clock
 
     def __call__(self, *args, **kwargs):
-        import time
+        if self._clock is not None:
+            self._clock.t += self._seconds
+        else:
+            import time
 
-        time.sleep(self._seconds)
+            time.sleep(self._seconds)
         return self._model(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -238,8 +258,22 @@ class PacedModel:
 
 
 def make_paced_engine(seed: int = 0, seconds: float = 0.005, **overrides) -> Engine:
+    """A tiny engine on paced time: every verifier pass costs `seconds` of a PacedClock, host work
+    and draft calls nothing, and `auto`'s timed policy reads that clock (Engine.policy), so its
+    choices are the same on every host and under any load."""
+    from edgespec.adaptive.policy import TimedPolicy
+
     model = make_tiny_model(seed, **overrides)
-    return Engine(LoadedModel(PacedModel(model, seconds), make_tiny_tokenizer(model.args.vocab_size), None))
+    clock = PacedClock()
+    engine = Engine(LoadedModel(PacedModel(model, seconds, clock), make_tiny_tokenizer(model.args.vocab_size), None))
+    engine.policy = TimedPolicy(clock=clock)
+    return engine
+
+
+def paced(engine: Engine, model, seconds: float):
+    """`model` (a drafter's) paced on a paced engine's clock: its every call costs `seconds` there
+    (a drafter measured as free keeps its prior price, unlike any real one)."""
+    return PacedModel(model, seconds, engine.policy.clock)
 
 
 def count_drafts(drafter, monkeypatch) -> list[int]:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import scipy.stats as sps
-from conftest import make_paced_engine, make_tiny_engine, make_tiny_model, random_prompts
+from conftest import make_paced_engine, paced, make_tiny_engine, make_tiny_model, random_prompts
 from stats_support import adaptive_continuations, continuation_law
 
 import edgespec.adaptive.decoder as dec
@@ -33,7 +33,7 @@ class TinyDrafter(ModelDrafter):
 def engine_and_refs():
     # Paced: a verifier pass costs ~3 ms whatever its width, so copying pays as on an accelerator.
     engine = make_paced_engine(0, 0.003, scale=3.0)
-    engine.drafter = TinyDrafter(make_tiny_model(5, scale=3.0, num_hidden_layers=1))
+    engine.drafter = TinyDrafter(paced(engine, make_tiny_model(5, scale=3.0, num_hidden_layers=1), 0.0003))
     prompts = random_prompts(20, seed=4)
     refs = [engine.generate(p, max_tokens=24, mode="plain").tokens for p in prompts]
     return engine, prompts, refs

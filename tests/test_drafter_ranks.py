@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_paced_engine, make_tiny_model, random_prompts
+from conftest import make_paced_engine, paced, make_tiny_model, random_prompts
 
 from edgespec.adaptive.policy import SeededPolicy
 from edgespec.adaptive.sources import SURE_EDGES, DrafterSource, sure_bucket
@@ -108,7 +108,7 @@ def test_sure_buckets_cover_every_probability():
 def second_guess_engine():
     # Paced: a verifier pass costs ~3 ms whatever its width (an accelerator's regime).
     engine = make_paced_engine(0, 0.003, scale=3.0)
-    engine.drafter = SecondGuess(make_tiny_model(0, scale=3.0))
+    engine.drafter = SecondGuess(paced(engine, make_tiny_model(0, scale=3.0), 0.0003))
     prompts = random_prompts(6, seed=11)
     refs = [engine.generate(p, max_tokens=24, mode="plain").tokens for p in prompts]
     return engine, prompts, refs
