@@ -26,6 +26,9 @@ from edgespec.kernels.attention import CPU_NUMPY_MIN_QUERIES, _pool, _workers
 # Prompt chunks only, as for attention: verification rounds (at most 64 rows) and decoding
 # steps stay in one MLX graph (a numpy call is a synchronisation point).
 CPU_NUMPY_MIN_ROWS = CPU_NUMPY_MIN_QUERIES
+# Whether numpy's path runs at all: as built until this host's verdict (apply_verdicts).
+KERNEL = "cpu_numpy_activation"
+TAKES = {"numpy": True}
 _GELU_C = np.float32(math.sqrt(2 / math.pi))
 
 
@@ -67,7 +70,7 @@ def activate(kind: str, gate: mx.array) -> mx.array:
 def use_numpy_activation(kind: str, gate: mx.array) -> bool:
     rows = gate.size // gate.shape[-1] if gate.ndim else 0
     # not in bitwise mode: numpy's exp rounds other than MLX's, which one-token passes use
-    return (kind in _NUMPY and rows >= CPU_NUMPY_MIN_ROWS and mx.default_device() == mx.cpu
+    return (TAKES["numpy"] and kind in _NUMPY and rows >= CPU_NUMPY_MIN_ROWS and mx.default_device() == mx.cpu
             and not exact.enabled())
 
 
@@ -75,6 +78,11 @@ def gated_activation(kind: str, gate: mx.array, up: mx.array, inference: bool = 
     """act(gate) * up for the activation named `kind` (an ACTIVATIONS entry)."""
     if not (inference and use_numpy_activation(kind, gate)):
         return activate(kind, gate) * up
+    return numpy_gated(kind, gate, up)
+
+
+def numpy_gated(kind: str, gate: mx.array, up: mx.array) -> mx.array:
+    """act(gate) * up computed by numpy (kinds in _NUMPY), the rows split over one thread a core."""
     mx.eval(gate, up)
     f32 = gate.dtype == mx.float32 and up.dtype == mx.float32
     g = np.asarray(gate if f32 else gate.astype(mx.float32)).reshape(-1, gate.shape[-1])
@@ -95,3 +103,24 @@ def gated_activation(kind: str, gate: mx.array, up: mx.array, inference: bool = 
         list(_pool().map(piece, range(workers)))
     result = mx.array(out.reshape(gate.shape))
     return result if gate.dtype == mx.float32 else result.astype(gate.dtype)
+
+
+def apply_verdicts() -> dict[str, bool]:
+    """Whether numpy's path runs in this process (TAKES): timed once per machine against MLX's
+    graph (the base-2 form where that runs) on a 256-row prompt chunk of a 1,536-wide SiLU MLP,
+    the verdict kept (edgespec.kernels.verdicts). Off the CPU device or with checks off: as built.
+    Call after base2.apply_verdicts (what it replaces depends on it)."""
+    from edgespec.kernels import verdicts
+
+    if mx.default_device() != mx.cpu or not verdicts.checks_on():
+        return dict(TAKES)
+    keys = mx.random.split(mx.random.key(13), 2)
+    g, u = (mx.random.normal((256, 1536), key=k) for k in keys)
+    mx.eval(g, u)
+    variant = f"against={'base2' if base2.applies(g) else 'mlx'}"
+
+    def check():
+        return verdicts.race(KERNEL, variant, lambda: mx.eval(numpy_gated("silu", g, u)),
+                             lambda: mx.eval(activate("silu", g) * u), what="MLX's graph")
+    TAKES["numpy"] = verdicts.decide(KERNEL, variant, check).used
+    return dict(TAKES)

@@ -44,6 +44,10 @@ CPU_NUMPY_MIN_SCORES = 1 << 16
 CPU_NUMPY_MIN_QUERIES = 65
 BLOCK_ROWS = 384  # score rows per block (queries x the heads sharing a kv head)
 FUSED = True  # False: BLAS products around the native softmax pass even where the fused kernel applies (benchmarks)
+# Which of the CPU paths run, as built until this host's verdicts are applied (apply_verdicts):
+# the grouped base-2 path for decoding steps and rounds, numpy's for prompt chunks.
+GROUPED_KERNEL, NUMPY_KERNEL = "cpu_grouped_attention", "cpu_numpy_attention"
+TAKES = {"grouped": True, "numpy": True}
 
 
 @functools.cache
@@ -64,7 +68,7 @@ def _blas_controller():
 def use_numpy_attention(q: mx.array, k: mx.array) -> bool:
     """True where the numpy path is the faster one: the CPU device and a large score matrix."""
     B, H, T, _ = q.shape
-    if T < CPU_NUMPY_MIN_QUERIES or B * H * T * k.shape[2] < CPU_NUMPY_MIN_SCORES:
+    if not TAKES["numpy"] or T < CPU_NUMPY_MIN_QUERIES or B * H * T * k.shape[2] < CPU_NUMPY_MIN_SCORES:
         return False
     return mx.default_device() == mx.cpu
 
@@ -244,7 +248,50 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, in
     for the other float32 calls on the CPU, else (Metal, other dtypes) the fused kernel."""
     if inference and mask is not None and use_numpy_attention(q, k):
         return numpy_attention(q, k, v, scale, mask)
-    out = grouped_attention(q, k, v, scale, mask)  # None off the CPU, for half precision, ...
+    out = grouped_attention(q, k, v, scale, mask) if TAKES["grouped"] else None  # None off the CPU, ...
     if out is not None:
         return out
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def apply_verdicts() -> dict[str, bool]:
+    """Which CPU attention paths run in this process (TAKES), each timed once per machine against
+    what it replaces, the verdicts kept (edgespec.kernels.verdicts): the grouped base-2 path against
+    MLX's fused kernel at a decoding step and an 8-token round over 600 keys, then numpy's path
+    against the one decoding uses at a 256-token prompt chunk after 256 cached positions; shapes
+    of SmolLM2 (9 query heads on 3 key heads of 64). Off the CPU device or with checks off: as
+    built. Call after base2.apply_verdicts (the grouped path needs the base-2 forms)."""
+    from edgespec.kernels import verdicts
+
+    if mx.default_device() != mx.cpu or not verdicts.checks_on():
+        return dict(TAKES)
+    keys = mx.random.split(mx.random.key(11), 3)
+    H, Hk, D, scale = 9, 3, 64, 0.125
+
+    def qkv(T: int, S: int):
+        q = mx.random.normal((1, H, T, D), key=keys[0])
+        k, v = (mx.random.normal((1, Hk, S, D), key=kk) for kk in keys[1:])
+        mx.eval(q, k, v)
+        return q, k, v
+
+    steps = [qkv(1, 600), qkv(8, 600)]
+    if base2.applies(*steps[0]):
+        def grouped_check():
+            return verdicts.race(
+                GROUPED_KERNEL, "", lambda: mx.eval([grouped_attention(*a, scale, "causal") for a in steps * 4]),
+                lambda: mx.eval([mx.fast.scaled_dot_product_attention(*a, scale=scale, mask="causal")
+                                 for a in steps * 4]), what="MLX's fused kernel")
+        TAKES["grouped"] = verdicts.decide(GROUPED_KERNEL, "", grouped_check).used
+    chunk = qkv(256, 512)
+    grouped = TAKES["grouped"] and base2.applies(*chunk)
+    variant = f"against={'grouped' if grouped else 'fused'}"
+
+    def replaced():
+        out = grouped_attention(*chunk, scale, "causal") if grouped else None
+        mx.eval(out if out is not None else mx.fast.scaled_dot_product_attention(*chunk, scale=scale, mask="causal"))
+
+    def numpy_check():
+        return verdicts.race(NUMPY_KERNEL, variant, lambda: mx.eval(numpy_attention(*chunk, scale, "causal")),
+                             replaced, what="the grouped path" if grouped else "MLX's fused kernel")
+    TAKES["numpy"] = verdicts.decide(NUMPY_KERNEL, variant, numpy_check).used
+    return dict(TAKES)

@@ -17,7 +17,9 @@ CPU device, for float32:
 Metal keeps MLX's own (its `exp` is fast), as do half-precision arrays (a half-precision
 exponent argument in base 2 would round more than MLX's own). `EDGESPEC_BASE2=0` turns this off
 for the process (comparisons: docs/adaptive.md); learnt costs are kept apart (the calibration
-key names the setting).
+key names the setting). Where it is on, it is used only where it wins: `apply_verdicts` times it
+against MLX's own exponentials once per machine (the MLX build's `exp` may be fast), and a host
+where it loses keeps MLX's forms (edgespec.kernels.verdicts).
 """
 
 from __future__ import annotations
@@ -30,6 +32,30 @@ import mlx.nn as nn
 ENABLED = os.environ.get("EDGESPEC_BASE2", "1") != "0"
 LOG2E = 1.4426950408889634
 _GELU_2C = 2 * 0.7978845608028654  # 2 sqrt(2 / pi)
+
+
+KERNEL = "cpu_base2_exp"
+
+
+def apply_verdicts() -> bool:
+    """Whether the base-2 forms run in this process: on (EDGESPEC_BASE2) and, on the CPU device
+    with kernel checks on, no slower on this machine than MLX's `exp` (SiLU over a 16-row pass of
+    a 1,536-wide MLP and a softmax's exponentials over 72 query rows against 600 keys, timed once
+    per machine, the verdict kept). -> ENABLED as it now stands."""
+    global ENABLED
+    from edgespec.kernels import verdicts
+
+    if not ENABLED or mx.default_device() != mx.cpu or not verdicts.checks_on():
+        return ENABLED
+    key = mx.random.key(7)
+    x, s = mx.random.normal((16, 1536), key=key), mx.random.normal((72, 600), key=mx.random.split(key)[0])
+    mx.eval(x, s)
+
+    def check():
+        return verdicts.race(KERNEL, "", lambda: mx.eval([(_silu(x), mx.power(2.0, s)) for _ in range(8)]),
+                             lambda: mx.eval([(nn.silu(x), mx.exp(s)) for _ in range(8)]), what="MLX's exp")
+    ENABLED = verdicts.decide(KERNEL, "", check).used
+    return ENABLED
 
 
 def applies(*arrays: mx.array) -> bool:

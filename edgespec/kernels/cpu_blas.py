@@ -317,8 +317,7 @@ def apply_verdicts() -> int:
     if calls is None or few_row_kernel() == 0:
         return _TAKEN
     set_mask, get_mask = calls
-    if os.environ.get("EDGESPEC_KERNEL_CHECKS", "on").strip().lower() in ("0", "off", "false", "no") \
-            or mx.default_device() != mx.cpu:
+    if not verdicts.checks_on() or mx.default_device() != mx.cpu:
         return get_mask()
     with _LOCK:
         mask = 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgespec.kernels import cpu_blas, exact
+from edgespec.kernels import cpu_blas, exact, host
 from edgespec.kernels.spec import on_metal
 
 CPU_SWAP_MAX_ROWS = 64
@@ -67,9 +67,9 @@ class Linear(nn.Linear):
 def keep_transposed(model: nn.Module) -> int:
     """Each `Linear` of `model` keeps its weight's transposed view for its products (evaluated
     here; it shares the weight's memory). For models loaded for inference. -> how many.
-    Also settles, once per process, which few-row products the BLAS shim's kernel takes on this
-    host (cpu_blas.apply_verdicts: only the row counts where it beats OpenBLAS here)."""
-    cpu_blas.apply_verdicts()
+    Also settles which CPU kernels run on this host (kernels/host.py: each only where it beats
+    what it replaces here)."""
+    host.settle()
     kept = []
     for _, mod in model.named_modules():
         if type(mod) is Linear:  # not a QuantizedLinear (no "weight" to transpose as such)

@@ -234,3 +234,29 @@ def decide(kernel: str, variant: str, check: Callable[[], Verdict]) -> Verdict:
             v = Verdict(kernel, variant, v.status, v.note, v.measured)
         _STORE.put(v)
         return v
+
+
+def checks_on() -> bool:
+    """Whether CPU kernels are timed against what they replace (EDGESPEC_KERNEL_CHECKS, default on;
+    off: every kernel runs as built, as the test suite has it, so no test depends on a timing)."""
+    return os.environ.get("EDGESPEC_KERNEL_CHECKS", "on").strip().lower() not in ("0", "off", "false", "no")
+
+
+def race(kernel: str, variant: str, fast: Callable[[], object], replaced: Callable[[], object],
+         reps: int = 5, what: str = "what it replaces") -> Verdict:
+    """A speed verdict: `fast` (a kernel's path, run to completion) timed against `replaced` (the
+    path it replaces), alternating call by call so both meet the same load, one warm-up each;
+    the medians compared: ``native`` when the kernel is no slower, else ``slower``."""
+    import time
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(reps + 1):
+        for on in ((True, False) if rep % 2 else (False, True)):
+            t0 = time.perf_counter()
+            (fast if on else replaced)()
+            if rep:  # the first of each is a warm-up
+                times[on].append(time.perf_counter() - t0)
+    mine, theirs = (sorted(times[k])[len(times[k]) // 2] for k in (True, False))
+    return Verdict(kernel, variant, "native" if mine <= theirs else "slower",
+                   f"{mine * 1e3:.2f} ms against {what}'s {theirs * 1e3:.2f} ms",
+                   {"kernel_ms": round(mine * 1e3, 3), "replaced_ms": round(theirs * 1e3, 3)})
