@@ -200,7 +200,10 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.rope = make_rope(args)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, mask: mx.array | None = None,
+                 positions: mx.array | None = None) -> mx.array:
+        """mask (T, C + T) bool and positions (T,) (entry indices): a tree of drafted entries over
+        the cache (edgespec.kernels.tree_mask); None: causal entries after the cache."""
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.n_heads, -1)
         k = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)
@@ -208,11 +211,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         C = cache.offset
-        q = self.rope(q.transpose(0, 2, 1, 3), C + 1, None)  # entry j at position j + 1
-        k = self.rope(k.transpose(0, 2, 1, 3), C + 1, None)
+        pos = None if positions is None else positions + 1
+        q = self.rope(q.transpose(0, 2, 1, 3), C + 1, pos)  # entry j at position j + 1
+        k = self.rope(k.transpose(0, 2, 1, 3), C + 1, pos)
         k, v = cache.update_and_fetch(k, v)
-        mask = None
-        if T > 1:
+        if mask is None and T > 1:
             mask = (mx.arange(C + T)[None] <= (C + mx.arange(T))[:, None])
         out = attention(q, k, v, self.scale, mask, inference=False)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
@@ -231,10 +234,10 @@ class FirstLayer(nn.Module):
         self.hidden_norm = nn.RMSNorm(E, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(E, eps=eps)
 
-    def __call__(self, emb: mx.array, g: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, emb: mx.array, g: mx.array, cache: KVCache, mask=None, positions=None) -> mx.array:
         r = self.hidden_norm(g)
         x = mx.concatenate([self.input_layernorm(emb), r], axis=-1)
-        h = (r if self.norm_before_residual else g) + self.self_attn(x, cache)
+        h = (r if self.norm_before_residual else g) + self.self_attn(x, cache, mask, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -249,8 +252,8 @@ class Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(E, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(E, eps=eps)
 
-    def __call__(self, h: mx.array, cache: KVCache) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), cache)
+    def __call__(self, h: mx.array, cache: KVCache, mask=None, positions=None) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), cache, mask, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -285,12 +288,13 @@ class Model(nn.Module):
             features = mx.concatenate([norm(p) for norm, p in zip(self.fc_norm, parts, strict=True)], axis=-1)
         return self.fc(features)
 
-    def __call__(self, emb: mx.array, g: mx.array, cache: list[KVCache]) -> mx.array:
+    def __call__(self, emb: mx.array, g: mx.array, cache: list[KVCache], mask=None, positions=None) -> mx.array:
         """emb (B, T, E) the embedded tokens, g (B, T, E) the states they pair with (fused verifier
-        states or the head's own) -> the last layer's output (B, T, E), before the final norm."""
-        h = self.layers[0](emb, g, cache[0])
+        states or the head's own) -> the last layer's output (B, T, E), before the final norm.
+        mask, positions: the entries are tree nodes over the cache (see Attention)."""
+        h = self.layers[0](emb, g, cache[0], mask, positions)
         for layer, c in zip(self.layers[1:], cache[1:], strict=True):
-            h = layer(h, c)
+            h = layer(h, c, mask, positions)
         return h
 
     def logits(self, h: mx.array) -> mx.array:

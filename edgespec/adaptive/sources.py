@@ -182,6 +182,40 @@ def sure_bucket(kind: str, p: float) -> str:
     return f"{kind}{bisect.bisect(SURE_EDGES, p)}"
 
 
+# A drafter that grows its own trees (DrafterCaps.trees, EAGLE-2's dynamic tree): per depth the
+# TREE_WIDTH best nodes by path score are expanded, TREE_TOPK children each, and the TREE_NODES
+# best nodes are offered; the planner keeps what pays of them (a guess, not measured yet).
+TREE_WIDTH, TREE_TOPK, TREE_NODES = 3, 2, 16
+
+
+def tree_candidates(tree, source: str) -> list[Candidate]:
+    """A drafter's DraftTree -> one candidate per leaf, the chain of first children first; each
+    token priced by the drafter's own probability of it given its path ("q<bin>" for the likeliest
+    child kept, "r<bin>" for the others: the buckets of a chain and its runner-ups), and
+    `own` from the first token no earlier candidate has."""
+    kids: dict[int, list[int]] = {-1: []}
+    for i, p in enumerate(tree.parents):
+        kids.setdefault(i, [])
+        kids[p].append(i)
+    out, seen, stack = [], set(), list(reversed(kids[-1]))
+    while stack:
+        i = stack.pop()
+        if kids[i]:
+            stack.extend(reversed(kids[i]))
+            continue
+        path = [i]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        path.reverse()
+        own = 0
+        while own < len(path) and path[own] in seen:
+            own += 1
+        seen.update(path)
+        buckets = tuple(sure_bucket("q" if kids[tree.parents[j]][0] == j else "r", tree.probs[j]) for j in path)
+        out.append(Candidate([tree.tokens[j] for j in path], source, 0, None, buckets, own))
+    return out
+
+
 class DrafterSource:
     """A drafter's chain of k tokens (with its q), asked only when the planner expects it to pay.
 
@@ -208,11 +242,12 @@ class DrafterSource:
     name = "drafter"
 
     def __init__(self, drafter, draft_s=None, clock=time.perf_counter, runner_ups: int = RUNNER_UPS,
-                 floor: float = SURE_FLOOR):
+                 floor: float = SURE_FLOOR, trees: bool = True):
         """draft_s: seconds per drafted token (a number: fixed), a estimate.DraftCost (learnt),
         or None (learnt from nothing). clock: what draft calls are timed with (the adaptive
         decoder hands it its policy's clock). runner_ups, floor: for a drafter that ranks its
-        tokens (see the class)."""
+        tokens (see the class). trees: a drafter that grows its own trees (DrafterCaps.trees)
+        offers them (`tree_candidates`, k levels deep) instead of a chain."""
         if drafter.caps.needs_features:
             raise ValueError(f"drafter {drafter.name!r} reads verifier features; it drafts in mode 'speculative' only")
         if not drafter.caps.syncs:
@@ -224,8 +259,9 @@ class DrafterSource:
         # ranked drafting (and each token priced by the drafter's probability) only when asked
         self.ranks = 1 + int(runner_ups) if drafter.caps.ranks and (runner_ups > 0 or floor > 0.0) else 0
         self.floor = float(floor)
+        self.trees = bool(trees) and drafter.caps.trees
         self.priors = MappingProxyType({"drafter": self.expected_acceptance,
-                                        **(SURE_PRIORS if self.ranks else {})})
+                                        **(SURE_PRIORS if self.ranks or self.trees else {})})
         self._prompt: list[int] | None = None
         self.clock = clock
         self.last_s = 0.0  # seconds of the last draft call, the drafter's prefill of the prompt excluded
@@ -277,6 +313,11 @@ class DrafterSource:
             self._prompt = None
         t0 = self.clock()
         self.drafter.sync(list(seq))
+        if self.trees:  # one drafter call a level: priced per level as a chain's per token
+            tree = self.drafter.draft_tree(k, TREE_WIDTH, TREE_TOPK, TREE_NODES)
+            self.last_s = self.clock() - t0
+            self.last_k = tree.levels if len(tree) else 0
+            return tree_candidates(tree, self.name) or [Candidate([], self.name, 0)]
         if self.ranks:
             d = self.drafter.draft(k, sampler, ranks=self.ranks, floor=self.floor)
         else:

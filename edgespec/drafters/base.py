@@ -46,6 +46,23 @@ class Draft:
     ranked: tuple | None = None
 
 
+@dataclass
+class DraftTree:
+    """A drafter's own tree of guesses after the committed sequence (`draft_tree`, DrafterCaps.trees):
+    node i is `tokens[i]` below node `parents[i]` (-1: below the last committed token), parents
+    before children; `probs[i]` the drafter's own probability of it given its parent's path,
+    `scores[i]` the product of those along its path (never larger than its parent's)."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+    probs: list[float]
+    levels: int = 0  # drafter calls that grew it (one per depth)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
 CHAIN_MODES = frozenset({"speculative", "auto"})  # modes that draft along the committed sequence
 ALL_MODES = CHAIN_MODES | {"tree", "cascade"}
 READS = ("nothing", "features", "verifier_cache")
@@ -59,7 +76,8 @@ class DrafterCaps:
     reads: what it takes from the verifier: "nothing"; "features" (the verifier's hidden
         states of the committed positions, through `features_needed` / `add_features`:
         drafts in mode 'speculative' only, unpipelined); "verifier_cache" (drafts from the
-        live verifier cache handed over with `bind_verifier_cache`: no pipelining, no trees).
+        live verifier cache handed over with `bind_verifier_cache`: no pipelining; trees only of its
+        own (`trees`)).
     syncs: has `sync(committed)` (roll back to any committed sequence).
     forks: has `fork()`, a state of its own per request (the batch runs several at once).
     mlx_model: is an MLX causal LM with its own cache (`model`, `layer_ids`, `_forward`,
@@ -79,6 +97,11 @@ class DrafterCaps:
         pass runs (pipelined `auto`, edgespec.adaptive.pipeline): `pin()` reads the cache's
         verified positions now, and its next draft feeds every committed token after them
         from a scratch of its own, never looking at the cache the pass is changing.
+    trees: `draft_tree(depth, width, topk, keep)` grows a tree of its own guesses after the
+        committed sequence (`DraftTree`, EAGLE-2's dynamic tree: each depth expands the `width`
+        best nodes by path score, `topk` children each, the best `keep` nodes kept) in one call
+        per depth; mode `tree` verifies those trees, `auto` prices their nodes by the drafter's
+        confidence like a chain's runner-ups (edgespec.adaptive.sources.DrafterSource).
     """
 
     reads: str = "nothing"
@@ -91,6 +114,7 @@ class DrafterCaps:
     catches_up: bool = False
     ranks: bool = False
     ahead: bool = False
+    trees: bool = False
 
     def __post_init__(self):
         if self.reads not in READS:

@@ -32,9 +32,19 @@ verifier's.
 Refused at load, by name: a head for another verifier (hidden size, aux layer ids past its layers
 or the embedding layer 0, vocabulary size, a d2t map pointing past the vocabulary or twice at one
 token, a t2d map that disagrees with d2t), malformed folders (config, weights that do not fit
-it, no weights), a verifier whose passes do not record layers (distributed, Gemma 4). Tree
-and cascade refuse it (it follows only the committed path: `reads_verifier`); pipelined drafting
+it, no weights), a verifier whose passes do not record layers (distributed, Gemma 4). The
+cascade refuses it (it follows only the committed path: `reads_verifier`); pipelined drafting
 is off with it.
+
+Dynamic trees (EAGLE-2, `draft_tree`, DrafterCaps.trees). From the same start as a chain, each
+depth takes the `topk` most likely tokens (under the head's own softmax) below every node fed at
+the depth before; a node's score is the product of the head's probabilities along its path; the
+`width` best new nodes by score are fed next, all in one head call under a tree mask over the
+head's cache (each node sees the committed entries and its own ancestors, at RoPE position
+entry + 1 of its depth), each paired with its parent's output state as a chain step is; the
+`keep` best nodes by score form the tree (closed under ancestors: a score never grows along a
+path). The tree's entries sit past `fed` like a chain's guesses and are trimmed at the next call.
+Mode `tree` verifies these trees (cascade still refuses the head).
 """
 
 from __future__ import annotations
@@ -50,12 +60,14 @@ from edgespec.drafters.base import (
     AcceptsDrafts,
     Draft,
     DrafterCaps,
+    DraftTree,
     common_prefix,
     ranked_tokens,
     read_folder_config,
 )
 from edgespec.drafters.compat import check_compatible
 from edgespec.errors import ModelLoadError
+from edgespec.kernels import tree_mask
 from edgespec.models.base import Model as BaseModel
 from edgespec.models.eagle3 import Model, ModelArgs, default_layer_ids
 from edgespec.weights.formats.hf import read_safetensors
@@ -195,11 +207,12 @@ class Eagle3Drafter(AcceptsDrafts):
     """Drafter protocol (begin / draft / accept / sync / close / fork) over an EAGLE-3 head."""
 
     # Drafts from the verifier's live cache (the recorded aux-layer states): no pipelining, not in
-    # tree/cascade; its states come through the cache, so speculative and auto both draft.
+    # the cascade; its states come through the cache, so speculative, tree and auto all draft.
     # ranks: its own confidence in each drafted token and its runner-ups (Draft.ranked), so auto's
     # planner stops the chain where the head is unsure and branches on its next guesses
     # (`runner_ups`, `draft_floor`): EAGLE-2's dynamic drafting, priced like every source.
-    caps = DrafterCaps(reads="verifier_cache", forks=True, modes=CHAIN_MODES, ranks=True)
+    # trees: its own dynamic trees (draft_tree), verified by mode `tree` and priced by `auto`.
+    caps = DrafterCaps(reads="verifier_cache", forks=True, modes=CHAIN_MODES | {"tree"}, ranks=True, trees=True)
     expected_acceptance = 0.6  # the controller's prior until acceptance is measured
 
     def __init__(self, model: Model, verifier, name: str = "eagle3", embed: mx.array | None = None):
@@ -224,6 +237,7 @@ class Eagle3Drafter(AcceptsDrafts):
         cols[np.array(model.target_ids())] = np.arange(self.args.draft_vocab_size, dtype=np.int32)
         self._columns = mx.array(cols)
         self._targets = model.target_ids()
+        self._targets_np = np.array(self._targets).astype(np.int64)
         self.vcache = None
         self.owner = True  # the engine's drafter (not a request's fork): its close stops the recording
         self.cache: list = []
@@ -299,17 +313,11 @@ class Eagle3Drafter(AcceptsDrafts):
         """k tokens continuing `seq` (q (k, V) filtered by the sampler's params). ranks > 0: also
         every drafted position's `ranks` most likely tokens and probabilities (Draft.ranked), and
         the chain stops, after one token, once the product of its tokens' probabilities < floor."""
-        n = len(self.seq)
         self._last_draft = []
-        if k < 1 or n < 2 or not self.cache:
+        start = self._start() if k >= 1 else None
+        if start is None:  # no recorded states (a pass that kept none): no draft, never a wrong one
             return Draft([], None)
-        fed = min(self.fed, n - 2)  # re-feed at least the last entry: the chain starts at its output
-        rows = self._rows(fed, n - 1)
-        if rows is None:  # no recorded states (a pass that kept none): no draft, never a wrong one
-            return Draft([], None)
-        self._trim_to(fed)  # drop the entries of the last chain's guesses
-        logits, g = self.feed(self.seq[fed + 1 : n], rows, fused=False)  # (x_{j+1}, states of j), j = fed..n-2
-        self.fed = n - 1
+        logits, g = start
         toks, lps, tops = [], [], []
         sure = 1.0
         for i in range(k):
@@ -332,6 +340,105 @@ class Eagle3Drafter(AcceptsDrafts):
             mx.eval(ids, probs)
             d.ranked = (np.array(ids).astype(np.int64), np.array(probs).astype(np.float64))
         return d
+
+    def _start(self) -> tuple[mx.array, mx.array] | None:
+        """Feed the committed entries the head lacks, (x_{j+1}, states of j) for j = fed..n-2 (at
+        least the last one: a draft starts at its output) -> (its logits over the draft vocabulary
+        (Dv,), its output state (1, 1, E)), or None (no recorded states: no draft)."""
+        n = len(self.seq)
+        if n < 2 or not self.cache:
+            return None
+        fed = min(self.fed, n - 2)
+        rows = self._rows(fed, n - 1)
+        if rows is None:
+            return None
+        self._trim_to(fed)  # drop the entries of the last call's guesses
+        logits, g = self.feed(self.seq[fed + 1 : n], rows, fused=False)
+        self.fed = n - 1
+        return logits, g
+
+    def _top(self, logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, Dv) head logits -> the k most likely verifier tokens of each row and their
+        probabilities under the head's own softmax, best first: numpy (rows, k) each."""
+        p = mx.softmax(logits.astype(mx.float32), axis=-1)
+        k = min(k, p.shape[-1])
+        idx = mx.argpartition(-p, k - 1, axis=-1)[:, :k]
+        val = mx.take_along_axis(p, idx, axis=-1)
+        mx.eval(idx, val)
+        idx, val = np.array(idx), np.array(val).astype(np.float64)
+        order = np.argsort(-val, axis=-1, kind="stable")
+        idx, val = np.take_along_axis(idx, order, -1), np.take_along_axis(val, order, -1)
+        return self._targets_np[idx], val
+
+    def draft_tree(self, depth: int, width: int | None, topk, keep=None) -> DraftTree:
+        """EAGLE-2's dynamic tree after `seq` (DrafterCaps.trees): `depth` levels; level d gives
+        each node fed before it its topk (an int, or one per level) most likely children;
+        `width` best new nodes by path score are fed for the next level (None: all of them);
+        `keep` the number of nodes kept, best by score (an int, a function of the sorted scores
+        returning one, or None: all). One head call per level."""
+        self._last_draft = []
+        tree = DraftTree([], [], [], [])
+        start = self._start() if depth >= 1 else None
+        if start is None:
+            return tree
+        logits, g0 = start[0].reshape(1, -1), start[1]
+        n = len(self.seq)
+        tok: list[int] = []
+        par: list[int] = []
+        prob: list[float] = []
+        score: list[float] = []
+        state = {-1: g0}  # node -> its output state (the next level's input), -1 the last committed
+        fed_par = [-1]  # parents of the fed entries in feed order; 0 = the last committed entry (n - 2)
+        feed_of = {-1: 0}
+        frontier = [-1]
+        tree.levels = 1
+        for level in range(depth):
+            k = topk[min(level, len(topk) - 1)] if isinstance(topk, (tuple, list)) else topk
+            ids, ps = self._top(logits, max(1, int(k)))
+            new = []
+            for row, d in enumerate(frontier):
+                base = 1.0 if d < 0 else score[d]
+                for t, q in zip(ids[row].tolist(), ps[row].tolist(), strict=True):
+                    if q <= 0.0:
+                        continue
+                    tok.append(int(t))
+                    par.append(d)
+                    prob.append(q)
+                    score.append(base * q)
+                    new.append(len(tok) - 1)
+            if level + 1 == depth or not new:
+                break
+            if width is not None:
+                new = sorted(new, key=lambda i: -score[i])[:width]
+            for i in new:
+                fed_par.append(feed_of[par[i]])
+                feed_of[i] = len(fed_par) - 1
+            mask, pos = tree_mask(mx.array(fed_par, dtype=mx.int32), n - 2)
+            m = len(new)
+            emb = self.embed(mx.array([tok[i] for i in new], dtype=mx.int32).reshape(1, -1))
+            g = mx.concatenate([state[par[i]] for i in new], axis=1).astype(emb.dtype)
+            h = self.model(emb, g, self.cache, mask[-m:], pos[-m:])
+            logits = self.model.logits(h)[0]
+            out = self.model.feedback(h)
+            for j, i in enumerate(new):
+                state[i] = out[:, j : j + 1]
+            frontier = new
+            tree.levels += 1
+        depth_of = []
+        for p in par:
+            depth_of.append(1 if p < 0 else depth_of[p] + 1)
+        best = sorted(range(len(tok)), key=lambda i: (-score[i], depth_of[i]))
+        n_keep = len(best) if keep is None else keep([score[i] for i in best]) if callable(keep) else int(keep)
+        new_of = {-1: -1}
+        for i in sorted(best[: max(0, n_keep)]):  # draft order: parents first
+            if par[i] not in new_of:
+                continue  # its parent was not kept (never, scores fall along paths): drop it
+            new_of[i] = len(tree.tokens)
+            tree.tokens.append(tok[i])
+            tree.parents.append(new_of[par[i]])
+            tree.scores.append(score[i])
+            tree.probs.append(prob[i])
+        return tree
 
     def sync(self, committed: list[int]) -> None:
         """Make `committed` the committed sequence; entries off that path are dropped."""

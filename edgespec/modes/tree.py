@@ -41,6 +41,7 @@ from edgespec.modes.speculative import bind_engine
 from edgespec.tree.candidates import SourceTree
 from edgespec.tree.controller import TreeBudget
 from edgespec.tree.drafting import TreeDrafter, TreePlan
+from edgespec.tree.proposed import ProposedTreeDrafter
 
 SOURCES = ("drafter", "prompt_lookup", "pool")
 MAX_TREE = 64  # tree tokens per pass at most (the verify-cost curve reaches this far)
@@ -182,7 +183,9 @@ class TreeMode:
             raise DrafterRequiredError(
                 "tree source 'drafter' needs a drafter: load one, or use sources=prompt_lookup+pool"
             )
-        self.drafter = TreeDrafter(drafter) if "drafter" in self.sources else None
+        # a drafter that grows trees itself (DrafterCaps.trees: an EAGLE-3 head) proposes whole trees
+        grower = ProposedTreeDrafter if drafter is not None and drafter.caps.trees else TreeDrafter
+        self.drafter = grower(drafter) if "drafter" in self.sources else None
         self.W, self.N, self.G, self.span = window, ngram, guesses, span
         self.adaptive = adaptive
         self.name = name
@@ -217,6 +220,8 @@ class TreeMode:
         mx.eval(tok, lp)
         x0 = int(tok.item())
         td = self.drafter
+        if isinstance(td, ProposedTreeDrafter):
+            td.bind_verifier_cache(cache)
         if td is not None:
             td.begin(prompt)
         stats.prefill_s += time.perf_counter() - t0
@@ -299,7 +304,7 @@ def make_tree_mode(engine, options, shape=None, sources=None, name="tree"):
     o = parse_options(options.mode_options, shape, sources)
     drafter = engine.drafter if "drafter" in o["sources"] else None
     caps = drafter.caps if drafter is not None else None
-    if caps is not None and caps.reads_verifier:
+    if caps is not None and caps.reads_verifier and not caps.trees:
         raise DrafterRequiredError(
             f"mode {name!r} cannot draft with {drafter.name!r}: it drafts from the verifier's cache of the "
             "committed tokens, not along tree branches; use mode 'speculative' or 'auto', or sources=prompt_lookup+pool")
