@@ -287,6 +287,14 @@ def count_drafts(drafter, monkeypatch) -> list[int]:
         return draft(self, k, sampler, **ranking)
 
     monkeypatch.setattr(type(drafter), "draft", counted)
+    if drafter.caps.trees:  # a drafter growing its own trees drafts them in auto and tree (depth counted)
+        grow = type(drafter).draft_tree
+
+        def counted_tree(self, depth, *a, **kw):
+            calls.append(depth)
+            return grow(self, depth, *a, **kw)
+
+        monkeypatch.setattr(type(drafter), "draft_tree", counted_tree)
     return calls
 
 

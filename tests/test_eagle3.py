@@ -316,11 +316,10 @@ def test_heads_for_another_verifier_and_malformed_folders_are_refused_by_name(ve
     (folder / "pytorch_model.bin").unlink()
     with pytest.raises(ModelLoadError, match="needs its"):
         load(verifier_folder, drafter=folder)
-    # tree and cascade refuse a head that follows only the committed path
+    # the cascade refuses a head that follows only the committed path (trees: test_eagle3_trees.py)
     engine = load(verifier_folder, drafter=write_random(tmp_path / "ok"))
-    for mode in ("tree", "cascade"):
-        with pytest.raises(Exception, match="eagle3"):
-            engine.generate(PROMPT[:5], max_tokens=4, mode=mode)
+    with pytest.raises(Exception, match="eagle3"):
+        engine.generate(PROMPT[:5], max_tokens=4, mode="cascade")
 
 
 def test_a_checkpoint_pickle_that_would_run_code_is_refused(tmp_path):

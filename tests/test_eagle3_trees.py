@@ -129,40 +129,39 @@ def plain_refs(engine, prompts, n):
     return [engine.generate(p, max_tokens=n, mode="plain").tokens for p in prompts]
 
 
-def count_trees(engine, monkeypatch):
+def count_trees(engine, monkeypatch) -> list[int]:
+    """The depth of every draft_tree call from now on (on the class: requests draft with forks)."""
     calls, grow = [], type(engine.drafter).draft_tree
-
-    def counted(self, depth, *a, **kw):
-        calls.append(depth)
-        return grow(self, depth, *a, **kw)
-
-    monkeypatch.setattr(type(engine.drafter), "draft_tree", counted)
+    monkeypatch.setattr(type(engine.drafter), "draft_tree",
+                        lambda self, depth, *a, **kw: calls.append(depth) or grow(self, depth, *a, **kw))
     return calls
 
 
 def test_tree_and_auto_with_the_head_equal_plain(engine, monkeypatch):
     prompts = [PROMPT[:9], PROMPT[3:20], PROMPT[:2]]
     refs = plain_refs(engine, prompts, 24)
-    calls = count_trees(engine, monkeypatch)
+    trees = count_trees(engine, monkeypatch)
     for opts in (dict(adaptive=0), dict(adaptive=0, budget=6, depth=3, width=2, topk=2),
                  dict(adaptive=0, shape="static", branching="2x2x1")):
         for p, ref in zip(prompts, refs, strict=True):
             out = engine.generate(p, max_tokens=24, mode="tree", **opts)
             assert out.tokens == ref, opts
-    assert calls
-    accepted = 0
+    assert trees
+    accepted, in_auto = 0, 0
     try:
         for seed in (0, 1, 2):
             engine.policy = SeededPolicy(seed)
             for p, ref in zip(prompts, refs, strict=True):
-                calls.clear()
                 out = engine.generate(p, max_tokens=24, mode="tree")
                 assert out.tokens == ref, engine.policy.describe()
                 accepted += out.stats.accepted_by_source.get("drafter", 0)
+                trees.clear()
                 assert engine.generate(p, max_tokens=24, mode="auto").tokens == ref, engine.policy.describe()
+                in_auto += len(trees)
     finally:
         engine.policy = None
     assert accepted > 0  # the head's trees were verified and partly kept
+    assert in_auto > 0  # auto drafted trees with it
 
 
 def test_seeded_sampling_with_head_trees_equals_plain_in_auto(engine):
@@ -172,8 +171,8 @@ def test_seeded_sampling_with_head_trees_equals_plain_in_auto(engine):
         assert engine.generate(prompt, mode="auto", **kw).tokens == engine.generate(prompt, mode="plain", **kw).tokens
 
 
-def test_cascade_still_refuses_the_head(engine):
+def test_the_cascade_still_refuses_the_head_by_name(engine):
     from edgespec.errors import DrafterRequiredError
 
-    with pytest.raises((DrafterRequiredError, ValueError)):
+    with pytest.raises(DrafterRequiredError, match="eagle3"):
         engine.generate(PROMPT[:6], max_tokens=4, mode="cascade")

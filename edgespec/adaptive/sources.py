@@ -226,6 +226,12 @@ class DrafterSource:
     one-token branches below the chain's prefix ("r<bin>"). The planner keeps what pays of
     them (`plan_tree`), as of every other source's candidates.
 
+    A drafter that grows its own trees (`DrafterCaps.trees`: an EAGLE-3 head, EAGLE-2's dynamic
+    tree) offers, when the planner asks for k tokens, a tree k levels deep instead
+    (`tree_candidates`: one candidate per leaf, each token in the same "q"/"r" buckets by the
+    drafter's probability of it given its path), so a node's price is its path score as the
+    buckets have learnt to read it, and the planner chooses how wide to verify.
+
     A draft call first feeds the drafter the committed tokens it has not seen (those of the
     rounds it did not draft: its catch-up), then drafts k tokens. A drafter that declares it
     (`DrafterCaps.catches_up`) counts those tokens beforehand (`unseen`), and a call is priced
@@ -247,7 +253,8 @@ class DrafterSource:
         or None (learnt from nothing). clock: what draft calls are timed with (the adaptive
         decoder hands it its policy's clock). runner_ups, floor: for a drafter that ranks its
         tokens (see the class). trees: a drafter that grows its own trees (DrafterCaps.trees)
-        offers them (`tree_candidates`, k levels deep) instead of a chain."""
+        offers them (`tree_candidates`, k levels deep) instead of a chain, unless runner_ups
+        or floor ask for its ranked chain."""
         if drafter.caps.needs_features:
             raise ValueError(f"drafter {drafter.name!r} reads verifier features; it drafts in mode 'speculative' only")
         if not drafter.caps.syncs:
@@ -259,7 +266,8 @@ class DrafterSource:
         # ranked drafting (and each token priced by the drafter's probability) only when asked
         self.ranks = 1 + int(runner_ups) if drafter.caps.ranks and (runner_ups > 0 or floor > 0.0) else 0
         self.floor = float(floor)
-        self.trees = bool(trees) and drafter.caps.trees
+        # a tree of its own unless ranked chains were asked for (runner_ups, floor)
+        self.trees = bool(trees) and drafter.caps.trees and not self.ranks
         self.priors = MappingProxyType({"drafter": self.expected_acceptance,
                                         **(SURE_PRIORS if self.ranks or self.trees else {})})
         self._prompt: list[int] | None = None
