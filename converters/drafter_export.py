@@ -100,7 +100,8 @@ def write_drafter(
         return write_dflash_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, coreml, compress,
                                     context_length, prefill_chunk)
     if Path(src).is_dir() and is_eagle3_folder(src):  # an EAGLE-3 head (converters/eagle3_export.py)
-        return write_eagle3_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, compress)
+        return write_eagle3_drafter(folder, Path(src), verifier_args, verifier_hash, dtype, compress, coreml,
+                                    context_length, prefill_chunk)
     if Path(src).is_dir() and is_feature_folder(src):
         return write_feature_drafter(folder, Path(src), verifier_vocab, verifier_hash, coreml, compress)
     if Path(src).is_dir() and is_assistant_folder(src):

@@ -3,8 +3,11 @@
 The head is checked against the verifier (edgespec.drafters.eagle3.check_args), read in either
 published layout (safetensors or the authors' pytorch_model.bin), and written as drafter/ with the
 folder's own config.json and one model.safetensors in edgespec's names (layer 0 as `layers.0.*`,
-`d2t` / `t2d` / `embed_tokens.weight` kept), which the bundle loads as it loads the folder. No Core
-ML package is made for it yet (the manifest's coreml_note says so).
+`d2t` / `t2d` / `embed_tokens.weight` kept), which the bundle loads as it loads the folder.
+
+With coremltools (and `coreml`), the head is also exported to drafter.mlpackage for the Neural
+Engine (converters/eagle3_coreml.py): a Mac drafts through it (drafters.eagle3_coreml), elsewhere
+through drafter/; here the MIL executor runs it against the MLX head (tests/test_eagle3_coreml.py).
 """
 
 from __future__ import annotations
@@ -14,20 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from edgespec.converters.eagle3_coreml import check_exportable, export_eagle3
 from edgespec.models.eagle3 import Model, ModelArgs
 from mlx.utils import tree_flatten
 
 from edgespec.drafters.eagle3 import CONFIG, check_args, check_maps, read_weights
 from edgespec.errors import ModelLoadError
 
-EAGLE3_NO_COREML = "no Core ML package is made for an EAGLE-3 head yet: it drafts in MLX"
-
 
 def write_eagle3_drafter(folder: Path, src: Path, verifier_args, verifier_hash: str, dtype,
-                         compress: str = "none") -> dict[str, Any]:
-    """Check and write the EAGLE-3 head `src` into `folder`/drafter; the manifest's `drafter` entry."""
-    if compress != "none":
-        raise ValueError(f"--drafter-compress: {EAGLE3_NO_COREML}; pass --drafter-compress none")
+                         compress: str = "none", coreml: bool = False, context_length: int = 1024,
+                         prefill_chunk: int = 64) -> dict[str, Any]:
+    """Check and write the EAGLE-3 head `src` into `folder`/drafter; the manifest's `drafter` entry.
+    coreml: also drafter.mlpackage (`compress` packs its projections; see export_eagle3)."""
+    if compress != "none" and not coreml:
+        raise ValueError("--drafter-compress applies to the Core ML package; it cannot be used with --no-coreml")
     try:
         config = json.loads((src / CONFIG).read_text())
         args = ModelArgs.from_dict(config)
@@ -54,10 +58,26 @@ def write_eagle3_drafter(folder: Path, src: Path, verifier_args, verifier_hash: 
         params["t2d"] = t2d
     if embed is not None:
         params["embed_tokens.weight"] = embed.astype(dtype)
+    entry = {"config": "drafter/config.json", "weights": "drafter/model.safetensors",
+             "num_layers": args.num_hidden_layers, "vocab_hash": verifier_hash, "source": {"name": src.name},
+             "kind": "eagle3", "coreml": None, "coreml_note": None}
+    if coreml:
+        try:
+            check_exportable(model)
+            import coremltools  # noqa: F401
+        except ModelLoadError as e:
+            if compress != "none":
+                raise ValueError(f"--drafter-compress: {e}") from None
+            entry["coreml_note"] = str(e)
+            coreml = False
+        except ImportError:
+            raise ModelLoadError("exporting the EAGLE-3 head to Core ML needs coremltools (pip install "
+                                 "'edgespec[convert]'); or pass --no-coreml") from None
     out = folder / "drafter"
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), params)
     (out / CONFIG).write_text(json.dumps(config, indent=2))
-    return {"config": "drafter/config.json", "weights": "drafter/model.safetensors",
-            "num_layers": args.num_hidden_layers, "vocab_hash": verifier_hash, "source": {"name": src.name},
-            "kind": "eagle3", "coreml": None, "coreml_note": EAGLE3_NO_COREML}
+    if coreml:
+        entry["coreml"] = export_eagle3(model, folder / "drafter.mlpackage", context_length=context_length,
+                                        prefill_chunk=prefill_chunk, vocab_hash=verifier_hash, compress=compress)
+    return entry

@@ -43,6 +43,8 @@ from edgespec.drafters.coreml_runtime import CoreMLUnavailable, open_package, re
 from edgespec.drafters.dflash import DFLASH_PACKAGE, from_package, is_dflash_folder, load_dflash
 from edgespec.drafters.distilled import DistilledDrafter, is_distilled_folder
 from edgespec.drafters.eagle3 import is_eagle3_folder, load_eagle3
+from edgespec.drafters.eagle3_coreml import EAGLE3_PACKAGE
+from edgespec.drafters.eagle3_coreml import from_package as eagle3_from_package
 from edgespec.drafters.feature import FeatureDrafter, is_feature_folder
 from edgespec.drafters.mlx_drafter import MLXDrafter
 from edgespec.drafters.mtp import MTP_PACKAGE, MTPDrafter, has_mtp
@@ -95,6 +97,11 @@ def _dflash_package(c: Candidate, engine) -> Drafter:
     return from_package(c.path, engine, c.info, c.compute_units)
 
 
+def _eagle3_package(c: Candidate, engine) -> Drafter:
+    require_coreml()
+    return eagle3_from_package(c.path, engine, c.info, c.compute_units)
+
+
 # Ordered: the first kind that detects a path loads it (see the module docstring).
 KINDS: tuple[DrafterKind, ...] = (
     # Core ML packages (drafter.mlpackage), by the kind their export info records
@@ -102,6 +109,7 @@ KINDS: tuple[DrafterKind, ...] = (
                 lambda c, e: CoreMLAssistantDrafter.load(c.path, e, c.compute_units, c.info)),
     DrafterKind("coreml-mtp", lambda c: c.package_kind == MTP_PACKAGE, _mtp_package),
     DrafterKind("coreml-dflash", lambda c: c.package_kind == DFLASH_PACKAGE, _dflash_package),
+    DrafterKind("coreml-eagle3", lambda c: c.package_kind == EAGLE3_PACKAGE, _eagle3_package),
     DrafterKind("coreml", lambda c: c.is_package,
                 lambda c, e: CoreMLDrafter.from_info(c.path, c.info, c.compute_units)),
     # MLX folders, by their marker files
