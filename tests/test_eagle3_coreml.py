@@ -224,3 +224,32 @@ def test_core_ml_loads_the_package_and_drafts_as_the_executor(bundle):
         drafter.begin(ids)
         got.append(np.array(drafter.feed(ids[1:], feats[None, :-1], fused=False)[0].astype(mx.float32)))
     assert np.abs(got[0] - got[1]).max() < 5e-2
+
+
+def test_compressed_packages_keep_the_heads_greedy_choices(bundle, tmp_path):
+    """--drafter-compress packs fc and the layers' projections (lm_head and norms stay fp16): the
+    executor decodes them and the package's logits stay near the MLX head's."""
+    from coreml_support import ALLOWED_OPS
+    from edgespec.converters.eagle3_coreml import export_eagle3
+
+    from edgespec.drafters.eagle3_coreml import Eagle3PackageDrafter, PackageHead
+
+    engine = load(bundle)
+    ids = PROMPT[:5]
+    mlx_d, feats = recorded_states(engine, ids)
+    mlx_d.begin(ids)
+    want = np.array(mlx_d.feed(ids[1:5], feats[None, :4], fused=False)[0])
+    for method, tol in (("int8", 0.05),):  # int4 and palette4 take the same path (coreml_compress)
+        path = tmp_path / f"{method}.mlpackage"
+        info = export_eagle3(mlx_d.model, path, context_length=4, prefill_chunk=4, compress=method)
+        assert info["compression"] == method and info["functions"] == ["draft", "feed_1", "feed_2", "feed_4"]
+        backend = executor_backend(path, fp16=True)
+        ops = {op.op_type for f in backend.executor.functions.values() for op in f.operations}
+        assert ops <= ALLOWED_OPS and ops & {"constexpr_blockwise_shift_scale", "constexpr_lut_to_dense"}, ops
+        d = Eagle3PackageDrafter(mlx_d.model, mlx_d.verifier, PackageHead(backend, info))
+        d.begin(ids)
+        got = np.array(d.feed(ids[1:5], feats[None, :4], fused=False)[0])
+        print(f"{method}: max abs diff {np.abs(got - want).max():.2e} (logits up to {np.abs(want).max():.1f})")
+        assert np.abs(got - want).max() < tol * np.abs(want).max() and got.argmax() == want.argmax()
+    with pytest.raises(ValueError, match="--drafter-compress must be one of"):
+        export_eagle3(mlx_d.model, tmp_path / "x.mlpackage", context_length=4, prefill_chunk=4, compress="int2")
