@@ -201,3 +201,22 @@ def test_sampled_tree_output_follows_the_verifiers_law(tmp_path):
     assert pv > 1e-3, f"tree samples with an EAGLE-3 head's trees differ from plain's law (p-value {pv:.2g})"
     wrong = want**0.5
     assert chisq_pvalue(counts, wrong / wrong.sum()) < 1e-3
+
+
+def test_on_metal_a_kept_branch_packs_the_recorded_states_with_the_keys(monkeypatch):
+    """commit_kv's kernel path (Metal) packs a HiddenKVCache's recorded rows with its keys, so
+    after a tree pass keeps a branch other than the first the head reads the kept path's states."""
+    import mlx.core as mx
+
+    import edgespec.kernels.kv as kv
+    from edgespec.caches.kv import HiddenKVCache
+
+    c = HiddenKVCache()
+    k = mx.arange(6 * 4, dtype=mx.float32).reshape(1, 1, 6, 4)
+    c.update_and_fetch(k, k + 100)
+    c.put_hidden(mx.arange(6, dtype=mx.float32).reshape(1, 6, 1))
+    monkeypatch.setattr(kv, "on_metal", lambda: True)
+    kv.commit_kv([c], 2, [1, 3])  # positions 3 and 5 kept at 2 and 3
+    assert c.offset == 4
+    assert np.array(c.hidden[0, :4, 0]).tolist() == [0, 1, 3, 5]
+    assert np.array(c.keys[0, 0, :4, 0]).tolist() == [0, 4, 12, 20]

@@ -84,8 +84,10 @@ def commit_kv(caches, start: int, indices: list[int]) -> None:
     moved = list(indices) != list(range(n))
     idx = mx.array([start + i for i in indices], dtype=mx.int32)
     for c in caches:
-        if c.span_kind == "state":
-            c.keep(start, indices)  # a recurrent layer's state (edgespec.caches.recurrent): recomputed
+        if c.span_kind == "state" or c.keeps_hidden:
+            # a recurrent layer's state (edgespec.caches.recurrent): recomputed; a cache with the
+            # verifier's recorded states (HiddenKVCache): its rows packed with its keys
+            c.keep(start, indices)
             continue
         if c.keys is not None and moved:
             c.keys[..., start : start + n, :] = kv_gather(c.keys, idx)
