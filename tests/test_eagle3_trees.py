@@ -164,6 +164,16 @@ def test_tree_and_auto_with_the_head_equal_plain(engine, monkeypatch):
     assert in_auto > 0  # auto drafted trees with it
 
 
+def test_four_requests_at_once_grow_trees_of_their_own(engine):
+    from conftest import run_at_once
+
+    prompts = [PROMPT[i : i + 8] for i in range(4)]
+    refs = plain_refs(engine, prompts, 20)
+    got = run_at_once(lambda i: engine.generate(prompts[i], max_tokens=20, mode="tree", adaptive=0))
+    assert [g.tokens for g in got] == refs
+    assert sum(g.stats.accepted_by_source.get("drafter", 0) for g in got) > 0
+
+
 def test_seeded_sampling_with_head_trees_equals_plain_in_auto(engine):
     prompt = PROMPT[:6]
     for seed in (1, 2):
