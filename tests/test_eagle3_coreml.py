@@ -156,6 +156,18 @@ def test_speculative_and_auto_with_the_package_equal_plain(bundle, monkeypatch):
     assert {c[0] for c in backend.calls} >= {"draft", "feed_1"}
 
 
+def test_four_requests_at_once_draft_with_package_states_of_their_own(bundle):
+    from conftest import run_at_once
+
+    engine = load(bundle)
+    prompts = [PROMPT[i : i + 8] for i in range(4)]
+    refs = [engine.generate(p, max_tokens=16, mode="plain").tokens for p in prompts]
+    engine.drafter, backend = package_drafter(bundle, engine)
+    got = run_at_once(lambda i: engine.generate(prompts[i], max_tokens=16, mode="speculative", draft_tokens=4))
+    assert [g.tokens for g in got] == refs
+    assert sum(g.stats.accepted for g in got) > 0 and backend.calls  # forks drafted through the package
+
+
 def test_a_chain_is_cut_to_the_packages_context(bundle):
     """Past the package's slots the chain is shortened, then nothing is drafted; output still plain's."""
     from edgespec.logits.sampling import Sampler, SamplingParams
