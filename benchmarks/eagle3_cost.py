@@ -1,6 +1,6 @@
-"""Cost of one EAGLE-3 head step per drafted token beside one verifier pass over one token, with
-random weights shaped like SmolLM2-360M (the verifier) and a one-layer head with a 16384-token
-draft vocabulary (acceptance of a random head means nothing; its cost does).
+"""Cost of one EAGLE-3 head step per drafted token (and per level of its dynamic tree) beside one
+verifier pass over one token, with random weights shaped like SmolLM2-360M (the verifier) and a
+one-layer head with a 16384-token draft vocabulary (acceptance of a random head means nothing; its cost does).
 
     LD_PRELOAD=$(make -s preload) .venv/bin/python benchmarks/eagle3_cost.py
 """
@@ -88,3 +88,16 @@ print(f"verifier pass (1 token, ctx 200): {tv*1e3:.2f} ms; head: first drafted t
 hp = sum(v.size for k, v in tree_flatten(head.parameters()))
 vp = sum(v.size for k, v in tree_flatten(vm.parameters()))
 print(f"weights read: head {hp/1e6:.1f}M params, verifier {vp/1e6:.1f}M ({hp/vp:.3f})")
+
+
+def tree(depth, width=3, topk=3):
+    def f():
+        d.fed = len(d.seq) - 1  # as for the chain: the tree alone
+        d.draft_tree(depth, width, topk)
+    return f
+
+
+tt1, tt5 = timeit(tree(1)), timeit(tree(5))
+per_level = (tt5 - tt1) / 4
+print(f"dynamic tree (width 3, topk 3): first level {tt1*1e3:.2f} ms, each further level (3 nodes in one head call) "
+      f"{per_level*1e3:.2f} ms = {per_level/tv:.3f} of a pass, {per_level/per_tok:.2f} chain steps")
