@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import scipy.stats as sps
-from conftest import make_paced_engine, paced, make_tiny_engine, make_tiny_model, random_prompts
+from conftest import make_paced_engine, make_tiny_engine, make_tiny_model, paced, random_prompts
 from stats_support import adaptive_continuations, continuation_law
 
 import edgespec.adaptive.decoder as dec

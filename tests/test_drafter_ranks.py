@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_paced_engine, paced, make_tiny_model, random_prompts
+from conftest import make_paced_engine, make_tiny_model, paced, random_prompts
 
 from edgespec.adaptive.policy import SeededPolicy
 from edgespec.adaptive.sources import SURE_EDGES, DrafterSource, sure_bucket
