@@ -53,9 +53,10 @@ def add_arguments(p) -> None:
         "--drafter",
         default=None,
         metavar="DRAFTER_SRC",
-        help="also bundle a drafter (HF folder, GGUF, bundle or MLX folder with the verifier's vocabulary): "
-        "OUT/drafter/ in MLX and OUT/drafter.mlpackage for the Neural Engine; 'mtp': export the source's "
-        "own MTP head (Qwen3.5 mtp.* weights) to OUT/drafter.mlpackage",
+        help="also bundle a drafter (HF folder, GGUF, bundle or MLX folder with the verifier's vocabulary, "
+        "a DFlash block drafter's folder, or an EAGLE-3 head's folder in either published layout, "
+        "docs/dflash.md, docs/eagle3.md): OUT/drafter/ in MLX and OUT/drafter.mlpackage for the Neural "
+        "Engine; 'mtp': export the source's own MTP head (Qwen3.5 mtp.* weights) to OUT/drafter.mlpackage",
     )
     p.add_argument(
         "--drafter-compress",
