@@ -142,7 +142,8 @@ def test_tree_and_auto_with_the_head_equal_plain(engine, monkeypatch):
     refs = plain_refs(engine, prompts, 24)
     trees = count_trees(engine, monkeypatch)
     for opts in (dict(adaptive=0), dict(adaptive=0, budget=6, depth=3, width=2, topk=2),
-                 dict(adaptive=0, shape="static", branching="2x2x1")):
+                 dict(adaptive=0, shape="static", branching="2x2x1"),
+                 dict(sources="drafter+prompt_lookup+pool", window=2)):
         for p, ref in zip(prompts, refs, strict=True):
             out = engine.generate(p, max_tokens=24, mode="tree", **opts)
             assert out.tokens == ref, opts
