@@ -385,3 +385,27 @@ def test_bench_real_model_chat_prompts(real_engine):
     assert not report["errors"], report["errors"]
     assert report["results"]["plain"]["all"]["generated_tokens"] == 8
     assert report["prompts"][0]["domain"] == "translation"
+
+
+def test_under_a_profile_the_recommendation_follows_the_simulated_clock():
+    """--profile: the mode that pays on the profile's machine is recommended, whatever the host's
+    wall time said (here the host found it slower than plain)."""
+    prompts = tiny_prompts()[:2]
+    specs = [ModeSpec("plain", "plain"), ModeSpec("wide", "wide")]
+    run = BenchRun(specs, prompts, dict(max_tokens=4, repeats=1, warmup=0, temperature=0.0, profile="m4-pro"))
+    for i in range(2):
+        for label, wall, sim_s in (("plain", 1.0, 0.04), ("wide", 2.0, 0.02)):
+            rec = _record(label, i, "code", 0, [1, 2, 3, 4], wall)
+            rec.sim = dict(sim_s=sim_s + 0.01, sim_prefill_s=0.01, sim_draft_s=0.0, sim_passes=4)
+            run.records.append(rec)
+    from edgespec.benchmark.runner import check_equality
+
+    check_equality(run, greedy=True)
+    report = build_report(run)
+    wide = report["results"]["wide"]["all"]
+    assert wide["speedup"] == pytest.approx(0.5) and wide["sim_speedup"] == pytest.approx(2.0)
+    rec = report["recommendation"]
+    assert rec["label"] == "wide" and rec["speedup"] == pytest.approx(2.0)
+    assert "simulated clock of m4-pro" in rec["reason"]
+    run.settings.pop("profile")  # the host's wall time: plain
+    assert build_report(run)["recommendation"]["label"] == "plain"

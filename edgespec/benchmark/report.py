@@ -158,26 +158,32 @@ def domains_of(run: BenchRun) -> list[str]:
 
 
 def recommend(report: dict, drafter: str | None = None) -> dict:
-    """Pick the fastest mode that is correct and beats plain by MARGIN in every repeat."""
+    """Pick the fastest mode that is correct and beats plain by MARGIN in every repeat. Under a
+    cost profile (`--profile`), by the simulated speedup: what pays on the profile's machine (the
+    simulated clock is deterministic, so one figure stands for every repeat)."""
     ref = report["modes"][0]["label"]
     results = report["results"]
+    profile = (report.get("settings") or {}).get("profile")
+
+    def speedup(m: dict) -> float | None:
+        return m.get("sim_speedup") if profile else m["speedup"]
 
     def qualifies(label: str, dom: str) -> bool:
         m = results.get(label, {}).get(dom)
         spec = next(s for s in report["modes"] if s["label"] == label)
-        if spec["mode"] == ref or not m or m["speedup"] is None or report["status"][label] != "ok":
+        if spec["mode"] == ref or not m or speedup(m) is None or report["status"][label] != "ok":
             return False
-        lo = m["speedup_min"] if m["speedup_min"] is not None else m["speedup"]
-        return m["speedup"] >= 1 + MARGIN and lo > 1.0
+        lo = speedup(m) if profile or m["speedup_min"] is None else m["speedup_min"]
+        return speedup(m) >= 1 + MARGIN and lo > 1.0
 
     def best(dom: str) -> tuple[str, float]:
         cands = [lab for lab in results if qualifies(lab, dom)]
         if not cands:
             return ref, 1.0
-        lab = max(cands, key=lambda x: results[x][dom]["speedup"])
-        return lab, results[lab][dom]["speedup"]
+        lab = max(cands, key=lambda x: speedup(results[x][dom]))
+        return lab, speedup(results[lab][dom])
 
-    label, speedup = best(ALL)
+    label, best_x = best(ALL)
     spec = next(m for m in report["modes"] if m["label"] == label)
     m = results.get(label, {}).get(ALL, {})
     cli = [f"--mode {spec['mode']}"]
@@ -191,10 +197,13 @@ def recommend(report: dict, drafter: str | None = None) -> dict:
         reason = (
             f"no mode beat plain by at least {MARGIN:.0%} in every repeat on this traffic and machine; "
             "plain decoding is the safe choice"
-        )
+        ) if not profile else (
+            f"no mode beat plain by at least {MARGIN:.0%} on this traffic on the simulated clock of {profile}; "
+            "plain decoding is the safe choice")
     else:
         reason = (
-            f"{label} was {speedup:.2f}x plain over all prompts (greedy output identical to plain)"
+            f"{label} was {best_x:.2f}x plain over all prompts"
+            f"{f' on the simulated clock of {profile}' if profile else ''} (greedy output identical to plain)"
         )
         if m.get("draft_tokens") and spec["draft_tokens"] == "auto":
             if spec["mode"] in ("auto", "adaptive"):
@@ -210,7 +219,7 @@ def recommend(report: dict, drafter: str | None = None) -> dict:
         mode=spec["mode"],
         settings=spec["settings"],
         observed_draft_tokens=m.get("draft_tokens"),
-        speedup=speedup,
+        speedup=best_x,
         reason=reason,
         cli=" ".join(
             cli
