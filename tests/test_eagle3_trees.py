@@ -165,6 +165,18 @@ def test_tree_and_auto_with_the_head_equal_plain(engine, monkeypatch):
     assert in_auto > 0  # auto drafted trees with it
 
 
+def test_in_metals_numerics_the_heads_trees_stay_exact(tmp_path):
+    """numerics="metal": the head in float16 with Metal's products grows its trees (per-node RoPE
+    positions through the half-precision path); tree and auto still equal plain."""
+    engine = load(two_way_head(write_tiny_hf_folder(tmp_path / "v", seed=3, **VERIFIER)),
+                  drafter=write_random(tmp_path / "head"), numerics="metal")
+    p = PROMPT[:9]
+    ref = engine.generate(p, max_tokens=20, mode="plain").tokens
+    out = engine.generate(p, max_tokens=20, mode="tree", adaptive=0)
+    assert out.tokens == ref and out.stats.accepted_by_source.get("drafter", 0) > 0
+    assert engine.generate(p, max_tokens=20, mode="auto").tokens == ref
+
+
 def test_four_requests_at_once_grow_trees_of_their_own(engine):
     from conftest import run_at_once
 
