@@ -57,6 +57,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from edgespec import sealed
 from edgespec.adaptive.estimate import DRAFT_PRIOR, Costs, DraftCost
 from edgespec.costs.clock import active as simulation
 from edgespec.kernels import COSTS_REVISION
@@ -75,7 +76,8 @@ log = logging.getLogger("edgespec.calibration")
 # timed under contention for good; their key (and so their file name) differs, so they are not read.
 # 3: the curve is kept at an empty context and the context's price beside it ("ctx_s",
 # Costs.ctx_term): format-2 curves hold each size at whatever context it was timed at.
-FORMAT = 3
+# 4: sealed with a SHA-256 of the content (edgespec.sealed): an edited or damaged file is refused.
+FORMAT = 4
 # The curve's grid: every size up to 16 (a CPU BLAS can run 16 rows faster than 12), then coarser.
 # (Measured: CPU, 2-core x86 with OpenBLAS; on a GPU a guess.)
 SIZES = tuple(range(1, 17)) + (20, 24, 32, 48, 64)
@@ -294,6 +296,9 @@ class CostStore:
             data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict) or data.get("format") != FORMAT or "key" not in data:
                 raise ValueError(f"not a format-{FORMAT} edgespec calibration file")
+            data = sealed.unseal(data)
+            if data is None:
+                raise ValueError("its checksum does not match its content (edited or damaged)")
             verify, counts, drafts = data.get("verify"), data.get("counts", {}), data.get("draft", {})
             catch = data.get("catch_up", {})  # absent in files written before it was priced apart
             if not all(isinstance(x, dict) for x in (verify, counts, drafts, catch)):
@@ -393,10 +398,10 @@ class CostStore:
                 quiet = d.quiet() if d.fresh else None  # fitted to the calls made on quiet cores
                 if quiet is not None:
                     catch[k], drafts[k] = quiet  # beside it: this per-token figure excludes catch-up
-            data = {"format": FORMAT, "key": self.key, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    "verify": {str(T): verify[T] for T in sorted(verify)},
-                    "counts": {str(T): all_counts[T] for T in sorted(all_counts)},
-                    "draft": drafts, "catch_up": catch, "ctx_s": self.costs.ctx_s}
+            data = sealed.seal({"format": FORMAT, "key": self.key, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                "verify": {str(T): verify[T] for T in sorted(verify)},
+                                "counts": {str(T): all_counts[T] for T in sorted(all_counts)},
+                                "draft": drafts, "catch_up": catch, "ctx_s": self.costs.ctx_s})
             tmp = None
             try:
                 if os.path.lexists(self.path) and current is None:
@@ -428,8 +433,8 @@ class CostStore:
         try:
             if self.path.is_symlink():
                 return None
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-            if data.get("format") != FORMAT or data.get("key") != _plain(self.key):
+            data = sealed.unseal(json.loads(self.path.read_text(encoding="utf-8")))
+            if data is None or data.get("format") != FORMAT or data.get("key") != _plain(self.key):
                 return None
             verify = {int(k): float(v) for k, v in data["verify"].items() if _positive(v)}
             counts = {int(k): int(v) for k, v in data.get("counts", {}).items() if isinstance(v, int)}

@@ -14,6 +14,7 @@ from conftest import PacedModel, make_tiny_model, make_tiny_tokenizer, random_pr
 import edgespec.calibration as cal
 import edgespec.controller
 import edgespec.tree.controller
+from edgespec import sealed
 from edgespec.adaptive.estimate import Costs
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import ModelDrafter
@@ -127,8 +128,13 @@ def _path_of(engine) -> object:
     return cal.key_path(cal.cost_key(engine.loaded))
 
 
+_VALID = {"format": cal.FORMAT, "key": {}, "verify": {"1": 0.5}, "counts": {"1": 3}, "draft": {}}
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": cal.FORMAT, "key": {}, "verify": {"1": -3}}),
-                                     json.dumps([1, 2]), "\udcff"])
+                                     json.dumps([1, 2]), "\udcff",
+                                     # one price edited after it was written: its checksum no longer matches
+                                     json.dumps({**sealed.seal(_VALID), "verify": {"1": 1e-9}})])
 def test_a_damaged_file_is_ignored_with_a_warning_and_kept_aside(home, caplog, content):
     engine = engine_for()
     path = _path_of(engine)
@@ -149,7 +155,8 @@ def test_a_file_for_another_key_is_left_alone(home, caplog):
     engine = engine_for()
     path = _path_of(engine)
     path.parent.mkdir(parents=True)
-    foreign = json.dumps({"format": cal.FORMAT, "key": {"someone": "else"}, "verify": {"1": 0.5}, "counts": {}, "draft": {}})
+    foreign = json.dumps(sealed.seal({"format": cal.FORMAT, "key": {"someone": "else"}, "verify": {"1": 0.5},
+                                      "counts": {}, "draft": {}}))
     path.write_text(foreign)
     with caplog.at_level(logging.WARNING, logger="edgespec.calibration"):
         engine.generate([5, 6, 7, 8] * 5, max_tokens=16)

@@ -130,3 +130,36 @@ def test_cascade_refuses_a_dflash_drafter_by_name_before_any_calibration(dflash_
     with pytest.raises(EdgespecError, match="cascade.*dflash"):
         make_mode("cascade", dflash_engine, GenerateOptions(mode="cascade"))
     assert calls == []
+
+
+@pytest.mark.parametrize("edit", ["layer out of range", "value edited", "not sealed"])
+def test_a_self_speculation_skip_set_read_back_is_checked(tmp_path, monkeypatch, edit):
+    """The skip set kept per model ($EDGESPEC_HOME/self_spec) is sealed: an edited one, or one
+    naming a layer the model has not, is searched again (never indexed into the model)."""
+    from conftest import make_tiny_engine
+
+    from edgespec import sealed
+    from edgespec.drafters import self_spec
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    engine = make_tiny_engine(0)
+    loaded = engine.loaded
+    n = len(loaded.model.layers)
+    monkeypatch.setattr(self_spec, "weights_sha", lambda _: "ab" * 32)
+    searched = []
+    monkeypatch.setattr(self_spec, "search_skip_layers",
+                        lambda *a, **k: searched.append(1) or {"keep": list(range(n - 1)), "acceptance": 0.5})
+    good = self_spec.skip_set_for(loaded, progress=False)
+    assert searched == [1] and good["keep"] == list(range(n - 1))
+    assert self_spec.skip_set_for(loaded, progress=False) == good and searched == [1]  # read back
+    f = self_spec._cache_file("ab" * 32)
+    data = json.loads(f.read_text())
+    if edit == "layer out of range":
+        data = sealed.seal({**data, "keep": [0, n + 5]})
+    elif edit == "value edited":
+        data["acceptance"] = 0.99
+    else:
+        data = {k: v for k, v in data.items() if k != "sha256"}
+    f.write_text(json.dumps(data))
+    assert self_spec.skip_set_for(loaded, progress=False)["keep"] == list(range(n - 1))
+    assert searched == [1, 1]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from edgespec import sealed
 from edgespec.controller import expected_tokens
 from edgespec.drafters.base import ModelDrafter
 from edgespec.errors import DrafterRequiredError
@@ -227,13 +228,17 @@ def skip_set_for(loaded, search: bool = True, progress: bool = True) -> dict | N
     The search (about a minute for SmolLM2-135M on 2 CPU cores) shows a progress bar on
     stderr unless progress=False."""
     sha = weights_sha(loaded)
+    n = len(loaded.model.layers)
     if sha:
         f = _cache_file(sha)
-        if f.is_file():
+        if f.is_file() and not f.is_symlink():
             try:
-                return json.loads(f.read_text())
-            except json.JSONDecodeError:
-                pass  # corrupt: search again
+                found = sealed.unseal(json.loads(f.read_text()))
+            except (OSError, ValueError):
+                found = None
+            if found is not None and _valid_skip_set(found, n):
+                return found
+            # edited, damaged or another model's: searched again (and written over: it is ours)
     if not search:
         return None
     if not getattr(loaded.model, "layerwise", True):
@@ -255,9 +260,16 @@ def skip_set_for(loaded, search: bool = True, progress: bool = True) -> dict | N
         f = _cache_file(sha)
         f.parent.mkdir(parents=True, exist_ok=True)
         tmp = f.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
+        tmp.write_text(json.dumps(sealed.seal(result), indent=1))
         os.replace(tmp, f)
     return result
+
+
+def _valid_skip_set(found: dict, n: int) -> bool:
+    """A skip set read back names each of the model's n layers at most once, keeps at least one."""
+    keep = found.get("keep")
+    return (isinstance(keep, list) and 0 < len(keep) <= n and len(set(keep)) == len(keep)
+            and all(type(i) is int and 0 <= i < n for i in keep))
 
 
 def self_drafter(engine) -> SelfSpecDrafter:
