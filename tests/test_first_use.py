@@ -9,13 +9,14 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import PacedModel, make_tiny_model, make_tiny_tokenizer, random_prompts
+from conftest import PacedClock, PacedModel, make_tiny_model, make_tiny_tokenizer, random_prompts
 
 import edgespec.calibration as cal
 import edgespec.controller
 import edgespec.tree.controller
 from edgespec import sealed
 from edgespec.adaptive.estimate import Costs
+from edgespec.adaptive.policy import TimedPolicy
 from edgespec.controller import CostModel, KController
 from edgespec.drafters.base import ModelDrafter
 from edgespec.engine import Engine
@@ -43,12 +44,16 @@ def home(tmp_path, monkeypatch):
 def engine_for(seed: int = 0, digest: str = "ab", paced: float | None = 0.003, drafter: bool = True) -> Engine:
     """A tiny engine with a model identity (a bundle manifest's weight hash), so its costs persist."""
     model = make_tiny_model(seed, scale=3.0)
-    m = PacedModel(model, paced) if paced else model
+    clock = PacedClock()  # paced: auto's prices are the pacing's, whatever the host's load
+    m = PacedModel(model, paced, clock) if paced else model
     loaded = LoadedModel(m, make_tiny_tokenizer(model.args.vocab_size), None,
                          {"files": {"model.safetensors": {"size": 1, "sha256": digest * 32}}})
     engine = Engine(loaded, history="off")
+    if paced:
+        engine.policy = TimedPolicy(clock=clock)
     if drafter:
-        engine.drafter = TinyDrafter(make_tiny_model(5, scale=3.0, num_hidden_layers=1))
+        dm = make_tiny_model(5, scale=3.0, num_hidden_layers=1)
+        engine.drafter = TinyDrafter(PacedModel(dm, paced / 10, clock) if paced else dm)
     return engine
 
 
