@@ -190,7 +190,7 @@ def test_measured_curve_learns_the_price_of_the_context_from_plain_steps():
 def test_the_context_price_persists_under_a_new_format(tmp_path):
     import edgespec.calibration as cal
 
-    assert cal.FORMAT == 3
+    assert cal.FORMAT == 4
     key = {"k": 1}
     store = cal.CostStore(key, tmp_path / "c.json", kind="cpu")
     for L in (100, 2000) * 10:
@@ -198,6 +198,6 @@ def test_the_context_price_persists_under_a_new_format(tmp_path):
         store.costs.observe(1, 0.04 + 2e-5 * L)
     assert store.save()
     data = __import__("json").loads((tmp_path / "c.json").read_text())
-    assert data["format"] == 3 and data["ctx_s"] == pytest.approx(2e-5, rel=0.05)
+    assert data["format"] == 4 and data["ctx_s"] == pytest.approx(2e-5, rel=0.05)
     again = cal.CostStore(key, tmp_path / "c.json", kind="cpu")
     assert again.costs.ctx_s == pytest.approx(2e-5, rel=0.05) and again.costs.ctx_share == 1.0

@@ -204,9 +204,11 @@ def test_attach_self_searches_and_caches(tmp_path, monkeypatch):
     assert isinstance(d, SelfSpecDrafter) and 1 <= len(d.layer_ids) < 4
     cached = json.loads(next((tmp_path / "self_spec").glob("*.json")).read_text())
     assert cached["keep"] == d.layer_ids
-    # A second attach reads the cache (a doctored entry proves it is used).
+    # A second attach reads the cache (a doctored entry, sealed again, proves it is used).
+    from edgespec import sealed
+
     cached["keep"] = [0]
-    next((tmp_path / "self_spec").glob("*.json")).write_text(json.dumps(cached))
+    next((tmp_path / "self_spec").glob("*.json")).write_text(json.dumps(sealed.seal(cached)))
     assert attach_drafter(engine, "self").layer_ids == [0]
 
 

@@ -75,16 +75,21 @@ class LookaheadMode:
         self.span = max(span, ngram - 1)
         self.adaptive = adaptive
 
+    def _now(self) -> float:
+        """The time rounds are priced by: the policy's clock (a cost profile's simulated one under
+        `edgespec bench --profile`, edgespec.costs.clock; a paced one in tests), else the host's."""
+        return self.policy.clock() if self.policy is not None else time.perf_counter()
+
     def steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
         model, W, N = self.model, self.W, self.N
         cache = model.make_cache()
-        t0 = time.perf_counter()
+        t0 = self._now()
         logits = prefill(model, cache, prompt)
         lp = sampler.logprobs(logits)
         tok = sampler.sample(lp)
         mx.eval(tok, lp)
         x0 = int(tok.item())
-        stats.prefill_s += time.perf_counter() - t0
+        stats.prefill_s += self._now() - t0
         yield Token(x0, float(lp[x0].item()), "verifier")
 
         seq = list(prompt) + [x0]
@@ -99,7 +104,7 @@ class LookaheadMode:
         fell_back_noted = False
         while True:
             kind = ctl.choose(self.policy)
-            t_step = time.perf_counter()
+            t_step = self._now()
             tree = StepTree.rooted(x0)
             if kind != "plain":
                 for cand in pool.candidates(seq, self.G):
@@ -116,7 +121,7 @@ class LookaheadMode:
             if kind == "full":  # advance the window one Jacobi level, harvesting each column's N-gram
                 window.advance(pool, [pred_l[n] for n in tree.window[-1]])
             x0 = nxt
-            dt = time.perf_counter() - t_step
+            dt = self._now() - t_step
             ctl.record(kind, len(new), dt)
             stats.verifier_passes += 1
             stats.verify_s += dt

@@ -90,6 +90,11 @@ class SpeculativeMode:
         self.prior_alpha = prior_alpha if prior_alpha is not None else drafter.expected_acceptance
 
     # ------------------------------------------------------------------ helpers
+    def _now(self) -> float:
+        """The time rounds are priced by: the policy's clock (a cost profile's simulated one under
+        `edgespec bench --profile`, edgespec.costs.clock; a paced one in tests), else the host's."""
+        return self.policy.clock() if self.policy is not None else time.perf_counter()
+
     def _learn_verify(self, T: int, seconds: float) -> None:
         """A verifier pass over T tokens, run alone, teaches the engine's learnt curve."""
         curve = getattr(self.costs, "curve", None)
@@ -192,13 +197,13 @@ class SpeculativeMode:
             return tok, lp
 
         pending = queue(last, r)
-        timer = PlainTimer()
+        timer = PlainTimer(self._now)
         while True:
-            t0 = time.perf_counter()
+            t0 = self._now()
             tok, lp = pending
             t = int(tok.item())
             lp_t = float(lp[t].item())
-            dt = time.perf_counter() - t0
+            dt = self._now() - t0
             stats.verify_s += dt
             stats.verifier_passes += 1
             ctl.record_plain(dt)
@@ -219,7 +224,7 @@ class SpeculativeMode:
     def _loop(self, prompt, sampler, stats, ctl, base, worker):
         model, drafter = self.model, self.drafter
         pipelined = isinstance(worker, _Worker)
-        t0 = time.perf_counter()
+        t0 = self._now()
         begun = worker.submit(drafter.begin, prompt) if pipelined else None
         cache = self.cache = model.make_cache()  # kept on the mode for inspection (tests)
         if drafter.caps.reads_verifier:  # a drafter reading the verifier's keys (Gemma 4's assistant)
@@ -237,7 +242,7 @@ class SpeculativeMode:
             begun.result()
         else:
             drafter.begin(prompt)
-        stats.prefill_s += time.perf_counter() - t0
+        stats.prefill_s += self._now() - t0
         last = int(tok.item())
         seq = list(prompt) + [last]
         told = len(prompt)  # the drafter knows seq[:told]; -1 = it followed a wrong guess
@@ -248,7 +253,7 @@ class SpeculativeMode:
         while True:
             r += 1
             ds, vs = self._samplers(sampler, base, r)
-            ts = time.perf_counter()
+            ts = self._now()
             # ---- this round's draft: made early by the worker, or now
             draft = guess = None
             hidden = 0.0
@@ -285,7 +290,7 @@ class SpeculativeMode:
                     dsn, _ = self._samplers(sampler, base, r + 1)
                     ahead = (worker.submit(self._draft_after, k, guess, k_next, dsn), k_next)
             # ---- verify [last] + drafts: K+1 positions in one pass
-            tv = time.perf_counter()
+            tv = self._now()
             x = mx.array([[last] + draft.tokens], dtype=mx.int32)
             logits, h = self._verifier(x, cache)
             p = vs.logprobs(logits)  # (k+1, V)
@@ -299,8 +304,8 @@ class SpeculativeMode:
                 lps = [0.0] * (n + 1)  # one-hot p: every emitted token has log-prob 0
             else:
                 lps = p[mx.arange(n + 1), mx.array(out)].tolist()
-            stats.verify_s += time.perf_counter() - tv
-            self._learn_verify(k + 1, time.perf_counter() - tv)
+            stats.verify_s += self._now() - tv
+            self._learn_verify(k + 1, self._now() - tv)
             stats.verifier_passes += 1
             stats.record_draft(k, n)
             stats.draft_tokens = k
@@ -314,7 +319,7 @@ class SpeculativeMode:
                 if self.features:
                     self._hand_features()
             stats.hidden_draft_s += hidden
-            ctl.record_round(k, n, time.perf_counter() - ts, (1.0 if hidden else 0.0) if pipelined else None)
+            ctl.record_round(k, n, self._now() - ts, (1.0 if hidden else 0.0) if pipelined else None)
             last = nxt
             for i, t in enumerate(out):
                 yield Token(t, float(lps[i]), "drafter" if i < n else "verifier")

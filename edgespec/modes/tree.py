@@ -199,6 +199,11 @@ class TreeMode:
             costs, fixed=fixed or (None if costs else MAX_TREE), max_tokens=MAX_TREE
         )
 
+    def _now(self) -> float:
+        """The time rounds are priced by: the policy's clock (a cost profile's simulated one under
+        `edgespec bench --profile`, edgespec.costs.clock; a paced one in tests), else the host's."""
+        return self.policy.clock() if self.policy is not None else time.perf_counter()
+
     def _kinds(self) -> tuple[str, ...]:
         weight_free = [s for s in self.sources if s != "drafter"] or self.W
         kinds = ["full"] + (["lean"] if weight_free and self.drafter else []) + ["plain"]
@@ -214,7 +219,7 @@ class TreeMode:
     def _steps(self, prompt: list[int], sampler: Sampler, stats: GenerationStats) -> Iterator[Token]:
         model, plan = self.model, self.plan
         cache = model.make_cache()
-        t0 = time.perf_counter()
+        t0 = self._now()
         lp = sampler.logprobs(prefill(model, cache, prompt))
         tok = sampler.sample(lp)
         mx.eval(tok, lp)
@@ -224,7 +229,7 @@ class TreeMode:
             td.bind_verifier_cache(cache)
         if td is not None:
             td.begin(prompt)
-        stats.prefill_s += time.perf_counter() - t0
+        stats.prefill_s += self._now() - t0
         yield Token(x0, float(lp[x0].item()), "verifier")
 
         seq = list(prompt) + [x0]
@@ -239,13 +244,13 @@ class TreeMode:
         fell_back_noted = False
         while True:
             kind = ctl.choose(self.policy)
-            t_step = time.perf_counter()
+            t_step = self._now()
             tree = SourceTree.rooted(x0)
             draft_s = 0.0
             if kind == "full" and td is not None:
                 pick = functools.partial(self.budget.pick, policy=self.policy) if plan.shape == "dynamic" else None
                 td.grow(seq, tree, plan, pick)
-                draft_s = time.perf_counter() - t_step
+                draft_s = self._now() - t_step
                 stats.draft_s += draft_s
             if kind != "plain":
                 if lookup is not None:
@@ -259,12 +264,12 @@ class TreeMode:
             if kind != "plain" and len(tree) == 1:
                 kind = "plain" if kind == "lean" else kind
             T = len(tree)
-            tv = time.perf_counter()
+            tv = self._now()
             want_pred = bool(kind == "full" and self.W)
             path, nxt, lps, pred_l = verify_step(model, cache, tree, sampler, want_pred)
-            stats.verify_s += time.perf_counter() - tv
+            stats.verify_s += self._now() - tv
             if hasattr(self.costs, "observe") and not want_pred and runs_alone(model):
-                self.costs.observe(T, time.perf_counter() - tv)  # the learnt curve (TreeCosts: fixed)
+                self.costs.observe(T, self._now() - tv)  # the learnt curve (TreeCosts: fixed)
             if td is not None and kind == "full":
                 td.commit(path, tree)
                 if plan.shape == "dynamic":
@@ -276,7 +281,7 @@ class TreeMode:
             if want_pred:
                 window.advance(pool, [pred_l[n] for n in tree.window[-1]])
             x0 = nxt
-            ctl.record(kind, len(new), time.perf_counter() - t_step)
+            ctl.record(kind, len(new), self._now() - t_step)
             stats.verifier_passes += 1
             if T > 1:
                 stats.record_draft(tree.depth(), len(path))
