@@ -17,6 +17,7 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 
 import edgespec.adaptive.estimate as estimate
 import edgespec.calibration as cal
+from edgespec import sealed
 from edgespec.adaptive.decoder import AdaptiveDecoder
 from edgespec.adaptive.estimate import AcceptanceStats, Costs
 from edgespec.adaptive.policy import TimedPolicy
@@ -228,8 +229,8 @@ def _write(engine, **entries):
     key = cal.cost_key(engine.loaded)
     path = cal.key_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": cal.FORMAT, "key": key, "verify": {"1": 0.05, "4": 0.07},
-                                "counts": {"1": 3, "4": 1}, **entries}, default=str))
+    path.write_text(json.dumps(sealed.seal({"format": cal.FORMAT, "key": key, "verify": {"1": 0.05, "4": 0.07},
+                                            "counts": {"1": 3, "4": 1}, **entries})))
     return path
 
 
