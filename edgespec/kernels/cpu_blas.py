@@ -176,12 +176,12 @@ def check(library: Path, python: str = sys.executable) -> str:
     return r.stdout.strip()
 
 
-def compile_shim(target: OpenBLAS, out: str | Path, cc: str | None = None) -> None:
-    """Compile cblas_forward.c for `target` into `out` (no check)."""
+def compile_shim(target: OpenBLAS, out: str | Path, cc: str | None = None, opt: str = "-O3") -> None:
+    """Compile cblas_forward.c for `target` into `out` (no check); `opt`: the optimisation level."""
     if '"' in target.path or "\\" in target.path:
         raise BlasShimError(f"cannot name {target.path!r} in C source")
     cc = cc or compiler()
-    cmd = [cc, "-O3", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", "-o", str(out), str(SOURCE),
+    cmd = [cc, opt, "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", "-o", str(out), str(SOURCE),
            f'-DFWD_LIBRARY="{target.path}"', f"-DFWD_PREFIX={target.prefix}", f"-DFWD_SUFFIX={target.suffix}",
            f"-DFWD_INT={'int64_t' if target.ilp64 else 'int'}", f'-DFWD_THREAD_TIMEOUT="{THREAD_TIMEOUT}"', "-ldl", "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
