@@ -21,6 +21,7 @@ from typing import Any
 from edgespec.adaptive.corpus import FILENAME as CORPUS_FILE
 from edgespec.adaptive.corpus import CorpusError, CorpusTable
 from edgespec.adaptive.history import make_history
+from edgespec.adaptive.pipeline import on_worker
 from edgespec.batch import Batcher, Request, memory
 from edgespec.batch.request import cancel_callable as check
 from edgespec.caches.kv_quant import check_settings, quantize_caches
@@ -556,8 +557,12 @@ class Engine:
                 # let go of this generation (its stats are final, its caches released).
                 req.cancel()
                 batcher.wake()
-                while events.get()[0] not in ("done", "error"):
-                    pass
+                # Not where the batch may be waiting on this very thread: the drafter's worker
+                # (the garbage collector can finalise an abandoned stream there): the row is
+                # freed all the same, without waiting for it.
+                if not on_worker():
+                    while events.get()[0] not in ("done", "error"):
+                        pass
 
     def generate_many(self, prompts: list, *, options=None, **kwargs) -> list[GenerationResult]:
         """Generate a reply to every prompt (text, token ids or a messages list) in one batch;

@@ -254,3 +254,33 @@ def test_the_project_prompts_drafted_ahead_equal_plain(drafter):
         assert got.tokens == plain, bp.id
         ahead += (_ahead_note(got) or (0, 0))[0]
     assert ahead > 0
+
+
+def test_a_request_dropped_on_the_drafter_s_thread_does_not_wait_for_that_thread():
+    """The garbage collector finalises an abandoned request's generator on whichever thread
+    allocates at the time, the drafter's worker included (seen: a fuzzer case whose request
+    raised, collected during an int8 draft call). Its clean-up waits for the worker to be idle:
+    on the worker itself that wait must not happen (it would never end)."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from edgespec.adaptive.pipeline import Worker
+
+    eng = _engine("model")
+    eng.policy = Ahead(k=3, ahead=True)
+    prompt = random_prompts(1, seed=9)[0]
+    held = [eng.stream(prompt, max_tokens=40, mode="adaptive", sources="drafter")]
+    it = iter(held[0])
+    for _ in range(4):
+        next(it)  # rounds drafted ahead are under way
+    del it
+
+    def drop():
+        held.pop()  # the last reference: the generator is finalised here, on the worker
+        return Worker().call(lambda: "inner")[0]  # and a call from the worker runs in place
+
+    try:
+        assert Worker().submit(drop).result(timeout=60)[0] == "inner"
+    except FutureTimeout:
+        pytest.fail("the request's clean-up waited for the drafter's worker from the worker")
+    # the engine serves the next request
+    assert eng.generate(prompt, max_tokens=8, mode="plain").tokens

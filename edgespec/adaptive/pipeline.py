@@ -73,6 +73,7 @@ class Worker:
     def _run(fn, args):
         # MLX gives every thread its own default stream, so the drafter's graphs are
         # scheduled apart from the verifier's; evaluated arrays are safe to share.
+        _ON_WORKER.yes = True
         t0 = time.perf_counter()
         out = fn(*args)
         return out, time.perf_counter() - t0
@@ -82,11 +83,26 @@ class Worker:
         return Worker._pool.submit(Worker._run, fn, args)
 
     def call(self, fn, *args):
+        if on_worker():  # from a call already on the worker: run it here (queued, it would wait for itself)
+            return Worker._run(fn, args)
         return self.submit(fn, *args).result()
 
     def close(self):
-        # Wait for work still queued (an early draft) so the drafter is idle afterwards.
+        # Wait for work still queued (an early draft) so the drafter is idle afterwards. Not on
+        # the worker's own thread: a decoder's generator can be finalised there (the garbage
+        # collector runs wherever an allocation triggers it, a draft call's included), and waiting
+        # for the worker from the worker never ends. The work queued behind runs after it anyway.
+        if on_worker():
+            return
         self.submit(lambda: None).result()
+
+
+_ON_WORKER = threading.local()
+
+
+def on_worker() -> bool:
+    """Whether this thread is the drafter's worker."""
+    return getattr(_ON_WORKER, "yes", False)
 
 
 class Direct:
