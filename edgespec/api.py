@@ -42,6 +42,9 @@ def load(
     on any device (quantized weights kept quantized, float16 activations and KV caches, `auto`'s
     drafter as on a Mac; edgespec.weights.numerics, docs/numerics.md); None = $EDGESPEC_NUMERICS,
     else "native".
+    $EDGESPEC_COST_PROFILE (a profile name, docs/costs.md): the engine's decoders price their
+    choices by that profile's simulated clock instead of the host's timer (`engine.simulation`),
+    as `edgespec bench --profile` does: the output is unchanged, the choices are the profile's.
     """
     from edgespec.weights.numerics import (
         resolve as resolve_numerics,  # deferred: light import edgespec
@@ -58,6 +61,14 @@ def load(
     from edgespec.weights.loader import load as load_any  # deferred: light import edgespec
 
     history_mode(history)  # a bad setting fails before the model is fetched or loaded
+    from edgespec.costs import clock as cost_clock  # deferred: light import edgespec
+
+    cost_profile = cost_clock.from_env()
+    if cost_profile is not None:
+        try:
+            cost_clock.parse(cost_profile)  # a bad name fails before the model loads
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"${cost_clock.ENV}: {e}") from None
     if bitwise is not None:
         from edgespec.kernels import exact  # deferred: light import edgespec
 
@@ -99,6 +110,8 @@ def load(
     if drafter is None and paired is None:
         engine.auto_drafter = auto_drafter(engine)
     engine.load_notes = notes
+    if cost_profile is not None:  # $EDGESPEC_COST_PROFILE: the planner on a profile's prices
+        engine.simulation, _ = cost_clock.attach(engine, cost_profile)
     return engine
 
 

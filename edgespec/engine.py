@@ -153,6 +153,9 @@ class Engine:
     _corpus_table: Any = field(default=None, repr=False, init=False)  # (resolved,) once looked up
     last_dropped: int = field(default=0, repr=False, init=False)  # turns the last truncate_oldest dropped
     load_notes: list = field(default_factory=list, repr=False)  # for the user, from edgespec.load (hub names)
+    # Under $EDGESPEC_COST_PROFILE (edgespec.load): the profile's Simulation the decoders price by
+    # (edgespec.costs.clock.attach); None: the host's timer.
+    simulation: Any = field(default=None, repr=False)
 
     def __post_init__(self):
         check_settings(self.kv_bits, self.kv_group_size, self.quantized_kv_start,

@@ -201,3 +201,33 @@ def test_the_context_price_persists_under_a_new_format(tmp_path):
     assert data["format"] == 4 and data["ctx_s"] == pytest.approx(2e-5, rel=0.05)
     again = cal.CostStore(key, tmp_path / "c.json", kind="cpu")
     assert again.costs.ctx_s == pytest.approx(2e-5, rel=0.05) and again.costs.ctx_share == 1.0
+
+
+def test_the_cost_profile_in_the_environment_prices_a_loaded_engine(tmp_path, monkeypatch):
+    """$EDGESPEC_COST_PROFILE: the engine edgespec.load makes decides on the profile's clock (its
+    passes advance the simulation), output unchanged; a bad name is refused before any load."""
+    from conftest import write_tiny_hf_folder
+
+    import edgespec
+    from edgespec.costs import clock as sim_clock
+    from edgespec.errors import ModelLoadError
+
+    folder = write_tiny_hf_folder(tmp_path / "m", seed=0)
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EDGESPEC_COST_PROFILE", "m9")
+    with pytest.raises(ModelLoadError, match="EDGESPEC_COST_PROFILE.*unknown cost profile 'm9'"):
+        edgespec.load(str(folder), progress=False)
+    monkeypatch.delenv("EDGESPEC_COST_PROFILE")
+    plain = edgespec.load(str(folder), progress=False)
+    assert plain.simulation is None
+    want = plain.generate([5, 6, 7, 8] * 4, max_tokens=12, mode="auto").tokens
+    monkeypatch.setenv("EDGESPEC_COST_PROFILE", "m4-pro")
+    engine = edgespec.load(str(folder), progress=False)
+    sim = engine.simulation
+    try:
+        assert sim is not None and sim_clock.active() is sim and sim.profile.name == "m4-pro"
+        got = engine.generate([5, 6, 7, 8] * 4, max_tokens=12, mode="auto").tokens
+        assert got == want and sim.clock.passes > 0 and sim.clock.t > 0
+    finally:
+        sim.detach()  # this test's process goes on with the host's timer
+    assert sim_clock.active() is None

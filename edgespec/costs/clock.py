@@ -203,15 +203,10 @@ def _price_drafter(drafter, sim: Simulation, verifier_shape: Shape):
     return wrap_methods(drafter, "Priced", sync=sync, draft=draft)
 
 
-@contextlib.contextmanager
-def simulate(engine, spec: str, verifier_shape: Shape | str | None = None, draft_device: str | None = None):
-    """Run `engine` on a profile's time (see the module docstring) -> the Simulation.
-
-    spec: 'PROFILE[:FORMAT]' (edgespec.costs.profiles; format q4_0 by default).
-    verifier_shape: price the verifier's passes as another model's (a SHAPES name such as
-    'qwen3-4b', or a Shape): the tokens stay the engine's model's, the costs are the larger one's.
-    draft_device: 'gpu', 'ane' or 'cpu' for every drafter (default: a Core ML drafter on the
-    Neural Engine, the others on the GPU)."""
+def attach(engine, spec: str, verifier_shape: Shape | str | None = None, draft_device: str | None = None):
+    """Put `engine` on a profile's time until the returned `detach()` (see `simulate`, whose
+    arguments these are) -> (the Simulation, detach). $EDGESPEC_COST_PROFILE does this for the
+    engine `edgespec.load` makes, for the process's life."""
     profile, fmt = parse(spec)
     if isinstance(verifier_shape, str):
         if verifier_shape not in SHAPES:
@@ -233,14 +228,33 @@ def simulate(engine, spec: str, verifier_shape: Shape | str | None = None, draft
     for k, v in kept.items():
         setattr(memory, k, None if k == "cost_store" else type(v)())
     _ACTIVE.append(sim)
-    try:
-        yield sim
-    finally:
+
+    def detach():
+        if sim not in _ACTIVE:
+            return
         _ACTIVE.remove(sim)
         for u in reversed(undo):
             u()
         for k, v in kept.items():
             setattr(memory, k, v)
+    sim.detach = detach
+    return sim, detach
+
+
+@contextlib.contextmanager
+def simulate(engine, spec: str, verifier_shape: Shape | str | None = None, draft_device: str | None = None):
+    """Run `engine` on a profile's time (see the module docstring) -> the Simulation.
+
+    spec: 'PROFILE[:FORMAT]' (edgespec.costs.profiles; format q4_0 by default).
+    verifier_shape: price the verifier's passes as another model's (a SHAPES name such as
+    'qwen3-4b', or a Shape): the tokens stay the engine's model's, the costs are the larger one's.
+    draft_device: 'gpu', 'ane' or 'cpu' for every drafter (default: a Core ML drafter on the
+    Neural Engine, the others on the GPU)."""
+    sim, detach = attach(engine, spec, verifier_shape, draft_device)
+    try:
+        yield sim
+    finally:
+        detach()
 
 
 MEMORY_FIELDS = ("cost_store", "adaptive", "speculative", "lookahead")
