@@ -57,7 +57,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from edgespec import sealed
+import edgespec.sealed as sealed
 from edgespec.adaptive.estimate import DRAFT_PRIOR, Costs, DraftCost
 from edgespec.costs.clock import active as simulation
 from edgespec.kernels import COSTS_REVISION

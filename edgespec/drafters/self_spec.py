@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from edgespec import sealed
+import edgespec.sealed as sealed
 from edgespec.controller import expected_tokens
 from edgespec.drafters.base import ModelDrafter
 from edgespec.errors import DrafterRequiredError
