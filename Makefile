@@ -25,6 +25,9 @@ else
   RUNENV   =
 endif
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); each test file runs whole in one of them, so module and session
+# fixtures (the default model, loaded once per process) are shared by its tests. 1: one process.
+TEST_WORKERS ?= 2
 # The Swift package (apps/swift, EdgespecKit) is built and tested after pytest when a
 # Swift toolchain is found: `swift` on PATH, else /opt/swift. Without one it is skipped.
 SWIFT     ?= $(shell command -v swift 2>/dev/null || { test -x /opt/swift/usr/bin/swift && echo /opt/swift/usr/bin/swift; })
@@ -77,7 +80,7 @@ chat: setup
 	$(RUNENV) $(VENV)/bin/edgespec chat
 
 test: setup
-	$(RUNENV) $(PY) -m pytest $(PYTEST_ARGS)
+	$(RUNENV) $(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory swift-test
 
 # The Swift tests start real `edgespec serve` processes on a tiny random bundle, and

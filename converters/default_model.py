@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from edgespec.converters.convert import convert
+from edgespec.paths import held
 
 from edgespec.weights.default_model import default_bundle_dir, default_gguf_path, variant
 
@@ -22,7 +23,10 @@ def default_bundle_path(progress: bool = True) -> Path:
         return out
 
     gguf = default_gguf_path(progress)
-    if progress:
-        print(f"edgespec: converting {gguf.name} -> {out}", file=sys.stderr)
-    convert(gguf, out, quantize="native" if variant() == "q4" else "none", force=True, progress=progress)
+    with held(out):  # another process converting it (parallel test workers): wait, then use it
+        if (out / "manifest.json").is_file():
+            return out
+        if progress:
+            print(f"edgespec: converting {gguf.name} -> {out}", file=sys.stderr)
+        convert(gguf, out, quantize="native" if variant() == "q4" else "none", force=True, progress=progress)
     return out

