@@ -10,7 +10,8 @@ int8 kernel cannot be built), both through edgespec.drafters.remote: every verif
 not. Three cost ratios: a Mac-like one (the pass nearly flat in width, the drafter on its own
 unit), one where drafter and verifier share a CPU (each runs 2x slower beside the other), and a
 slow drafter on its own unit. For each, `auto` with a chain of k = 4 every round, drafted
-synchronously and drafted ahead, then `auto` as the planner runs it: wall time per round
+synchronously, drafted ahead, and drafted ahead from the runner-up premise as well, then `auto`
+as the planner runs it: wall time per round
 against the sum and the max of a pass and a draft alone, and the planner's choice (the share of
 its drafting rounds it drafted ahead, and the slowdowns it measured). Every output is compared
 with plain decoding's.
@@ -38,8 +39,10 @@ RATIOS = [
 K = 4
 
 
-def tiny_engine(ratio):
-    """The device-model engine of one cost ratio (a tiny random Llama, peaky like a real one)."""
+def tiny_engine(ratio, drafter: str = "int8"):
+    """The device-model engine of one cost ratio (a tiny random Llama, peaky like a real one);
+    drafter "int8" (its own weights in int8: agrees nearly always) or "model" (a smaller random
+    model: seldom agrees, so premises fail and runner-ups matter)."""
     import mlx.core as mx
     from edgespec.models.llama import Model, ModelArgs
     from mlx.utils import tree_map
@@ -55,10 +58,11 @@ def tiny_engine(ratio):
     from edgespec.weights.loader import LoadedModel
 
     mx.random.seed(0)
-    model = Model(ModelArgs.from_dict(dict(
+    config = dict(
         model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-        max_position_embeddings=4096)))
+        max_position_embeddings=4096)
+    model = Model(ModelArgs.from_dict(config))
     model.update(tree_map(lambda w: w * 3.0 if w.ndim > 1 else w, model.parameters()))
     mx.eval(model.parameters())
     vocab = {"</s>": 0}
@@ -71,7 +75,13 @@ def tiny_engine(ratio):
     cont = Contention(factor)
     eng = Engine(LoadedModel(PacedVerifier(model, base, per_tok, cont), Tokenizer(backend, {"eos_token": "</s>"}),
                              None), history="off")
-    if q8.library() is not None:
+    if drafter == "model":
+        mx.random.seed(5)
+        small = Model(ModelArgs.from_dict({**config, "num_hidden_layers": 1}))
+        small.update(tree_map(lambda w: w * 3.0 if w.ndim > 1 else w, small.parameters()))
+        mx.eval(small.parameters())
+        inner = ModelDrafter(small)
+    elif q8.library() is not None:
         from edgespec.drafters.quantized import QuantizedDrafter, quantize_model
 
         inner = QuantizedDrafter(model, quantize_model(model))
@@ -85,20 +95,26 @@ def device_table(args) -> list[dict]:
     from edgespec.adaptive.policy import Policy, TimedPolicy
 
     class Fixed(Policy):
-        def __init__(self, ahead):
+        def __init__(self, ahead, runner_up=False):
             super().__init__()
-            self.ahead = ahead
+            self.ahead, self.runner = ahead, runner_up
 
         def choose(self, kind, default, **ctx):
             if kind == "plan" and ctx["can_draft"]:
                 return ("tree", K)
             if kind == "pipeline":
                 return self.ahead
+            if kind == "runner_up":
+                return self.runner
             return default
 
     class Planner(TimedPolicy):
         def pipeline(self, default):
             self.decisions.append(("pipeline", default))
+            return default
+
+        def runner_up(self, default):
+            self.decisions.append(("runner_up", default))
             return default
 
     import random
@@ -115,8 +131,9 @@ def device_table(args) -> list[dict]:
         row["sum_ms"] = row["verify_ms"] + row["draft_ms"]
         row["max_ms"] = max(row["verify_ms"], row["draft_ahead_ms"])
         equal = True
-        for label, policy in (("sync", Fixed(False)), ("ahead", Fixed(True)), ("planner", Planner())):
-            eng = tiny_engine(ratio)  # a fresh engine: each learns alone (the planner its slowdowns)
+        runs = (("sync", Fixed(False)), ("ahead", Fixed(True)), ("runner", Fixed(True, True)), ("planner", Planner()))
+        for label, policy in runs:
+            eng = tiny_engine(ratio, args.drafter)  # a fresh engine: each learns alone (the planner its slowdowns)
             eng.policy = policy
             passes = tokens = 0
             secs = 0.0
@@ -139,10 +156,14 @@ def device_table(args) -> list[dict]:
                     eng.policy = policy
             row[f"{label}_ms_per_round"] = 1000 * secs / max(passes, 1)
             row[f"{label}_tok_s"] = tokens / secs if secs else 0.0
+            mem = [m for m in eng.memory.adaptive.values() if "overlap" in m]
+            if label == "runner" and mem:
+                row["runner_ups"] = mem[0]["overlap"].describe()["runner_ups"]
             if label == "planner":
                 picks = [d[1] for d in policy.decisions if d[0] == "pipeline"]
                 row["planner_ahead_share"] = (sum(picks) / len(picks)) if picks else None
-                mem = [m for m in eng.memory.adaptive.values() if "overlap" in m]
+                ru = [d[1] for d in policy.decisions if d[0] == "runner_up"]
+                row["planner_runner_up_share"] = (sum(ru) / len(ru)) if ru else None
                 row["planner_measured"] = mem[0]["overlap"].describe() if mem else None
         eng.policy = None
         row["equal_to_plain"] = equal
@@ -151,12 +172,19 @@ def device_table(args) -> list[dict]:
         print(f"{row['ratio']}: pass {row['verify_ms']:.1f} ms, draft {row['draft_ms']:.1f} ms "
               f"({row['draft_ahead_ms']:.1f} ahead) "
               f"(sum {row['sum_ms']:.1f}, max {row['max_ms']:.1f}); per round sync {row['sync_ms_per_round']:.1f}, "
-              f"ahead {row['ahead_ms_per_round']:.1f}, planner {row['planner_ms_per_round']:.1f} ms; tok/s "
-              f"sync {row['sync_tok_s']:.0f}, ahead {row['ahead_tok_s']:.0f}, planner {row['planner_tok_s']:.0f}; "
-              f"planner drafted ahead in {'-' if pick is None else f'{100 * pick:.0f}%'} of its drafting rounds "
+              f"ahead {row['ahead_ms_per_round']:.1f}, ahead + runner-up {row['runner_ms_per_round']:.1f}, "
+              f"planner {row['planner_ms_per_round']:.1f} ms; tok/s "
+              f"sync {row['sync_tok_s']:.0f}, ahead {row['ahead_tok_s']:.0f}, runner-up {row['runner_tok_s']:.0f} "
+              f"(runner-up premises {row.get('runner_ups')}), planner {row['planner_tok_s']:.0f}; "
+              f"planner drafted ahead in {'-' if pick is None else f'{100 * pick:.0f}%'} of its drafting rounds, "
+              f"from a runner-up too in {_pct(row['planner_runner_up_share'])} of those with one "
               f"(measured {row['planner_measured']}); "
               f"equal to plain: {equal}", flush=True)
     return rows
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def host_side_by_side(args) -> dict:
@@ -191,6 +219,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=60, help="tokens generated per prompt (device model)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply the device model's latencies (a busy host: larger, so the sleeps still dominate)")
+    ap.add_argument("--drafter", choices=["int8", "model"], default="int8",
+                    help="device model's drafter: the verifier in int8 (agrees nearly always) or a smaller "
+                         "random model (seldom agrees: premises fail, runner-ups matter)")
     ap.add_argument("--host", action="store_true", help="this host's model on the mixed set instead")
     ap.add_argument("--model", default=None, help="with --host: bundle, HF folder or GGUF (default model)")
     ap.add_argument("--prompts", default=None, help="with --host: a JSONL prompt set (default: the built-in one)")

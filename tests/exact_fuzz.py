@@ -341,6 +341,10 @@ def run_cases(verifiers: Verifiers, seeds, names: list[str], mode: str = "auto")
             out = ("error", f"{type(e).__name__}: {e}")
         rep.cases += 1
         rep.compared_tokens += case.max_tokens
+        for kind in ("pipeline", "runner_up"):  # seeded choices to draft ahead, and from a runner-up too
+            n = sum(1 for d in case.decisions if d[0] == kind and d[1] is True)
+            if n:
+                rep.coverage[f"{kind} chosen (rounds)"] = rep.coverage.get(f"{kind} chosen (rounds)", 0) + n
         if out is None:
             continue
         kind, detail = out

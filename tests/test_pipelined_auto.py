@@ -32,6 +32,15 @@ class Ahead(Policy):
         return default
 
 
+class AheadBoth(Ahead):
+    """Ahead, and from the runner-up premise as well wherever the tree has one."""
+
+    def choose(self, kind, default, **ctx):
+        if kind == "runner_up":
+            return True
+        return super().choose(kind, default, **ctx)
+
+
 class Recorded(TimedPolicy):
     """The timed choices, the pipeline ones recorded (TimedPolicy records nothing)."""
 
@@ -69,7 +78,7 @@ def _ahead_note(r) -> tuple[int, int] | None:
     for n in r.stats.notes:
         if n.startswith("drafted ahead:"):
             rounds = int(n.split(":")[1].split()[0])
-            held = int(n.split("premise held ")[1].split(";")[0])
+            held = int(n.split("premise held ")[1].split(",")[0])
             return rounds, held
     return None
 
@@ -284,3 +293,66 @@ def test_a_request_dropped_on_the_drafter_s_thread_does_not_wait_for_that_thread
         pytest.fail("the request's clean-up waited for the drafter's worker from the worker")
     # the engine serves the next request
     assert eng.generate(prompt, max_tokens=8, mode="plain").tokens
+
+
+def _runner_up_note(r) -> int:
+    n = next(n for n in r.stats.notes if n.startswith("drafted ahead:"))
+    return int(n.split("runner-up held ")[1].split(";")[0])
+
+
+@pytest.mark.parametrize("drafter", [pytest.param("int8", marks=int8), "model"])
+def test_runner_up_premises_drafted_ahead_equal_plain(drafter):
+    """Every drafting round drafts ahead from the drafter's premise and from the runner-up (the
+    likeliest other branch the tree leaves open): greedy output is plain's token for token.
+    Through the device model (a 30 ms pass, the drafter on its own unit at 0.5 ms a token) the
+    runner-up's draft starts before the pass ends; with prompts that repeat (the context source's
+    branches beside the drafter's chain) and the small MLX drafter (which seldom agrees with the
+    verifier), its premise holds where the drafter's fails, and its early chain is the next round's."""
+    eng = _engine(drafter, paced=(0.03, 0.0, 0.0005, 1.0))
+    held = 0
+    for p in random_prompts(4, seed=21, max_len=12):
+        p = p * 3
+        plain = eng.generate(p, max_tokens=24, mode="plain").tokens
+        eng.policy = AheadBoth(k=3)
+        r = eng.generate(p, max_tokens=24, mode="auto")
+        eng.policy = None
+        assert r.tokens == plain, p
+        held += _runner_up_note(r)
+    o = next(v["overlap"] for v in eng.memory.adaptive.values() if "overlap" in v)
+    assert o.runner_ups["drafted"] + o.runner_ups["skipped"] > 0
+    assert o.runner_ups["held"] == held
+    if drafter == "model":
+        assert held > 0
+
+
+def test_seeded_policies_draw_and_replay_the_runner_up_choice():
+    """SeededPolicy draws the runner-up choice too (its own stream: the other choices of a seed
+    are unchanged); the decisions replay to the same output."""
+    eng = _engine("model")
+    p = random_prompts(1, seed=22, max_len=12)[0] * 3
+    plain = eng.generate(p, max_tokens=30, mode="plain").tokens
+    seeded = SeededPolicy(5, p_plain=0.1)
+    eng.policy = seeded
+    assert eng.generate(p, max_tokens=30, mode="auto").tokens == plain
+    kinds = {d[0] for d in seeded.decisions}
+    assert "runner_up" in kinds
+    eng.policy = ScriptedPolicy(seeded.decisions)
+    assert eng.generate(p, max_tokens=30, mode="auto").tokens == plain
+    eng.policy = None
+
+
+def test_overlap_prices_the_runner_up():
+    """A second early draft pays where it fits beside the pass (a drafter on its own unit) and
+    its premise is likely enough; not where both share the cores and it outlasts the pass."""
+    import threading
+
+    from edgespec.adaptive.pipeline import unless
+
+    apart, shared = Overlap(fixed=(1.0, 1.0)), Overlap(fixed=(2.0, 2.0))
+    assert apart.runner_up_pays(0.020, 0.004, 0.5, 0.3)
+    assert not apart.runner_up_pays(0.020, 0.004, 0.5, 0.0)  # a premise that never holds
+    assert not shared.runner_up_pays(0.020, 0.015, 0.5, 0.3)
+    ended, calls = threading.Event(), []
+    assert unless(ended, calls.append, 1) is None and calls == [1]
+    ended.set()
+    assert unless(ended, calls.append, 2) is None and calls == [1]  # not started once the pass ended

@@ -49,6 +49,7 @@ the decoder's state; the pricing is estimate.py, the sources sources.py, the cho
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -64,7 +65,7 @@ from edgespec.adaptive.estimate import (
     merge_candidates,
     plan_tree,
 )
-from edgespec.adaptive.pipeline import Direct, Overlap, Worker, placement
+from edgespec.adaptive.pipeline import Direct, Overlap, Worker, placement, unless
 from edgespec.adaptive.policy import Policy, TimedPolicy
 from edgespec.adaptive.sources import Candidate, DrafterSource, JacobiSource
 from edgespec.batch.cost import BatchCosts, joint_sizes
@@ -292,7 +293,7 @@ class AdaptiveDecoder:
         # Drafting ahead, with a drafter that can: every drafter call then runs on the drafter's
         # worker thread; rounds draft ahead only while this row runs alone (`_can_ahead`).
         self._early, self._overlapped = None, False
-        self._ahead_counts = [0, 0]  # rounds drafted ahead, premises held (this request)
+        self._ahead_counts = [0, 0, 0]  # rounds drafted ahead, premises held, runner-up premises held
         d = self.drafter
         if self.pipeline and d is not None and d.ahead_refused is None:
             self.overlap = self._overlap_given or mem.setdefault("overlap", Overlap(placement(d.drafter)))
@@ -323,7 +324,8 @@ class AdaptiveDecoder:
             if self._ahead_counts[0]:
                 o = self.overlap
                 stats.notes.append(f"drafted ahead: {self._ahead_counts[0]} rounds, premise held "
-                                   f"{self._ahead_counts[1]}; slowdown verify x{o.s_v:.2f}, draft x{o.s_d:.2f}")
+                                   f"{self._ahead_counts[1]}, runner-up held {self._ahead_counts[2]}; "
+                                   f"slowdown verify x{o.s_v:.2f}, draft x{o.s_d:.2f}")
             mem.update(acc=self.acc, probe_wait=self.probe_wait, host=self._host, since_probe=self._since_probe)
             if self._plain_measured:
                 mem["plain_s"] = self.plain_s
@@ -469,6 +471,25 @@ class AdaptiveDecoder:
             parent, j = nxt, j + 1
         return list(seq) + chain[: j + 1] if j < len(chain) else None
 
+    def _runner_up(self, seq, nodes, kept: list[int], premise: list[int]) -> tuple[list[int], float] | None:
+        """The likeliest other premise than `premise`, and its estimated chance: a frontier node
+        of the trie (not verified, its parent verified or the root), whose path the verifier
+        may accept and whose token it may draw next (module notes, edgespec.adaptive.pipeline)."""
+        inside = set(kept)
+        best = None
+        for i, n in enumerate(nodes):
+            if i in inside or not (n.parent < 0 or n.parent in inside) or n.prob <= 0.0:
+                continue
+            if best is None or n.prob > nodes[best].prob:
+                path, j = [], i
+                while j >= 0:
+                    path.append(nodes[j].token)
+                    j = nodes[j].parent
+                cand = list(seq) + path[::-1]
+                if cand != premise:
+                    best, best_seq = i, cand
+        return (best_seq, float(nodes[best].prob)) if best is not None else None
+
     def _tree_round(self, cache, seq, plan: Plan, sampler, stats, window: bool = False):
         cands = list(plan.cands)
         self._draft_time = 0.0
@@ -490,15 +511,26 @@ class AdaptiveDecoder:
             tree.add_window(self.jacobi.levels)
         T = len(tree)
         # Draft the next round from its premise while this pass runs (plan.ahead).
-        ahead = None
+        ahead = runner = second = None
         premise = self._premise(seq, nodes, kept, chain) if plan.ahead and chain and self._can_ahead() else None
         if premise is not None:
             d, k_next = self.drafter, plan.draft_k
             alone_s = d.draft_s(premise, k_next + 1, self.plain_s)  # priced now: the worker is idle
-            d.pin(seq)
+            second = self._runner_up(seq, nodes, kept, premise)
+            if second is not None:
+                p = float(self.acc.path_probs("drafter", 0, len(premise) - len(seq))[-1])
+                pays = self.overlap.runner_up_pays(costs.verify(T), alone_s, p, second[1])
+                if not self.policy.runner_up(pays):
+                    second = None
+            d.pin(seq, uses=2 if second is not None else 1)
             ahead = self._lane.submit(d.draft, premise, k_next + 1, self._greedy)
+            if second is not None:
+                ended = threading.Event()
+                runner = self._lane.submit(unless, ended, d.draft, second[0], k_next + 1, self._greedy)
         tv = self.clock()
         path, nxt, lps, draws = verify_round(self.model, cache, tree, len(seq), sampler)
+        if runner is not None:
+            ended.set()  # a runner-up draft not started yet is not worth starting now
         if window:
             self.jacobi.harvest([draws[n] for n in tree.window[-1]])
         new = [tree.tokens[n] for n in path] + [nxt]
@@ -516,11 +548,20 @@ class AdaptiveDecoder:
             o.ran(True)
             self._ahead_counts[0] += 1
             stats.draft_s += dt_d
+            late, dt_r = runner.result() if runner is not None else (None, 0.0)
+            if runner is not None:
+                o.runner_ups["drafted" if late is not None else "skipped"] += 1
+                stats.draft_s += dt_r
             if list(seq) + new == premise:
                 self._early = early
                 o.hits += 1
                 self._ahead_counts[1] += 1
                 stats.hidden_draft_s += min(dt_d, verify_s)
+            elif late is not None and list(seq) + new == second[0]:
+                self._early = late
+                o.runner_ups["held"] += 1
+                self._ahead_counts[2] += 1
+                stats.hidden_draft_s += min(dt_d + dt_r, verify_s)
         elif plan.draft_k and self.overlap is not None and not self._in_batch():
             self.overlap.ran(False)
             if self.costs.known(T):

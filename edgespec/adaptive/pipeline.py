@@ -17,6 +17,13 @@ ratio of their times to the same work's priced time alone; before that, a prior 
 the two run (one CPU: they compete; different units: nearly free). Until a few overlapped
 rounds are measured, one drafting round in `PROBE_EVERY` overlaps anyway to measure them
 (where its premise is likely to hold).
+
+The runner-up: the tree verified holds other branches than the drafter's, and a branch a
+source proposed past what the tree keeps ends in a token the verifier may draw next (a
+"frontier" node). The likeliest of those besides the drafter's own premise is the runner-up
+premise: where the pass leaves the drafter time (or what it saves outweighs the wait,
+`Overlap.runner_up_pays`), a second early draft from it follows the first on the worker,
+and is skipped if the pass has ended before it starts (`unless`).
 """
 
 from __future__ import annotations
@@ -100,6 +107,12 @@ class Worker:
 _ON_WORKER = threading.local()
 
 
+def unless(ended: threading.Event, fn, *args):
+    """fn(*args), or None without calling it when `ended` is set already (work queued behind
+    another that is only worth starting while the verifier's pass still runs)."""
+    return None if ended.is_set() else fn(*args)
+
+
 def on_worker() -> bool:
     """Whether this thread is the drafter's worker."""
     return getattr(_ON_WORKER, "yes", False)
@@ -155,6 +168,7 @@ class Overlap:
         self.drafting_rounds = 0  # drafting rounds since the last probe
         self.rounds = {"sync": 0, "ahead": 0}  # rounds run each way (counts, for reports)
         self.hits = 0  # early drafts whose premise held
+        self.runner_ups = {"drafted": 0, "held": 0, "skipped": 0}  # runner-up premises (counts)
 
     @property
     def s_v(self) -> float:
@@ -190,6 +204,17 @@ class Overlap:
         ahead = max(verify_s * self.s_v, ahead_d * self.s_d) + (1.0 - p) * ahead_d
         return sync, ahead
 
+    def runner_up_pays(self, verify_s: float, draft_s: float, p: float, p2: float) -> bool:
+        """Draft ahead from the runner-up premise too (after the first, on the same worker)?
+        draft_s: one early draft alone (k + 1 tokens); p, p2: the chances the first and the
+        runner-up premise hold (exclusive: two different committed sequences). It pays where the
+        second draft fits beside the pass, or saves more than it makes the round wait:
+        max(v s_v, 2 d s_d) + (1 - p - p2) d  <  max(v s_v, d s_d) + (1 - p) d."""
+        v = verify_s * self.s_v
+        one = max(v, draft_s * self.s_d) + (1.0 - p) * draft_s
+        two = max(v, 2.0 * draft_s * self.s_d) + max(1.0 - p - p2, 0.0) * draft_s
+        return two < one
+
     def choose(self, verify_s: float, draft_s: float, token_s: float, p: float) -> bool:
         """Draft ahead this round? Priced (ahead must be cheaper), or a probe while unmeasured
         (after PROBE_EVERY drafting rounds run synchronously, `ran`, where the premise is likely)."""
@@ -205,4 +230,4 @@ class Overlap:
 
     def describe(self) -> dict:
         return {"s_verify": round(self.s_v, 3), "s_draft": round(self.s_d, 3), "measured": self.measured,
-                "rounds": dict(self.rounds), "hits": self.hits}
+                "rounds": dict(self.rounds), "hits": self.hits, "runner_ups": dict(self.runner_ups)}

@@ -35,7 +35,9 @@ Decision kinds (the tuple recorded):
 - ("step", kind): modes tree's and lookahead's step kind ("full", "lean" or "plain");
 - ("tree_size", n): the drafted nodes a dynamic tree of mode tree keeps;
 - ("pipeline", on): whether `auto` drafts the next round while this one is verified
-  (edgespec.adaptive.pipeline; asked only in rounds that draft and can draft ahead).
+  (edgespec.adaptive.pipeline; asked only in rounds that draft and can draft ahead);
+- ("runner_up", on): whether such a round also drafts ahead from its runner-up premise (asked
+  only where the tree has one).
 """
 
 from __future__ import annotations
@@ -240,6 +242,10 @@ class Policy:
         """Whether `auto` drafts the next round while this round's tree is verified."""
         return self._decide("pipeline", default, bool)
 
+    def runner_up(self, default: bool) -> bool:
+        """Whether a round that drafts ahead also drafts from the runner-up premise."""
+        return self._decide("runner_up", default, bool)
+
     def _decide(self, kind: str, default, cast, **ctx):
         """`choose`'s answer to a hook, as `cast`, recorded in `decisions` (replays read them)."""
         value = cast(self.choose(kind, default, **ctx))
@@ -310,6 +316,9 @@ class TimedPolicy(Policy):
     def pipeline(self, default):
         return default
 
+    def runner_up(self, default):
+        return default
+
 
 class SeededPolicy(Policy):
     """Seeded random choices: plain or tree rounds, any draft length, any ancestor-closed
@@ -322,6 +331,7 @@ class SeededPolicy(Policy):
         self.rng = random.Random(seed)
         # drawn apart: the other choices of a seed stay what they were before this kind existed
         self.pipe_rng = random.Random(seed + 1)
+        self.runner_rng = random.Random(seed + 2)
         self.p_plain = p_plain
 
     def choose(self, kind, default, **ctx):
@@ -358,6 +368,8 @@ class SeededPolicy(Policy):
             return r.randint(0, ctx["n_max"])
         if kind == "pipeline":
             return self.pipe_rng.random() < 0.5
+        if kind == "runner_up":
+            return self.runner_rng.random() < 0.5
         return default
 
     def describe(self) -> str:

@@ -347,16 +347,17 @@ class DrafterSource:
                                      chain.token_buckets[:j] + (sure_bucket("r", p),), own=j))
         return out
 
-    def pin(self, seq: list[int]) -> None:
+    def pin(self, seq: list[int], uses: int = 1) -> None:
         """Before the verifier's pass that a draft ahead overlaps: a drafter that reads the
         verifier's cache reads its verified positions (those of `seq` but its last) now
-        (`DrafterCaps.ahead`); any other needs nothing."""
+        (`DrafterCaps.ahead`), for its next `uses` drafts (the runner-up premise's too); any
+        other needs nothing."""
         if self.drafter.caps.ahead:
             if self._prompt is not None:
                 self.drafter.begin(self._prompt)
                 self._prompt = None
             self.drafter.sync(list(seq))
-            self.drafter.pin()
+            self.drafter.pin(uses)
 
     def observe(self) -> None:
         """Learn the costs from the last draft call (`last_k` tokens drafted after feeding

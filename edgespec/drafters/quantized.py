@@ -179,17 +179,20 @@ class QuantizedDrafter(ReadsVerifierCache):
         table = rope_table(self.rope, start + n)
         return _numpy(table[0][start : start + n]), _numpy(table[1][start : start + n])
 
-    def pin(self) -> None:
+    def pin(self, uses: int = 1) -> None:
         """Read the verifier cache's verified positions now (the committed sequence synced
-        first), for the next draft, made while the verifier's next pass changes the cache
-        (drafting ahead, `DrafterCaps.ahead`): that draft feeds every token after them, its
-        premise included, into the scratch (SCRATCH positions in all). The pass writes only
-        positions after the pinned ones (its tree, then the accepted path packed in place)."""
-        self._pinned = (self._context(),)  # (None,): unreadable now, so no draft then either
+        first), for the next `uses` drafts, made while the verifier's next pass changes the
+        cache (drafting ahead, `DrafterCaps.ahead`; two: the runner-up premise's too): each
+        feeds every token after them, its premise included, into the scratch (SCRATCH
+        positions in all). The pass writes only positions after the pinned ones (its tree,
+        then the accepted path packed in place)."""
+        self._pinned = (self._context(), max(int(uses), 1))  # (None, n): unreadable now, no draft then
 
     # ------------------------------------------------------------- protocol
     def draft(self, k: int, sampler) -> Draft:
-        pinned, self._pinned = self._pinned, None
+        pinned = self._pinned
+        if pinned is not None:
+            self._pinned = (pinned[0], pinned[1] - 1) if pinned[1] > 1 else None
         got = (pinned[0] if pinned is not None else self._context()) if k >= 1 else None
         if got is None:
             return self._no_draft()
