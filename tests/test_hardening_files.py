@@ -145,7 +145,7 @@ def test_a_self_speculation_skip_set_read_back_is_checked(tmp_path, monkeypatch,
     engine = make_tiny_engine(0)
     loaded = engine.loaded
     n = len(loaded.model.layers)
-    monkeypatch.setattr(self_spec, "weights_sha", lambda _: "ab" * 32)
+    monkeypatch.setattr(self_spec, "model_key", lambda _: "ab" * 32)
     searched = []
     monkeypatch.setattr(self_spec, "search_skip_layers",
                         lambda *a, **k: searched.append(1) or {"keep": list(range(n - 1)), "acceptance": 0.5})

@@ -286,11 +286,29 @@ def test_skip_set_search_shows_progress_once(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     engine = make_tiny_engine(0, num_hidden_layers=4)
-    monkeypatch.setattr(self_spec, "weights_sha", lambda loaded: "ab" * 32)
+    monkeypatch.setattr(self_spec, "model_key", lambda loaded: "ab" * 32)
     first = self_spec.skip_set_for(engine.loaded)
     assert "choosing layers to skip" in capsys.readouterr().err
     again = self_spec.skip_set_for(engine.loaded)
     assert again == json.loads(json.dumps(first)) and "choosing layers to skip" not in capsys.readouterr().err
-    monkeypatch.setattr(self_spec, "weights_sha", lambda loaded: None)  # no cache: searches again, quietly
+    monkeypatch.setattr(self_spec, "model_key", lambda loaded: None)  # no cache: searches again, quietly
     self_spec.skip_set_for(engine.loaded, progress=False)
     assert "choosing layers to skip" not in capsys.readouterr().err
+
+
+def test_a_gguf_read_in_place_has_a_skip_set_key(tmp_path):
+    """A model read from a GGUF (no manifest: the default model as the runtime loads it) is
+    keyed by the file's size and time with its shape, so its skip set is searched once, not
+    at every load; another file, or the same one rewritten, is another key."""
+    from dataclasses import replace
+
+    from edgespec.drafters import self_spec
+
+    loaded = make_tiny_engine(0, num_hidden_layers=4).loaded
+    assert self_spec.model_key(loaded) is None  # built in memory: nothing to key it by
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(60))
+    key = self_spec.model_key(replace(loaded, path=f))
+    assert key is not None and key == self_spec.model_key(replace(loaded, path=f))
+    f.write_bytes(b"GGUF" + bytes(61))
+    assert self_spec.model_key(replace(loaded, path=f)) not in (None, key)

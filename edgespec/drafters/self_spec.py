@@ -29,6 +29,7 @@ from edgespec.errors import DrafterRequiredError
 from edgespec.generate import prefill
 from edgespec.paths import home
 from edgespec.progress import progress_bar
+from edgespec.weights.identity import identity_digest
 
 # Written for the search (not the benchmark prompts): chat, code, summary, translation.
 CALIBRATION_PROMPTS = [
@@ -212,22 +213,23 @@ def search_skip_layers(
 
 
 # ---------------------------------------------------------------------- cache
-def _cache_file(weights_sha: str) -> Path:
-    return home() / "self_spec" / f"{weights_sha[:32]}.json"
+def _cache_file(key: str) -> Path:
+    return home() / "self_spec" / f"{key[:32]}.json"
 
 
-def weights_sha(loaded) -> str | None:
-    files = (getattr(loaded, "manifest", None) or {}).get("files") or {}
-    entry = files.get("model.safetensors")
-    return entry.get("sha256") if isinstance(entry, dict) else None
+def model_key(loaded) -> str | None:
+    """What the skip set is cached by (edgespec.weights.identity): the weights' checksums a
+    bundle's manifest records, else a GGUF's or a folder's sizes and times, with the shape;
+    None for a model built in memory (searched each time)."""
+    return identity_digest(loaded)
 
 
 def skip_set_for(loaded, search: bool = True, progress: bool = True) -> dict | None:
-    """The cached skip set of this model (by weights sha), searching and caching it when missing.
+    """The cached skip set of this model (by `model_key`), searching and caching it when missing.
 
     The search (about a minute for SmolLM2-135M on 2 CPU cores) shows a progress bar on
     stderr unless progress=False."""
-    sha = weights_sha(loaded)
+    sha = model_key(loaded)
     n = len(loaded.model.layers)
     if sha:
         f = _cache_file(sha)
