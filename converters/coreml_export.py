@@ -46,6 +46,19 @@ MAX_CONTEXT = 32767  # coremltools may cast gather indices to int16: positions m
 PACKAGE_FORMAT = 1
 
 
+def package_target(out, force: bool, context_length: int, prefill_chunk: int) -> Path:
+    """`out` as a path, checked before any work: replaceable (with force, only a package
+    edgespec wrote), writable, and a context the package can index (the prefill chunk in it)."""
+    out = Path(out).expanduser()
+    check_replaceable(out, force, label="package")
+    check_writable(out, label="package")
+    if not 1 <= prefill_chunk <= context_length <= MAX_CONTEXT:
+        raise ValueError(
+            f"need 1 <= prefill_chunk ({prefill_chunk}) <= context_length ({context_length}) <= {MAX_CONTEXT}"
+        )
+    return out
+
+
 @contextmanager
 def package_staging(out: Path, force: bool):
     """A work folder beside `out` (so the final rename is atomic), holding the writer's pid;
@@ -218,17 +231,11 @@ def export_drafter(
     and a compression, "agreement" records how often the compressed package's
     greedy token equals the uncompressed drafter's on the held-back sequences.
     """
-    out = Path(out).expanduser()
-    check_replaceable(out, force, label="package")
-    check_writable(out, label="package")
+    out = package_target(out, force, context_length, prefill_chunk)
     compress = compress or "none"
     if compress not in COMPRESS_CHOICES:
         raise ValueError(
             f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}"
-        )
-    if not 1 <= prefill_chunk <= context_length <= MAX_CONTEXT:
-        raise ValueError(
-            f"need 1 <= prefill_chunk ({prefill_chunk}) <= context_length ({context_length}) <= {MAX_CONTEXT}"
         )
     decode_tokens = tuple(sorted(set(decode_tokens) | {1}))
     if any(k < 1 or k > context_length for k in decode_tokens):

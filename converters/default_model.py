@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from edgespec.converters.convert import convert
-from edgespec.paths import held
 
+from edgespec.paths import held
 from edgespec.weights.default_model import default_bundle_dir, default_gguf_path, variant
 
 

@@ -22,10 +22,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from edgespec.converters.coreml_export import (
-    MAX_CONTEXT,
     add_function,
     finish_package,
     package_staging,
+    package_target,
 )
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _rope, rope_tables
 from edgespec.converters.mtp_export import _dense as dense
@@ -35,7 +35,6 @@ from mlx.utils import tree_flatten
 
 from edgespec.drafters.dflash import CONFIG, DFLASH_PACKAGE, check_args
 from edgespec.errors import ModelLoadError
-from edgespec.safe_write import check_replaceable, check_writable
 from edgespec.weights.formats.hf import read_safetensors
 from edgespec.weights.loader import load_model_folder
 
@@ -281,12 +280,7 @@ def export_dflash(model, verifier, out: str | Path, context_length: int = 1024, 
     """Write `out` (.mlpackage) atomically from a models.dflash.Model paired with `verifier`; its info.
 
     Functions `feed_S`, S in FEED_SIZES and `prefill_chunk`: S new context rows, then the block."""
-    out = Path(out).expanduser()
-    check_replaceable(out, force, label="package")
-    check_writable(out, label="package")
-    if not 1 <= prefill_chunk <= context_length <= MAX_CONTEXT:
-        raise ValueError(f"need 1 <= prefill_chunk ({prefill_chunk}) <= context_length ({context_length}) "
-                         f"<= {MAX_CONTEXT}")
+    out = package_target(out, force, context_length, prefill_chunk)
     args = model.args
     check_exportable(args)
     weights = prepare_weights(model, verifier)

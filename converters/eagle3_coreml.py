@@ -38,10 +38,10 @@ import numpy as np
 from edgespec.converters.coreml_compress import compress_linear
 from edgespec.converters.coreml_export import (
     COMPRESS_CHOICES,
-    MAX_CONTEXT,
     add_function,
     finish_package,
     package_staging,
+    package_target,
 )
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _rope, rope_tables
 from edgespec.converters.mtp_export import _dense, _head_norm
@@ -49,7 +49,6 @@ from edgespec.models.base import LongRoPE
 
 from edgespec.drafters.eagle3_coreml import EAGLE3_PACKAGE, FEED_SIZES
 from edgespec.errors import ModelLoadError
-from edgespec.safe_write import check_replaceable, check_writable
 
 PACKAGE_FORMAT = 1
 
@@ -222,12 +221,7 @@ def export_eagle3(model, out: str | Path, context_length: int = 1024, prefill_ch
     committed sequence and the chain fit); feed sizes: FEED_SIZES and `prefill_chunk`. compress: fc
     and the layers' projections packed as converters/coreml_compress.py does (plain rounding);
     lm_head and the norms stay fp16."""
-    out = Path(out).expanduser()
-    check_replaceable(out, force, label="package")
-    check_writable(out, label="package")
-    if not 1 <= prefill_chunk <= context_length <= MAX_CONTEXT:
-        raise ValueError(f"need 1 <= prefill_chunk ({prefill_chunk}) <= context_length ({context_length}) "
-                         f"<= {MAX_CONTEXT}")
+    out = package_target(out, force, context_length, prefill_chunk)
     if compress not in COMPRESS_CHOICES:
         raise ValueError(f"--drafter-compress must be one of {', '.join(COMPRESS_CHOICES)}, got {compress!r}")
     check_exportable(model)

@@ -32,15 +32,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from edgespec.converters.coreml_export import (
-    MAX_CONTEXT,
     add_function,
     finish_package,
     package_staging,
+    package_target,
 )
 from edgespec.converters.coreml_program import MASK_VALUE, _linear, _rms_norm, _rope, rope_tables
 
 from edgespec.errors import ModelLoadError
-from edgespec.safe_write import check_replaceable, check_writable
 from edgespec.weights.loader import load_model_folder
 
 KIND = "mtp"
@@ -222,12 +221,7 @@ def export_mtp(model, out: str | Path, context_length: int = 1024, prefill_chunk
                decode_tokens: tuple[int, ...] = (1, 2, 3, 4, 5), vocab_hash: str | None = None,
                force: bool = False) -> dict[str, Any]:
     """Write `out` (.mlpackage) atomically from the verifier `model`'s MTP head; returns its info."""
-    out = Path(out).expanduser()
-    check_replaceable(out, force, label="package")
-    check_writable(out, label="package")
-    if not 1 <= prefill_chunk <= context_length <= MAX_CONTEXT:
-        raise ValueError(f"need 1 <= prefill_chunk ({prefill_chunk}) <= context_length ({context_length}) "
-                         f"<= {MAX_CONTEXT}")
+    out = package_target(out, force, context_length, prefill_chunk)
     if any(k < 1 or k > context_length for k in decode_tokens):
         raise ValueError(f"decode token counts must be in 1..{context_length}, got {decode_tokens}")
     shape = head_shape(model, context_length)
