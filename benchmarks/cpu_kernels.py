@@ -41,9 +41,12 @@ On the default model's bundle (or --model), CPU device:
   each way and the median of the paired differences.
 - align: verifier passes of T = 1, 2, 4, 8 tokens at 150 keys with the CBLAS shim's copy of
   misaligned activation rows (cblas_skinny.h) on and off, measured as base2's.
+- int8: the int8 drafter's steps with int16 activations (vpmaddwd on AVX2, vpdpwssd on AVX-512
+  VNNI) against the float products, two builds of edgespec/kernels/cpu_q8.c alternating in one
+  process: median ms a drafted token, and the drafted tokens that differ.
 
 `--only NAME[,NAME]` runs some of them (activation, linear, attention, softmax, shapes,
-arena, joint, weights, bound, base2, align).
+arena, joint, weights, bound, base2, align, int8).
 """
 
 from __future__ import annotations
@@ -475,12 +478,53 @@ def aligned_rows(engine, reps: int) -> None:
     _alternating_passes(engine, reps, "aligned rows", lambda on: switch(int(on)))
 
 
+def int8_products(engine, reps: int, k: int = 4, prompt_len: int = 150) -> None:
+    """The int8 drafter's steps with int16 activations (the library as built where the CPU has
+    AVX2 or AVX-512 VNNI) against the float products it replaces (built with -DEDGESPEC_Q8_FLOAT),
+    the two libraries in one process, alternating draft by draft: median ms a drafted token, and
+    how many of the drafted tokens differ between the two (drafts only: the output is the
+    verifier's either way)."""
+    from edgespec.drafters.quantized import QuantizedDrafter
+    from edgespec.kernels import q8
+    from edgespec.logits.sampling import Sampler, SamplingParams
+
+    libs = {"int16": q8.load_library(), "float": q8.load_library(("-DEDGESPEC_Q8_FLOAT",))}
+    d = QuantizedDrafter.load(engine)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 20000) for _ in range(prompt_len)]
+    cache = engine.model.make_cache()
+    mx.eval(prefill(engine.model, cache, prompt))
+    d.bind_verifier_cache(cache)
+    sampler = Sampler(SamplingParams())
+    times: dict = {name: [] for name in libs}
+    drafts: dict = {name: [] for name in libs}
+    original = q8.library
+    try:
+        for rep in range(max(reps, 1) * 8):
+            order = list(libs) if rep % 2 == 0 else list(libs)[::-1]
+            for name in order:
+                q8.library = lambda lib=libs[name]: lib
+                d.sync(prompt + [prompt[rep % prompt_len]])
+                t0 = time.perf_counter()
+                out = d.draft(k, sampler)
+                times[name].append((time.perf_counter() - t0) / k)
+                drafts[name].append(list(out.tokens))
+    finally:
+        q8.library = original
+    differ = sum(a != b for x, y in zip(drafts["int16"], drafts["float"], strict=True) for a, b in zip(x, y, strict=False))
+    total = sum(len(x) for x in drafts["int16"])
+    med = {n: 1000 * statistics.median(t) for n, t in times.items()}
+    print(f"int8 drafter, {k} tokens a draft after {prompt_len} cached positions, median ms a token: "
+          f"int16 activations {med['int16']:.2f}, float products {med['float']:.2f} "
+          f"(float / int16 {med['float'] / med['int16']:.2f}); drafted tokens that differ: {differ} of {total}")
+
+
 SECTIONS = {"activation": lambda e, r: activation(e.model, r), "linear": lambda e, r: linear(e.model, r),
             "attention": lambda e, r: attention(r), "softmax": lambda e, r: softmax(r), "shapes": batch_shapes,
             "arena": arena_rows,
             "joint": lambda e, r: joint_choice(r), "weights": lambda e, r: weights(e.model, r),
             "bound": lambda e, r: prefill_bound(e.model, r), "base2": base2_passes,
-            "align": aligned_rows}
+            "align": aligned_rows, "int8": int8_products}
 
 
 def main(argv=None) -> int:

@@ -196,20 +196,26 @@ def threads() -> int:
 def library():
     """The built and checked library (its `edgespec_q8_forward`), or None (one warning)."""
     try:
-        path = native.build(source=SOURCE, stem="libedgespec_q8", extra_flags=("-lm", "-pthread"))
-        lib = ctypes.CDLL(str(path))
-        fwd = lib.edgespec_q8_forward
-        fwd.restype = ctypes.c_int
-        fwd.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
-                        + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
-        lib.edgespec_q8_threads.restype = ctypes.c_int
-        lib.edgespec_q8_threads.argtypes = [ctypes.c_int]
-        lib.edgespec_q8_threads(threads())
-        _check(lib)
-        return lib
+        return load_library()
     except (native.NativeBuildError, OSError, subprocess.SubprocessError, RuntimeError) as e:
         warnings.warn(f"edgespec: the int8 drafting kernel is unavailable ({e})", RuntimeWarning, stacklevel=2)
         return None
+
+
+def load_library(defines: tuple[str, ...] = ()):
+    """Build (once per source and flags), load and check the library; `defines`: extra -D flags
+    (benchmarks: "-DEDGESPEC_Q8_FLOAT" keeps the float products where int16 ones would run)."""
+    path = native.build(source=SOURCE, stem="libedgespec_q8", extra_flags=("-lm", "-pthread", *defines))
+    lib = ctypes.CDLL(str(path))
+    fwd = lib.edgespec_q8_forward
+    fwd.restype = ctypes.c_int
+    fwd.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+                    + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
+    lib.edgespec_q8_threads.restype = ctypes.c_int
+    lib.edgespec_q8_threads.argtypes = [ctypes.c_int]
+    lib.edgespec_q8_threads(threads())
+    _check(lib)
+    return lib
 
 
 def random_model(seed: int = 0, traditional: bool = False, rot: int | None = None) -> Q8Model:
