@@ -169,75 +169,47 @@ static inline int32_t dot16_tail(const int8_t *row, const int16_t *xq, int64_t b
     return s;
 }
 
+/* One q16_rows for both instruction sets: QSTEP int16 lanes a step, an accumulator of int32 sums. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define VROW(r) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((r) + i)))
-
-static void q16_rows(const int8_t *w, const float *scale, int64_t in, int64_t o0, int64_t o1, const int16_t *xq,
-                     const float *sx, int64_t T, float *y, int64_t ldy, int add) {
-    const int64_t body = in - in % 32;
-    if (T == 1) { /* four rows at once: four independent sums in flight */
-        for (; o0 + 4 <= o1; o0 += 4) {
-            const int8_t *r0 = w + o0 * in, *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
-            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t i = 0; i < body; i += 32) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + i));
-                a0 = _mm512_dpwssd_epi32(a0, VROW(r0), xv);
-                a1 = _mm512_dpwssd_epi32(a1, VROW(r1), xv);
-                a2 = _mm512_dpwssd_epi32(a2, VROW(r2), xv);
-                a3 = _mm512_dpwssd_epi32(a3, VROW(r3), xv);
-            }
-            const int32_t t4[4] = {_mm512_reduce_add_epi32(a0) + dot16_tail(r0, xq, body, in),
-                                   _mm512_reduce_add_epi32(a1) + dot16_tail(r1, xq, body, in),
-                                   _mm512_reduce_add_epi32(a2) + dot16_tail(r2, xq, body, in),
-                                   _mm512_reduce_add_epi32(a3) + dot16_tail(r3, xq, body, in)};
-            for (int r = 0; r < 4; r++) {
-                const float v = scale[o0 + r] * sx[0] * (float)t4[r];
-                y[o0 + r] = add ? y[o0 + r] + v : v;
-            }
-        }
-    }
-    for (int64_t o = o0; o < o1; o++) {
-        const int8_t *row = w + o * in;
-        for (int64_t t = 0; t < T; t++) {
-            const int16_t *xt = xq + t * in;
-            __m512i acc = _mm512_setzero_si512();
-            for (int64_t i = 0; i < body; i += 32)
-                acc = _mm512_dpwssd_epi32(acc, VROW(row), _mm512_loadu_si512((const void *)(xt + i)));
-            const float v = scale[o] * sx[t] * (float)(_mm512_reduce_add_epi32(acc) + dot16_tail(row, xt, body, in));
-            float *dst = y + t * ldy + o;
-            *dst = add ? *dst + v : v;
-        }
-    }
-}
+#define QSTEP 32
+typedef __m512i qacc;
+#define QZERO() _mm512_setzero_si512()
+#define QLOADX(p) _mm512_loadu_si512((const void *)(p))
+#define QROW(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define QMADD(acc, w, x) _mm512_dpwssd_epi32((acc), (w), (x))
+#define QSUM(v) _mm512_reduce_add_epi32(v)
 #else /* AVX2 */
-#define VROW(r) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((r) + i)))
-#define MADD(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (x)))
+#define QSTEP 16
+typedef __m256i qacc;
+#define QZERO() _mm256_setzero_si256()
+#define QLOADX(p) _mm256_loadu_si256((const __m256i *)(p))
+#define QROW(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define QMADD(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (x)))
 
-static inline int32_t hsum8_epi32(__m256i v) {
+static inline int32_t QSUM(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
+#endif
 
 static void q16_rows(const int8_t *w, const float *scale, int64_t in, int64_t o0, int64_t o1, const int16_t *xq,
                      const float *sx, int64_t T, float *y, int64_t ldy, int add) {
-    const int64_t body = in - in % 16;
+    const int64_t body = in - in % QSTEP;
     if (T == 1) { /* four rows at once: four independent sums in flight */
         for (; o0 + 4 <= o1; o0 += 4) {
             const int8_t *r0 = w + o0 * in, *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
-            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t i = 0; i < body; i += 16) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i));
-                a0 = MADD(a0, VROW(r0), xv);
-                a1 = MADD(a1, VROW(r1), xv);
-                a2 = MADD(a2, VROW(r2), xv);
-                a3 = MADD(a3, VROW(r3), xv);
+            qacc a0 = QZERO(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < body; i += QSTEP) {
+                const qacc xv = QLOADX(xq + i);
+                a0 = QMADD(a0, QROW(r0 + i), xv);
+                a1 = QMADD(a1, QROW(r1 + i), xv);
+                a2 = QMADD(a2, QROW(r2 + i), xv);
+                a3 = QMADD(a3, QROW(r3 + i), xv);
             }
-            const int32_t t4[4] = {hsum8_epi32(a0) + dot16_tail(r0, xq, body, in),
-                                   hsum8_epi32(a1) + dot16_tail(r1, xq, body, in),
-                                   hsum8_epi32(a2) + dot16_tail(r2, xq, body, in),
-                                   hsum8_epi32(a3) + dot16_tail(r3, xq, body, in)};
+            const int32_t t4[4] = {QSUM(a0) + dot16_tail(r0, xq, body, in), QSUM(a1) + dot16_tail(r1, xq, body, in),
+                                   QSUM(a2) + dot16_tail(r2, xq, body, in), QSUM(a3) + dot16_tail(r3, xq, body, in)};
             for (int r = 0; r < 4; r++) {
                 const float v = scale[o0 + r] * sx[0] * (float)t4[r];
                 y[o0 + r] = add ? y[o0 + r] + v : v;
@@ -248,16 +220,14 @@ static void q16_rows(const int8_t *w, const float *scale, int64_t in, int64_t o0
         const int8_t *row = w + o * in;
         for (int64_t t = 0; t < T; t++) {
             const int16_t *xt = xq + t * in;
-            __m256i acc = _mm256_setzero_si256();
-            for (int64_t i = 0; i < body; i += 16)
-                acc = MADD(acc, VROW(row), _mm256_loadu_si256((const __m256i *)(xt + i)));
-            const float v = scale[o] * sx[t] * (float)(hsum8_epi32(acc) + dot16_tail(row, xt, body, in));
+            qacc acc = QZERO();
+            for (int64_t i = 0; i < body; i += QSTEP) acc = QMADD(acc, QROW(row + i), QLOADX(xt + i));
+            const float v = scale[o] * sx[t] * (float)(QSUM(acc) + dot16_tail(row, xt, body, in));
             float *dst = y + t * ldy + o;
             *dst = add ? *dst + v : v;
         }
     }
 }
-#endif
 #endif
 
 /* ------------------------------------------------------------------ worker threads */
